@@ -1,0 +1,19 @@
+"""traceable_hsdp: torch.compile-first FSDP and HSDP.
+
+A drop-in for ``torch.distributed.fsdp``: ``from traceable_hsdp import fully_shard``.
+"""
+
+from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._compile import compiled_autograd, disable_compiled_autograd, enable_compiled_autograd
+from ._fully_shard import FSDPModule, fully_shard
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "enable_compiled_autograd",
+    "disable_compiled_autograd",
+    "compiled_autograd",
+]

@@ -1,0 +1,76 @@
+"""Shared enums and mesh information."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class TrainingState(Enum):
+    """What a fully_shard unit is doing now."""
+
+    IDLE = auto()
+    """Outside forward and backward."""
+    FORWARD = auto()
+    """Between the unit's pre-forward and post-forward."""
+    PRE_BACKWARD = auto()
+    """The unit's parameters were re-gathered for its backward."""
+    POST_BACKWARD = auto()
+    """Every gradient of the unit was reduce-scattered."""
+
+
+class ShardedState(Enum):
+    """Which tensors of a parameter hold its data."""
+
+    SHARDED = auto()
+    """Only the sharded DTensor has data; the unsharded placeholder's storage is 0 bytes
+    and the module holds the sharded parameter."""
+    UNSHARDED = auto()
+    """The placeholder's storage is full and holds the gathered parameter; the module
+    holds the placeholder."""
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """Where a unit shards and replicates.
+
+    A 1-D mesh is FSDP: ``shard_mesh_dim == 0`` and no replicate dim. A 2-D mesh is HSDP:
+    dim 0 replicates, dim 1 shards.
+    """
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int
+    replicate_mesh_dim: int | None
+
+    @property
+    def shard_group_name(self) -> str:
+        return self.mesh.get_group(self.shard_mesh_dim).group_name
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_mesh_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_mesh_dim)
+
+    @property
+    def replicate_group_name(self) -> str | None:
+        if self.replicate_mesh_dim is None:
+            return None
+        return self.mesh.get_group(self.replicate_mesh_dim).group_name
+
+    @property
+    def replicate_size(self) -> int:
+        if self.replicate_mesh_dim is None:
+            return 1
+        return self.mesh.size(self.replicate_mesh_dim)
+
+    @property
+    def device(self) -> torch.device:
+        if self.mesh.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.mesh.device_type, torch.accelerator.current_device_index())

@@ -1,0 +1,341 @@
+"""``fully_shard`` and the ``FSDPModule`` mixin."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+
+from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._common import MeshInfo
+from ._param import FSDPParam, ParamModuleInfo
+from ._param_group import FSDPParamGroup
+from ._state import FSDPState
+
+__all__ = ["fully_shard", "FSDPModule"]
+
+_STATE_ATTR = "_traceable_hsdp_state"
+
+
+def _get_state(module: nn.Module) -> FSDPState | None:
+    return module.__dict__.get(_STATE_ATTR)
+
+
+class FSDPModule:
+    """Mixin added to the class of every module passed to :func:`fully_shard`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Index 0 is the FSDP class itself, index 1 the mixin, index 2 the original.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gathers this unit's parameters into their unsharded placeholders and
+        registers those on the module, as before its forward.
+
+        Args:
+            async_op: must be ``False`` here; asynchronous unshard handles come with
+                explicit prefetching.
+
+        Raises:
+            NotImplementedError: ``async_op=True``.
+        """
+        if async_op:
+            raise NotImplementedError(
+                "unshard(async_op=True) is not supported yet; call unshard() and the "
+                "parameters are gathered before it returns."
+            )
+        state = _require_state(self)
+        if state.param_group is not None:
+            state.param_group.unshard()
+
+    def reshard(self) -> None:
+        """Frees this unit's unsharded parameters and registers the sharded ones."""
+        state = _require_state(self)
+        if state.param_group is not None:
+            state.param_group.reshard()
+
+
+def _require_state(module: Any) -> FSDPState:
+    state = _get_state(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
+    return state
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard(mesh=None) builds a mesh over the default process group, and "
+            "none is initialized. Call torch.distributed.init_process_group() first "
+            "(torchrun sets the environment for it) or pass mesh=."
+        )
+    backend = dist.get_backend()
+    use_cuda = torch.cuda.is_available() and "nccl" in str(backend)
+    device_type = "cuda" if use_cuda else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            "fully_shard(mesh=...) expects a torch.distributed.device_mesh.DeviceMesh, got "
+            f"{type(mesh).__name__}. Build one with init_device_mesh(device_type, (world,)) "
+            "for FSDP or (replicate, shard) for HSDP."
+        )
+    if mesh.ndim == 1:
+        return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
+    if mesh.ndim == 2:
+        return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    raise ValueError(
+        f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP, "
+        f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice it, e.g. "
+        "mesh['dp_replicate', 'dp_shard']."
+    )
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def _managed_params(
+    module: nn.Module, ignored: set[nn.Parameter]
+) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]]:
+    """Parameters of ``module``'s subtree not owned by a nested unit nor ignored, in
+    registration order, with every place each is registered."""
+    owned_elsewhere: set[int] = set()
+    for sub in module.modules():
+        if sub is not module and _get_state(sub) is not None:
+            for p in sub.parameters():
+                owned_elsewhere.add(id(p))
+    order: list[nn.Parameter] = []
+    where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in list(sub._parameters.items()):
+            if p is None or id(p) in owned_elsewhere or p in ignored:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            if p not in where:
+                order.append(p)
+                where[p] = []
+            if all(info.module is not sub or info.param_name != pname for _, info in where[p]):
+                where[p].append((fqn, ParamModuleInfo(sub, pname)))
+    return order, where
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = True,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shards ``module``'s parameters over ``mesh`` and makes its forward and backward
+    gather and reduce them, eagerly or inside ``torch.compile`` graphs.
+
+    A drop-in for ``torch.distributed.fsdp.fully_shard``: call it on each block, then
+    on the root. The module's class is extended with :class:`FSDPModule`; its
+    parameters become ``DTensor``s sharded on dim 0 (uneven sizes are padded in the
+    collectives).
+
+    Args:
+        module: a module, or a list of modules sharded together as one unit.
+        mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D one (replicate, shard) for HSDP.
+            Default ``None``: a 1-D mesh over the default process group.
+        reshard_after_forward: free the unsharded parameters after forward and
+            re-gather them for backward (default ``True``). ``False`` keeps them from
+            forward to backward. ``None`` means ``True``.
+        shard_placement_fn: must be ``None`` or return ``None`` / ``Shard(0)`` for every
+            parameter (other dims come with the feature-breadth work).
+        mp_policy: only the default ``MixedPrecisionPolicy()`` is supported so far.
+        offload_policy: only the default ``OffloadPolicy()`` is supported so far.
+        ignored_params: parameters left alone (neither sharded nor reduced).
+
+    Returns:
+        The same module (or list), its class now a subclass of ``FSDPModule``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` (or list of them), or ``mesh``
+            is not a ``DeviceMesh``.
+        ValueError: a mesh of 3 or more dims; a parameter on another device than the
+            mesh's; meta parameters; a 0-dim parameter; unsupported option values.
+    """
+    modules = _check_modules(module)
+    mesh = _default_mesh() if mesh is None else mesh
+    mesh_info = _mesh_info(mesh)
+    device = _mesh_device(mesh)
+    raf = _check_reshard_after_forward(reshard_after_forward)
+    _check_unsupported_options(shard_placement_fn, mp_policy, offload_policy, modules)
+    ignored = _check_ignored(ignored_params)
+
+    # A list is one unit: its params are managed by the first module's state.
+    owner = modules[0]
+    order: list[nn.Parameter] = []
+    where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]] = {}
+    for m in modules:
+        o, w = _managed_params(m, ignored)
+        for p in o:
+            if p not in where:
+                order.append(p)
+                where[p] = []
+            where[p].extend(w[p])
+    for p in order:
+        fqn = where[p][0][0]
+        if p.is_meta:
+            raise ValueError(
+                f"Parameter {fqn!r} is on the meta device. fully_shard shards real data: "
+                "materialize it first, e.g. module.to_empty(device=...) then initialize "
+                "its values, and call fully_shard after."
+            )
+        if p.device != device:
+            raise ValueError(
+                f"Parameter {fqn!r} is on {p.device} but the mesh is on {device}. Move "
+                f"the module first (module.to({device})) or build the mesh on {p.device.type}."
+            )
+        if isinstance(p, torch.distributed.tensor.DTensor):
+            raise ValueError(
+                f"Parameter {fqn!r} is already a DTensor; composing fully_shard with "
+                "tensor parallelism is not supported."
+            )
+    fsdp_params = [
+        FSDPParam(p, where[p][0][0], [info for _, info in where[p]], mesh_info)
+        for p in order
+    ]
+    label = type(owner).__name__
+    group = FSDPParamGroup(fsdp_params, mesh_info, label) if fsdp_params else None
+    state = FSDPState(owner, group, raf)
+    owner.__dict__[_STATE_ATTR] = state
+    for m in modules[1:]:
+        m.__dict__[_STATE_ATTR] = state
+
+    # The new unit is root of its subtree: nested units stop being roots.
+    nested: list[FSDPState] = []
+    for m in modules:
+        for sub in m.modules():
+            s = _get_state(sub)
+            if s is not None and s is not state and s not in nested:
+                s.is_root = False
+                nested.append(s)
+    state.states = [*nested, state]
+
+    for m in modules:
+        _add_fsdp_class(m)
+    # See [Note: Saved views of the placeholder].
+    torch._functorch.config.recompute_views = True
+    return module
+
+
+# [Note: Saved views of the placeholder]
+# AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward
+# (e.g. the transpose a linear's input-gradient needs) and compute it at the end of
+# the forward graph, after the placeholder was resized to 0 bytes. Eagerly executed
+# (aot_eager) that view fails its storage-bounds check; compiled, it is only correct
+# by accident of aliasing. ``torch._functorch.config.recompute_views = True`` makes
+# the partitioner recompute views in the backward from the placeholder itself, after
+# the re-gather. fully_shard turns it on (it is a global config, read when a graph is
+# partitioned) and docs/compile.md says so.
+
+
+def _add_fsdp_class(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = new_cls
+
+
+def _check_modules(module: Any) -> list[nn.Module]:
+    mods = list(module) if isinstance(module, (list, tuple)) else [module]
+    for m in mods:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}."
+            )
+        if _get_state(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once "
+                "per module."
+            )
+    if not mods:
+        raise ValueError("fully_shard got an empty list of modules.")
+    return mods
+
+
+def _check_reshard_after_forward(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        raise NotImplementedError(
+            f"reshard_after_forward={value} (reshard to a smaller world) is not supported "
+            "yet; pass True or False."
+        )
+    raise TypeError(
+        f"reshard_after_forward must be a bool or int, got {type(value).__name__}."
+    )
+
+
+def _check_unsupported_options(
+    shard_placement_fn: Any, mp_policy: Any, offload_policy: Any, modules: list[nn.Module]
+) -> None:
+    if shard_placement_fn is not None:
+        if not callable(shard_placement_fn):
+            raise TypeError("shard_placement_fn must be callable or None.")
+        for m in modules:
+            for name, p in m.named_parameters():
+                placement = shard_placement_fn(p)
+                if placement is not None and placement != Shard(0):
+                    raise NotImplementedError(
+                        f"shard_placement_fn returned {placement} for {name!r}; only "
+                        "Shard(0) (or None) is supported so far."
+                    )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a traceable_hsdp.MixedPrecisionPolicy, got "
+            f"{type(mp_policy).__name__}."
+        )
+    if mp_policy != MixedPrecisionPolicy():
+        raise NotImplementedError(
+            f"{mp_policy} is not supported yet; only MixedPrecisionPolicy() (full precision)."
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be a traceable_hsdp.OffloadPolicy, got "
+            f"{type(offload_policy).__name__}."
+        )
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"{offload_policy} is not supported yet; only OffloadPolicy() (no offload)."
+        )
+
+
+def _check_ignored(ignored_params: Any) -> set[nn.Parameter]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
+        raise TypeError(
+            f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}."
+        )
+    for p in ignored_params:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params holds a {type(p).__name__}, not an nn.Parameter.")
+    return set(ignored_params)

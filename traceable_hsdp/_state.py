@@ -1,0 +1,175 @@
+"""Per-module state and the hooks that drive the lifecycle.
+
+[Note: Hooks and compiled autograd]
+The same hooks run eagerly and under ``torch.compile``:
+
+- pre-forward (module forward pre-hook): all-gather the unit's parameters into the
+  placeholders and register the placeholders on the module;
+- post-forward (module forward hook): reshard when ``reshard_after_forward``, and
+  register a tensor hook on every output that requires grad. The hook re-gathers the
+  unit before its backward and returns the gradient it was given (a hook that
+  returns ``None`` breaks compiled autograd, and an ``autograd.Function`` trigger
+  fails under it);
+- post-accumulate-grad hook on each placeholder: reduce-scatter the gradient into
+  the sharded parameter's ``.grad``, drop the placeholder's gradient, free it;
+- finishing: a group finishes (frees whatever is still gathered, goes idle) when its
+  last gradient is reduced. Eagerly, the root also queues a callback on the autograd
+  engine that finishes every unit, for units some of whose parameters got no
+  gradient. Compiled autograd accepts ``queue_callback`` only when the backward is
+  compiled with ``fullgraph=True``, which torch's recommended entry
+  (``compiled_autograd = True`` around a default ``torch.compile``) is not, so in a
+  compiled backward the root's next pre-forward finishes such units instead.
+
+Compiled, the forward's hooks trace into the forward graph; the backward's hooks are
+traced by compiled autograd into the backward graph. That needs compiled autograd to
+be on when the forward is traced, so that dynamo defers the output hooks to the
+backward (through a ``BackwardState``). Without it, AOTAutograd traces the hook into
+its own joint graph and its partitioner may move the re-gather into the forward: the
+numbers come out wrong with no error. ``_check_compile_mode`` therefore refuses to
+trace a forward that needs a backward unless compiled autograd is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._dynamo import compiled_autograd
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from ._common import TrainingState
+from ._param_group import FSDPParamGroup
+
+COMPILE_FIX = (
+    "traceable_hsdp: this forward is being compiled while compiled autograd is off, so "
+    "its backward (re-gathers and reduce-scatters) could not be captured and would be "
+    "silently wrong; it is refused. Fix: call `traceable_hsdp.enable_compiled_autograd()` "
+    "once before the training loop, or set `torch._dynamo.config.compiled_autograd = "
+    "True` before `torch.compile` and compile the whole step (forward, loss, backward). "
+    "Forwards under torch.no_grad() need neither. See docs/compile.md."
+)
+
+
+@torch._dynamo.disable(reason=COMPILE_FIX)
+def _refuse_compile_without_compiled_autograd() -> None:
+    # Disabled for dynamo: reached from a trace, it is a graph break whose message is
+    # COMPILE_FIX (fullgraph=True), or it runs eagerly and raises it (fullgraph=False).
+    raise RuntimeError(COMPILE_FIX)
+
+
+def _check_compile_mode(needs_backward: bool) -> None:
+    # See [Note: Why compiled autograd] in _compile.py.
+    if (
+        needs_backward
+        and torch.compiler.is_compiling()
+        and not compiled_autograd.compiled_autograd_enabled
+    ):
+        _refuse_compile_without_compiled_autograd()
+
+
+def _queue_final_callback(callback: Callable[[], None]) -> None:
+    """Queues ``callback`` to run after the current backward, eagerly only.
+    See [Note: Hooks and compiled autograd]."""
+    if not torch.compiler.is_compiling():
+        Variable._execution_engine.queue_callback(callback)
+
+
+class FSDPState:
+    """The fully_shard state of one module (one unit)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        param_group: FSDPParamGroup | None,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.module = module
+        self.param_group = param_group
+        self.reshard_after_forward = reshard_after_forward
+        self.is_root = True
+        # For the root: every state in its subtree, itself included, in module order.
+        self.states: list[FSDPState] = [self]
+        self.training_state = TrainingState.IDLE
+        self._final_callback_queued = False
+        self._hook_handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, prepend=False),
+        ]
+        if param_group is not None:
+            for fp in param_group.fsdp_params:
+                if fp.unsharded_param.requires_grad:
+                    fp.unsharded_param.register_post_accumulate_grad_hook(
+                        self._make_post_acc_hook(param_group, fp)
+                    )
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.is_root:
+            self._root_pre_forward()
+        self.training_state = TrainingState.FORWARD
+        if self.param_group is not None:
+            self.param_group.training_state = TrainingState.FORWARD
+            self.param_group.unshard()
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        needs_backward = torch.is_grad_enabled() and any(
+            s.param_group is not None
+            and any(fp.sharded_param.requires_grad for fp in s.param_group.fsdp_params)
+            for s in self.states
+        )
+        _check_compile_mode(needs_backward)
+        # A compiled backward queues no final callback: finish what it left here.
+        # See [Note: Hooks and compiled autograd].
+        for state in self.states:
+            if state.training_state is TrainingState.PRE_BACKWARD:
+                if state.param_group is not None:
+                    state.param_group.finish_backward()
+                state.training_state = TrainingState.IDLE
+        self._final_callback_queued = False
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        pg = self.param_group
+        if pg is not None:
+            if self.reshard_after_forward:
+                pg.reshard()
+            pg.training_state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            flat, _ = tree_flatten(output)
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    # ----------------------------------------------------------------- backward
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        # Runs once per output tensor; every step below is idempotent.
+        if self.is_root and not self._final_callback_queued:
+            self._final_callback_queued = True
+            _queue_final_callback(self._root_post_backward_final)
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            self.training_state = TrainingState.PRE_BACKWARD
+            if self.param_group is not None:
+                self.param_group.pre_backward()
+        return grad
+
+    def _make_post_acc_hook(
+        self, pg: FSDPParamGroup, fp: Any
+    ) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            pg.post_accumulate_grad(fp)
+
+        return hook
+
+    def _root_post_backward_final(self) -> None:
+        for state in self.states:
+            if state.param_group is not None:
+                state.param_group.finish_backward()
+            state.training_state = TrainingState.IDLE
+        self._final_callback_queued = False
