@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -258,7 +259,14 @@ def _add_fsdp_class(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
         return
-    new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    orig_forward = cls.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # See [Note: Forward wrapper, not module hooks].
+        state = _require_state(self)
+        return state.forward(functools.partial(orig_forward, self), args, kwargs)
+
+    new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"forward": forward})
     module.__class__ = new_cls
 
 

@@ -3,9 +3,9 @@
 [Note: Hooks and compiled autograd]
 The same hooks run eagerly and under ``torch.compile``:
 
-- pre-forward (module forward pre-hook): all-gather the unit's parameters into the
+- pre-forward: all-gather the unit's parameters into the
   placeholders and register the placeholders on the module;
-- post-forward (module forward hook): reshard when ``reshard_after_forward``, and
+- post-forward: reshard when ``reshard_after_forward``, and
   register a tensor hook on every output that requires grad. The hook re-gathers the
   unit before its backward and returns the gradient it was given (a hook that
   returns ``None`` breaks compiled autograd, and an ``autograd.Function`` trigger
@@ -77,6 +77,14 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
         Variable._execution_engine.queue_callback(callback)
 
 
+# [Note: Forward wrapper, not module hooks]
+# Pre- and post-forward run inside the ``forward`` of the generated ``FSDP<Class>``
+# rather than as module hooks. ``torch.compile(module)`` calls the top module's hooks
+# outside dynamo and only picks up frames inside them, so hooks on the root would
+# compile as two extra graphs (root gathers, root reshard) around the forward graph;
+# inside ``forward`` they trace into one graph with everything else.
+
+
 class FSDPState:
     """The fully_shard state of one module (one unit)."""
 
@@ -94,10 +102,6 @@ class FSDPState:
         self.states: list[FSDPState] = [self]
         self.training_state = TrainingState.IDLE
         self._final_callback_queued = False
-        self._hook_handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, prepend=False),
-        ]
         if param_group is not None:
             for fp in param_group.fsdp_params:
                 if fp.unsharded_param.requires_grad:
@@ -106,8 +110,15 @@ class FSDPState:
                     )
 
     # ------------------------------------------------------------------ forward
+    def forward(self, orig_forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs the unit's forward between its pre- and post-forward.
+        See [Note: Forward wrapper, not module hooks]."""
+        args, kwargs = self._pre_forward(args, kwargs)
+        output = orig_forward(*args, **kwargs)
+        return self._post_forward(output)
+
     def _pre_forward(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.is_root:
             self._root_pre_forward()
@@ -133,7 +144,7 @@ class FSDPState:
                 state.training_state = TrainingState.IDLE
         self._final_callback_queued = False
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def _post_forward(self, output: Any) -> Any:
         pg = self.param_group
         if pg is not None:
             if self.reshard_after_forward:
@@ -153,10 +164,14 @@ class FSDPState:
         if self.is_root and not self._final_callback_queued:
             self._final_callback_queued = True
             _queue_final_callback(self._root_post_backward_final)
-        if self.training_state is not TrainingState.PRE_BACKWARD:
+        pg = self.param_group
+        if (
+            pg is not None
+            and pg.training_state is not TrainingState.PRE_BACKWARD
+            and self.training_state is not TrainingState.PRE_BACKWARD
+        ):
             self.training_state = TrainingState.PRE_BACKWARD
-            if self.param_group is not None:
-                self.param_group.pre_backward()
+            pg.pre_backward()
         return grad
 
     def _make_post_acc_hook(
@@ -164,6 +179,10 @@ class FSDPState:
     ) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
             pg.post_accumulate_grad(fp)
+            if pg.training_state is TrainingState.IDLE:
+                # The group finished: the unit is idle again, so the next forward
+                # sees the same state as the first (no recompile).
+                self.training_state = TrainingState.IDLE
 
         return hook
 

@@ -1,0 +1,143 @@
+"""Per-rank bodies of the multi-process runtime tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.backends.debugging import aot_eager
+from torch.distributed.device_mesh import init_device_mesh
+
+import traceable_hsdp as th
+from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
+SEQ, BATCH_PER_RANK, STEPS, LR = 8, 2, 5, 1e-2
+
+
+def _data(world: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        tok = torch.randint(0, CFG.vocab_size, (world * BATCH_PER_RANK, SEQ + 1), generator=g)
+        out.append((tok[:, :-1], tok[:, 1:]))
+    return out
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def reference_run(world: int, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the global batch: the ground truth."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _data(world, steps):
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class GraphRecorder:
+    """A torch.compile backend (aot_eager underneath) that counts the collectives in
+    every graph dynamo hands it, split into forward and compiled-autograd graphs."""
+
+    def __init__(self) -> None:
+        self.forward: list[dict[str, int]] = []
+        self.backward: list[dict[str, int]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        counts: dict[str, int] = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                name = str(n.target)
+                for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "fsdp.copy_", "resize_storage_bytes_"):
+                    if op in name and "wait" not in name:
+                        counts[op] = counts.get(op, 0) + 1
+        cid = torch._guards.CompileContext.current_compile_id()
+        is_bwd = cid is not None and cid.compiled_autograd_id is not None
+        (self.backward if is_bwd else self.forward).append(counts)
+        return aot_eager(gm, example_inputs)
+
+
+def _placeholder_bytes(model: torch.nn.Module) -> int:
+    total = 0
+    for m in model.modules():
+        state = m.__dict__.get("_traceable_hsdp_state")
+        if state is not None and state.param_group is not None and state.module is m:
+            for fp in state.param_group.fsdp_params:
+                total += fp.unsharded_param.untyped_storage().nbytes()
+    return total
+
+
+def parity_worker(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str) -> dict[str, Any]:
+    """Trains the sharded model for STEPS steps in ``mode`` ("eager", "compiled": plain
+    loop with enable_compiled_autograd, "compiled_step": whole step compiled under
+    torch._dynamo.config.compiled_autograd) and reports what the test asserts."""
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    shard_llama(model, th.fully_shard, mesh=mesh)
+    n_units = CFG.n_layers + 1
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    # This rank's slice of the global batch: ranks are laid out (replicate, shard) in
+    # row-major order, so the global rank is the data-parallel index.
+    rec = GraphRecorder()
+    if mode == "compiled":
+        th.enable_compiled_autograd(backend=rec)
+        fwd = torch.compile(model, backend=rec, fullgraph=True)
+    elif mode == "compiled_step":
+        torch._dynamo.config.compiled_autograd = True
+
+        def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = _loss(model(x), y)
+            loss.backward()
+            return loss.detach()
+
+        compiled_step = torch.compile(step_fn, backend=rec)
+    losses, bytes_after_fwd, bytes_after_bwd, graphs_after_step = [], [], [], []
+    for x, y in _data(world, STEPS):
+        xs = x.chunk(world)[rank]
+        ys = y.chunk(world)[rank]
+        if mode == "compiled_step":
+            loss = compiled_step(xs, ys)
+            bytes_after_fwd.append(None)
+        else:
+            out = (fwd if mode == "compiled" else model)(xs)
+            bytes_after_fwd.append(_placeholder_bytes(model))
+            loss = _loss(out, ys)
+            loss.backward()
+        bytes_after_bwd.append(_placeholder_bytes(model))
+        graphs_after_step.append((len(rec.forward), len(rec.backward)))
+        # Every managed parameter has its sharded grad, and only that.
+        assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        torch.distributed.all_reduce(t)
+        losses.append(t.item() / world)
+    if mode == "compiled":
+        th.disable_compiled_autograd()
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    sd_types = {type(v).__name__ for v in model.state_dict().values()}
+    return dict(
+        losses=losses,
+        params=full,
+        sd_types=sd_types,
+        bytes_after_fwd=bytes_after_fwd,
+        bytes_after_bwd=bytes_after_bwd,
+        graphs_after_step=graphs_after_step,
+        fwd_counts=rec.forward,
+        bwd_counts=rec.backward,
+        n_units=n_units,
+        n_params=len(list(model.parameters())),
+        placements={k: tuple(str(p) for p in v.placements) for k, v in model.state_dict().items()},
+    )
