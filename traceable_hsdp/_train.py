@@ -1,0 +1,345 @@
+"""The demo training job behind ``traceable-hsdp train``.
+
+A small :class:`~traceable_hsdp.models.Llama` sharded with
+:func:`~traceable_hsdp.fully_shard` (FSDP on a 1-D mesh, HSDP on a 2-D
+``(replicate, shard)`` mesh), trained with AdamW on synthetic tokens, compiled by
+default. :func:`launch` starts the ranks (or joins the ones torchrun started);
+:func:`train_rank` is the per-rank loop and returns the losses.
+
+[Note: Synthetic data]
+Uniformly random tokens cannot be learned: the loss would sit at ``log(vocab)`` and a
+few steps could not show that training works. The tokens come from a fixed random
+"bigram language" instead: every token has ``_BRANCHES`` possible successors, drawn
+once from the seed, and each sequence starts at a random token and walks the table.
+The loss starts near ``log(vocab)`` (5.55 for 256 tokens) and falls towards
+``log(_BRANCHES)`` (1.39). Step ``i``'s global batch is drawn from a generator seeded
+with ``(seed, i)`` on every rank, so all ranks agree on it without communicating, and
+each rank trains on its own contiguous slice of ``batch_size`` rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["TrainConfig", "TrainResult", "launch", "train_rank", "torchrun_env"]
+
+_BRANCHES = 4  # successors per token in the synthetic language; see [Note: Synthetic data]
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    Args:
+        layers: transformer blocks (default 4).
+        dim: model width (default 64).
+        heads: attention heads; ``dim / heads`` must be even (default 4).
+        vocab_size: tokens (default 256).
+        seq_len: tokens per sequence (default 64).
+        batch_size: sequences per rank per step (default 4).
+        steps: optimizer steps (default 8).
+        world_size: ranks to spawn when not under torchrun (default 2).
+        replicate: HSDP replicas; 1 is plain FSDP (default 1).
+        lr: AdamW learning rate (default 3e-3).
+        backend: ``torch.compile`` backend (default ``"inductor"``).
+        eager: run without ``torch.compile`` (default ``False``).
+        seed: model init and data seed (default 0).
+        progress: show a tqdm bar on rank 0 (default ``True``).
+    """
+
+    layers: int = 4
+    dim: int = 64
+    heads: int = 4
+    vocab_size: int = 256
+    seq_len: int = 64
+    batch_size: int = 4
+    steps: int = 8
+    world_size: int = 2
+    replicate: int = 1
+    lr: float = 3e-3
+    backend: str = "inductor"
+    eager: bool = False
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What rank 0 saw.
+
+    Args:
+        losses: the loss of each step, averaged over all ranks.
+        step_times: wall seconds of each step; the first includes compilation.
+        world_size: ranks that trained.
+        replicate: HSDP replicas (1 for FSDP).
+    """
+
+    losses: list[float]
+    step_times: list[float]
+    world_size: int
+    replicate: int
+
+    @property
+    def median_step_time(self) -> float | None:
+        """Median step time without the first two steps (compile and warm-up), or
+        ``None`` when there were two steps or fewer."""
+        rest = self.step_times[2:]
+        return statistics.median(rest) if rest else None
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` when torchrun (or another launcher) set
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; ``None`` when none is set.
+
+    Raises:
+        ValueError: only some of the three are set, or one is not an integer.
+    """
+    present = [v for v in _TORCHRUN_VARS if v in os.environ]
+    if not present:
+        return None
+    if len(present) != len(_TORCHRUN_VARS):
+        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        raise ValueError(
+            f"Found {', '.join(present)} in the environment but not {', '.join(missing)}. "
+            "Launch with torchrun (which sets all three), or unset them to let "
+            "traceable-hsdp spawn its own ranks."
+        )
+    try:
+        rank, world, local = (int(os.environ[v]) for v in _TORCHRUN_VARS)
+    except ValueError:
+        found = {v: os.environ[v] for v in _TORCHRUN_VARS}
+        raise ValueError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers, got {found}.")
+    return rank, world, local
+
+
+# ---------------------------------------------------------------------- data
+
+
+def _successor_table(vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (vocab, _BRANCHES), generator=g)  # 2D
+
+
+def _global_batch(
+    table: torch.Tensor, rows: int, seq_len: int, seed: int, step: int
+) -> torch.Tensor:
+    """``rows`` sequences of ``seq_len + 1`` tokens (inputs plus the shifted target).
+    See [Note: Synthetic data]."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+    tokens = torch.empty(rows, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, table.size(0), (rows,), generator=g)
+    choice = torch.randint(0, _BRANCHES, (rows, seq_len), generator=g)
+    for t in range(seq_len):
+        tokens[:, t + 1] = table[tokens[:, t], choice[:, t]]
+    return tokens
+
+
+# ---------------------------------------------------------------------- model
+
+
+def _build_mesh(device_type: str, world: int, replicate: int) -> DeviceMesh:
+    if replicate == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None) -> TrainResult:
+    """Trains on this rank of the initialized default process group and returns the
+    losses (averaged over ranks) and step times. Rank 0 prints each step and a summary
+    to ``out`` (default ``sys.stdout``) and shows a progress bar on stderr.
+
+    Args:
+        cfg: the run.
+        device: this rank's device (``cpu`` for gloo, ``cuda:LOCAL_RANK`` for NCCL).
+        out: where rank 0 prints (default ``sys.stdout``).
+
+    Raises:
+        RuntimeError: no default process group is initialized.
+        ValueError: the world size is not divisible by ``cfg.replicate``.
+    """
+    # Imported here so that ``traceable_hsdp.cli --help`` stays cheap.
+    from tqdm import tqdm
+
+    import traceable_hsdp
+    from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "train_rank needs an initialized default process group; use launch(), or "
+            "call torch.distributed.init_process_group() first."
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % cfg.replicate:
+        raise ValueError(
+            f"The world size {world} is not divisible by replicate={cfg.replicate}; HSDP "
+            "needs world_size = replicate * shard. Change --replicate or the number of ranks."
+        )
+    out = sys.stdout if out is None else out
+    is_rank0 = rank == 0
+
+    def say(msg: str) -> None:
+        if is_rank0:
+            tqdm.write(msg, file=out)
+            out.flush()
+
+    mesh = _build_mesh(device.type, world, cfg.replicate)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
+        max_seq_len=cfg.seq_len,
+    )
+    model = Llama(model_cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    shard_llama(model, traceable_hsdp.fully_shard, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+    mode = "eager" if cfg.eager else f"compiled ({cfg.backend})"
+    layout = (
+        f"FSDP over {world} ranks" if cfg.replicate == 1
+        else f"HSDP {cfg.replicate} replicas x {world // cfg.replicate} shards"
+    )
+    say(
+        f"traceable-hsdp train: Llama {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
+        f"{n_params / 1e6:.2f}M params; {layout} on {device.type} "
+        f"({dist.get_backend()}); {mode}; batch {cfg.batch_size}/rank x seq {cfg.seq_len}; "
+        f"{cfg.steps} steps"
+    )
+
+    if not cfg.eager:
+        # See [Note: Why compiled autograd] in _compile.py.
+        traceable_hsdp.enable_compiled_autograd(backend=cfg.backend)
+        model = torch.compile(model, backend=cfg.backend)
+
+    table = _successor_table(cfg.vocab_size, cfg.seed)
+    lo, hi = rank * cfg.batch_size, (rank + 1) * cfg.batch_size
+    losses: list[float] = []
+    times: list[float] = []
+    bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not (is_rank0 and cfg.progress),
+               file=sys.stderr, dynamic_ncols=True)
+    try:
+        for step in range(cfg.steps):
+            batch = _global_batch(table, world * cfg.batch_size, cfg.seq_len, cfg.seed, step)
+            batch = batch[lo:hi].to(device)
+            x, y = batch[:, :-1], batch[:, 1:]
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = _loss_fn(model(x), y)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            _sync(device)
+            dt = time.perf_counter() - t0
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)  # for the printout only, outside the timed step
+            value = mean_loss.item() / world
+            losses.append(value)
+            times.append(dt)
+            what = "compile+step" if step == 0 and not cfg.eager else "step"
+            say(f"step {step + 1}/{cfg.steps}  loss {value:.4f}  {what} {dt:.3f} s")
+            bar.set_postfix(loss=f"{value:.4f}")
+            bar.update(1)
+    finally:
+        bar.close()
+        if not cfg.eager:
+            traceable_hsdp.disable_compiled_autograd()
+
+    result = TrainResult(losses, times, world, cfg.replicate)
+    med = result.median_step_time
+    med_text = (
+        f"median step {med:.3f} s (steps 3-{cfg.steps})" if med is not None
+        else "median step n/a (needs more than 2 steps)"
+    )
+    say(f"done: final loss {losses[-1]:.4f}; {med_text}; first step {times[0]:.3f} s")
+    return result
+
+
+# --------------------------------------------------------------------- launch
+
+
+def _spawned_rank(rank: int, cfg: TrainConfig, tmp: str) -> None:
+    threads = max(1, (os.cpu_count() or 1) // cfg.world_size)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=cfg.world_size
+    )
+    try:
+        result = train_rank(cfg, torch.device("cpu"))
+        if rank == 0:
+            with open(os.path.join(tmp, "result.json"), "w") as f:
+                json.dump(asdict(result), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_torchrun_rank(cfg: TrainConfig, local_rank: int) -> TrainResult:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    already = dist.is_initialized()
+    if not already:
+        dist.init_process_group(backend)
+    try:
+        return train_rank(cfg, device)
+    finally:
+        if not already:
+            dist.destroy_process_group()
+
+
+def launch(cfg: TrainConfig) -> TrainResult | None:
+    """Runs ``cfg`` on every rank and returns rank 0's result.
+
+    Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set) this process is one
+    rank: NCCL on ``cuda:LOCAL_RANK`` when CUDA is available, gloo on the CPU
+    otherwise; ``cfg.world_size`` is ignored, and ranks other than 0 return ``None``.
+    Otherwise it spawns ``cfg.world_size`` gloo processes on the CPU (rendezvous
+    through a file in a temporary directory) and waits for them.
+
+    Raises:
+        ValueError: a partial torchrun environment, or a world size not divisible by
+            ``cfg.replicate``.
+        torch.multiprocessing.ProcessRaisedException: a spawned rank failed; the
+            message holds its traceback.
+    """
+    env = torchrun_env()
+    if env is not None:
+        rank, _, local_rank = env
+        result = _run_torchrun_rank(cfg, local_rank)
+        return result if rank == 0 else None
+    if cfg.world_size % cfg.replicate:
+        raise ValueError(
+            f"world_size={cfg.world_size} is not divisible by replicate={cfg.replicate}."
+        )
+    with tempfile.TemporaryDirectory(prefix="traceable_hsdp_") as tmp:
+        mp.start_processes(
+            _spawned_rank, args=(cfg, tmp), nprocs=cfg.world_size, start_method="spawn"
+        )
+        with open(os.path.join(tmp, "result.json")) as f:
+            return TrainResult(**json.load(f))

@@ -1,0 +1,229 @@
+"""The ``traceable-hsdp`` console command.
+
+Subcommands live in :data:`SUBCOMMANDS`, a registry of :class:`Subcommand`: each adds
+its arguments to its own subparser, checks them, and runs. ``main`` parses, looks the
+subcommand up by name and returns its exit status. To add one, write a
+``Subcommand(name, help, add_arguments, run)`` and append it to ``SUBCOMMANDS``.
+
+Run ``traceable-hsdp train`` (or ``python -m traceable_hsdp.cli train``); under
+``torchrun --nproc-per-node N -m traceable_hsdp.cli train`` each process is one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._train import TrainConfig
+
+__all__ = ["Subcommand", "SUBCOMMANDS", "build_parser", "main"]
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``traceable-hsdp <name>`` subcommand.
+
+    Args:
+        name: the word on the command line.
+        help: one line for ``traceable-hsdp --help``.
+        add_arguments: adds the subcommand's arguments to its subparser.
+        run: runs it with the parsed arguments; the subparser is passed so that it can
+            report invalid combinations with ``parser.error`` (exit status 2). Returns
+            the exit status.
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+
+
+# ----------------------------------------------------------------- argument types
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
+    return value
+
+
+# -------------------------------------------------------------------------- train
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from ._train import TrainConfig
+
+    d = TrainConfig()
+    model = p.add_argument_group("model")
+    model.add_argument("--layers", type=_positive_int, default=d.layers,
+                       help="transformer blocks (default %(default)s)")
+    model.add_argument("--dim", type=_positive_int, default=d.dim,
+                       help="model width (default %(default)s)")
+    model.add_argument("--heads", type=_positive_int, default=d.heads,
+                       help="attention heads; dim/heads must be even (default %(default)s)")
+    data = p.add_argument_group("data and optimizer")
+    data.add_argument("--seq-len", type=_positive_int, default=d.seq_len,
+                      help="tokens per sequence (default %(default)s)")
+    data.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
+                      help="sequences per rank per step (default %(default)s)")
+    data.add_argument("--steps", type=_positive_int, default=d.steps,
+                      help="optimizer steps (default %(default)s)")
+    data.add_argument("--lr", type=_positive_float, default=d.lr,
+                      help="AdamW learning rate (default %(default)s)")
+    data.add_argument("--seed", type=_non_negative_int, default=d.seed,
+                      help="model init and data seed (default %(default)s)")
+    dist_ = p.add_argument_group("distribution")
+    dist_.add_argument("--world-size", type=_positive_int, default=None,
+                       help=f"gloo ranks to spawn on the CPU (default {d.world_size}); "
+                            "ignored under torchrun, which sets the ranks")
+    dist_.add_argument("--replicate", type=_positive_int, default=d.replicate,
+                       help="HSDP replicas: > 1 shards over a 2-D (replicate, shard) mesh; "
+                            "must divide the world size (default %(default)s: FSDP)")
+    comp = p.add_argument_group("compilation")
+    comp.add_argument("--backend", default=d.backend,
+                      help="torch.compile backend, e.g. inductor or aot_eager "
+                           "(default %(default)s)")
+    comp.add_argument("--eager", action="store_true",
+                      help="run without torch.compile")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no tqdm progress bar (the per-step lines are still printed)")
+
+
+def _train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TrainConfig:
+    """Checks the combinations argparse cannot and builds the TrainConfig."""
+    from ._train import TrainConfig, torchrun_env
+
+    try:
+        env = torchrun_env()
+    except ValueError as e:
+        parser.error(str(e))
+    if env is not None:
+        world = env[1]
+        where = f"torchrun's WORLD_SIZE={world}"
+        if args.world_size is not None and args.world_size != world:
+            print(f"traceable-hsdp: --world-size {args.world_size} is ignored under torchrun "
+                  f"(WORLD_SIZE={world}).", file=sys.stderr)
+    else:
+        world = TrainConfig().world_size if args.world_size is None else args.world_size
+        where = f"--world-size {world}"
+    if world % args.replicate:
+        parser.error(
+            f"{where} is not divisible by --replicate {args.replicate}; HSDP needs "
+            "world size = replicate x shard. Pick a --replicate that divides it."
+        )
+    if args.dim % args.heads or (args.dim // args.heads) % 2:
+        parser.error(
+            f"--dim {args.dim} must split into --heads {args.heads} heads of even size "
+            f"(dim/heads = {args.dim / args.heads:g}); e.g. --dim {args.heads * 16}."
+        )
+    if not args.eager:
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if args.backend not in known:
+            parser.error(
+                f"--backend {args.backend!r} is not a torch.compile backend; known: "
+                f"{', '.join(sorted(known))}. Or pass --eager."
+            )
+    return TrainConfig(
+        layers=args.layers, dim=args.dim, heads=args.heads, seq_len=args.seq_len,
+        batch_size=args.batch_size, steps=args.steps, world_size=world,
+        replicate=args.replicate, lr=args.lr, backend=args.backend, eager=args.eager,
+        seed=args.seed, progress=not args.no_progress,
+    )
+
+
+def _run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cfg = _train_config(args, parser)
+
+    import torch.multiprocessing as mp
+
+    from ._train import launch
+
+    try:
+        result = launch(cfg)
+    except mp.ProcessRaisedException as e:
+        print(f"traceable-hsdp train: a rank failed:\n{e}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as e:
+        print(f"traceable-hsdp train: a rank died: {e}", file=sys.stderr)
+        return 1
+    if result is not None and not all(math.isfinite(v) for v in result.losses):
+        print(f"traceable-hsdp train: non-finite loss: {result.losses}", file=sys.stderr)
+        return 1
+    return 0
+
+
+SUBCOMMANDS: list[Subcommand] = [
+    Subcommand(
+        name="train",
+        help="train the demo Llama with fully_shard on synthetic data (2 gloo ranks by "
+             "default; torchrun-compatible)",
+        add_arguments=_add_train_arguments,
+        run=_run_train,
+    ),
+]
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each subcommand's subparser, by name."""
+    parser = argparse.ArgumentParser(
+        prog="traceable-hsdp",
+        description="torch.compile-first FSDP/HSDP: demo jobs and tools.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers: dict[str, argparse.ArgumentParser] = {}
+    for cmd in SUBCOMMANDS:
+        sp = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(sp)
+        subparsers[cmd.name] = sp
+    return parser, subparsers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parses ``argv`` (default ``sys.argv[1:]``) and runs the subcommand.
+
+    Returns:
+        The exit status: 0 on success, 1 when the job failed. Invalid arguments exit
+        with status 2 through argparse (``SystemExit``).
+    """
+    parser, subparsers = build_parser()
+    args = parser.parse_args(argv)
+    cmd = next(c for c in SUBCOMMANDS if c.name == args.command)
+    return cmd.run(args, subparsers[cmd.name])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
