@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import traceable_hsdp as th
 from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
 
-CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
+# vocab 65: the embedding and output head have an uneven first dim (padded shards).
+CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
 SEQ, BATCH_PER_RANK, STEPS, LR = 8, 2, 5, 1e-2
 
 

@@ -102,12 +102,6 @@ def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
     )
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
-
-
 def _managed_params(
     module: nn.Module, ignored: set[nn.Parameter]
 ) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]]:
@@ -182,7 +176,6 @@ def fully_shard(
     modules = _check_modules(module)
     mesh = _default_mesh() if mesh is None else mesh
     mesh_info = _mesh_info(mesh)
-    device = _mesh_device(mesh)
     raf = _check_reshard_after_forward(reshard_after_forward)
     _check_unsupported_options(shard_placement_fn, mp_policy, offload_policy, modules)
     ignored = _check_ignored(ignored_params)
@@ -206,10 +199,14 @@ def fully_shard(
                 "materialize it first, e.g. module.to_empty(device=...) then initialize "
                 "its values, and call fully_shard after."
             )
-        if p.device != device:
+        if p.device.type != mesh.device_type or (
+            p.device.type != "cpu" and p.device != mesh_info.device
+        ):
+            where = mesh.device_type if p.device.type != mesh.device_type else mesh_info.device
             raise ValueError(
-                f"Parameter {fqn!r} is on {p.device} but the mesh is on {device}. Move "
-                f"the module first (module.to({device})) or build the mesh on {p.device.type}."
+                f"Parameter {fqn!r} is on {p.device} but the mesh is on {where}. Move "
+                f"the module first (module.to({str(where)!r})) or build the mesh on "
+                f"{p.device.type!r}."
             )
         if isinstance(p, torch.distributed.tensor.DTensor):
             raise ValueError(
