@@ -129,7 +129,7 @@ def _train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if env is not None:
         world = env[1]
         where = f"torchrun's WORLD_SIZE={world}"
-        if args.world_size is not None and args.world_size != world:
+        if args.world_size is not None and args.world_size != world and env[0] == 0:
             print(f"traceable-hsdp: --world-size {args.world_size} is ignored under torchrun "
                   f"(WORLD_SIZE={world}).", file=sys.stderr)
     else:
