@@ -113,6 +113,24 @@ def test_subcommand_registry() -> None:
     assert set(subparsers) == set(names)
 
 
+# ------------------------------------------------------------ README and CI
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    ci = (_REPO / ".ci" / "run").read_text()
+    match = re.search(r"^TEST_CMD='(.+)'$", ci, re.M)
+    assert match, ".ci/run has no TEST_CMD='...' line"
+    readme = (_REPO / "README.md").read_text()
+    block = re.search(r"## Set up.*?```bash\n(.*?)```", readme, re.S)
+    assert block, "README.md has no bash block under '## Set up'"
+    commands = block.group(1).strip().splitlines()
+    assert len(commands) == 2, commands
+    assert commands[0] == "pip install torch==2.13.0 && pip install -e . && traceable-hsdp train"
+    assert commands[1] == match.group(1)
+
+
 # ------------------------------------------------------------------------ data
 
 
