@@ -1,1 +1,52 @@
-"""Inductor FX passes for traceable_hsdp (installed as ``traceable_hsdp.passes``)."""
+"""Inductor FX passes for traceable_hsdp (installed as ``traceable_hsdp.passes``).
+
+Each pass is a plain function over a post-grad ``torch.fx.GraphModule`` that changes
+it in place and does nothing when nothing matches:
+
+- :func:`remove_resize_copy`: the uses of an unsharded placeholder read the gathered
+  tensor; its grow/``fsdp.copy_``/free nodes go.
+- :func:`bucket_all_gathers` / :func:`bucket_reduce_scatters`: one collective per
+  fully_shard unit (optionally merging units up to a size cap).
+
+:func:`install` (called by ``fully_shard``) runs them on every graph Inductor
+compiles, configured by ``traceable_hsdp.passes.config`` (a :class:`PassConfig`, from
+the environment variables ``TRACEABLE_HSDP_PASSES`` and
+``TRACEABLE_HSDP_BUCKET_CAP_MB``; see [Note: Pass configuration] in ``_install.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._install import (
+    PassConfig,
+    TraceableHSDPPass,
+    get_config,
+    install,
+    run_passes,
+    set_config,
+    uninstall,
+)
+from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
+from .remove_resize_copy import remove_resize_copy
+
+__all__ = [
+    "PassConfig",
+    "TraceableHSDPPass",
+    "bucket_all_gathers",
+    "bucket_reduce_scatters",
+    "config",
+    "get_config",
+    "install",
+    "remove_resize_copy",
+    "run_passes",
+    "set_config",
+    "uninstall",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # ``config`` is read on access so that it always shows what set_config() set.
+    if name == "config":
+        return get_config()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,296 @@
+"""Plugging the passes into Inductor, and their configuration.
+
+[Note: Installing the passes]
+:func:`install` sets ``torch._inductor.config.post_grad_custom_pre_pass`` to a
+:class:`TraceableHSDPPass`, which runs on every post-grad graph (the forward graph
+and the compiled-autograd backward graph) before Inductor's own post-grad passes and
+its collective bucketing. ``fully_shard`` calls it, so a compiled fully_shard model
+gets the passes without any user code.
+
+- Composes: a pass the user already set there is kept and run after ours (a
+  ``CustomGraphPass``, a plain callable, or a list of them). The FX graph cache key
+  then hashes both: ours by source and configuration, theirs by its ``uuid()``; a
+  user pass with no ``uuid()`` (a plain callable) bypasses the cache, as it would
+  without us.
+- Idempotent: installing again changes nothing. A user pass set *after* install
+  replaces ours; the next ``install()`` (the next ``fully_shard``) wraps it again.
+- Cache-safe: ``uuid()`` hashes every ``passes/*.py`` source together with the
+  current :class:`PassConfig`, so a changed pass or configuration misses the cache.
+
+[Note: Pass configuration]
+``traceable_hsdp.passes.config`` is the :class:`PassConfig` in effect, read when a
+graph is compiled (so it may change between compiles; the cache key follows). Its
+initial value comes from the environment:
+
+``TRACEABLE_HSDP_PASSES``
+    Comma-separated pass names to run, the others off: ``remove_resize_copy``,
+    ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``bucket`` (both bucketing
+    passes); or ``all`` (the default when unset or empty) or ``none``. Names are
+    case-insensitive; an unknown one raises ``ValueError``. Example:
+    ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket``.
+``TRACEABLE_HSDP_BUCKET_CAP_MB``
+    ``bucket_cap_mb``: a number >= 0, or ``none``/empty for no cap (the default).
+    See [Note: Bucket size cap] in ``bucket_collectives.py``.
+
+Change it in code with ``traceable_hsdp.passes.set_config(PassConfig(...))`` or
+``install(config=...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch._inductor.config as inductor_config
+from torch import fx
+from torch._inductor import custom_graph_pass as _cgp
+
+from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
+from .remove_resize_copy import remove_resize_copy
+
+__all__ = [
+    "PassConfig",
+    "TraceableHSDPPass",
+    "get_config",
+    "set_config",
+    "install",
+    "uninstall",
+    "run_passes",
+]
+
+log = logging.getLogger(__name__)
+
+ENV_PASSES = "TRACEABLE_HSDP_PASSES"
+ENV_BUCKET_CAP_MB = "TRACEABLE_HSDP_BUCKET_CAP_MB"
+_PASS_NAMES = ("remove_resize_copy", "bucket_all_gathers", "bucket_reduce_scatters")
+_ALIASES = {
+    "all": _PASS_NAMES,
+    "none": (),
+    "bucket": ("bucket_all_gathers", "bucket_reduce_scatters"),
+}
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """Which passes run on traceable_hsdp's compiled graphs.
+
+    Args:
+        remove_resize_copy: rewrite the placeholder's grow/copy/free regions away
+            (default ``True``).
+        bucket_all_gathers: one all-gather per fully_shard unit (default ``True``).
+        bucket_reduce_scatters: one reduce-scatter per unit (default ``True``).
+        bucket_cap_mb: merge adjacent units' collectives up to this many MiB;
+            ``None`` (default) keeps one bucket per unit.
+
+    Raises:
+        TypeError: a switch is not a bool, or the cap is not a number or ``None``.
+        ValueError: a negative (or NaN) cap.
+    """
+
+    remove_resize_copy: bool = True
+    bucket_all_gathers: bool = True
+    bucket_reduce_scatters: bool = True
+    bucket_cap_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "bucket_cap_mb":
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(
+                        f"PassConfig.bucket_cap_mb must be a number of MiB or None, got "
+                        f"{type(value).__name__} {value!r}."
+                    )
+                if not value >= 0:
+                    raise ValueError(
+                        f"PassConfig.bucket_cap_mb must be >= 0 (MiB), got {value!r}. "
+                        "Use None for no cap."
+                    )
+            elif not isinstance(value, bool):
+                raise TypeError(
+                    f"PassConfig.{f.name} must be a bool, got {type(value).__name__} "
+                    f"{value!r}."
+                )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PassConfig:
+        """Reads ``TRACEABLE_HSDP_PASSES`` and ``TRACEABLE_HSDP_BUCKET_CAP_MB``.
+        See [Note: Pass configuration].
+
+        Args:
+            environ: the environment to read (default ``os.environ``).
+
+        Raises:
+            ValueError: an unknown pass name, ``none`` mixed with names, or a cap
+                that is not a number >= 0.
+        """
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV_PASSES, "").strip()
+        on: set[str] = set(_PASS_NAMES)
+        if raw:
+            names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+            if "none" in names and len(names) > 1:
+                raise ValueError(
+                    f"{ENV_PASSES}={raw!r} mixes 'none' with pass names; use 'none' alone "
+                    "to turn every pass off."
+                )
+            on = set()
+            for name in names:
+                if name in _ALIASES:
+                    on.update(_ALIASES[name])
+                elif name in _PASS_NAMES:
+                    on.add(name)
+                else:
+                    valid = ", ".join([*_PASS_NAMES, *_ALIASES])
+                    raise ValueError(
+                        f"{ENV_PASSES}={raw!r} names an unknown pass {name!r}. Valid: "
+                        f"{valid} (comma-separated)."
+                    )
+        cap_raw = env.get(ENV_BUCKET_CAP_MB, "").strip()
+        cap: float | None = None
+        if cap_raw and cap_raw.lower() != "none":
+            try:
+                cap = float(cap_raw)
+            except ValueError:
+                cap = float("nan")
+            if not cap >= 0 or cap == float("inf"):
+                raise ValueError(
+                    f"{ENV_BUCKET_CAP_MB}={cap_raw!r} is not a number of MiB >= 0; set "
+                    "e.g. 25, or 'none' (or leave it unset) for no cap."
+                )
+        return cls(
+            remove_resize_copy="remove_resize_copy" in on,
+            bucket_all_gathers="bucket_all_gathers" in on,
+            bucket_reduce_scatters="bucket_reduce_scatters" in on,
+            bucket_cap_mb=cap,
+        )
+
+
+_config: PassConfig = PassConfig.from_env()
+
+
+def get_config() -> PassConfig:
+    """The configuration in effect (``traceable_hsdp.passes.config``)."""
+    return _config
+
+
+def set_config(config: PassConfig) -> None:
+    """Replaces the configuration for every later compile.
+
+    Raises:
+        TypeError: ``config`` is not a :class:`PassConfig`.
+    """
+    global _config
+    if not isinstance(config, PassConfig):
+        raise TypeError(
+            f"set_config expects a traceable_hsdp.passes.PassConfig, got "
+            f"{type(config).__name__}."
+        )
+    _config = config
+
+
+def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str, int]:
+    """Runs the enabled passes on ``gm`` in order: ``remove_resize_copy`` first (see
+    [Note: Removing resize/copy regions]), then the two bucketing passes.
+
+    Args:
+        gm: a post-grad graph module, changed in place.
+        config: default ``None``: :func:`get_config`.
+
+    Returns:
+        What each pass reported (regions removed, buckets made), by pass name.
+    """
+    cfg = get_config() if config is None else config
+    done: dict[str, int] = {}
+    if cfg.remove_resize_copy:
+        done["remove_resize_copy"] = remove_resize_copy(gm)
+    if cfg.bucket_all_gathers:
+        done["bucket_all_gathers"] = bucket_all_gathers(gm, cfg.bucket_cap_mb)
+    if cfg.bucket_reduce_scatters:
+        done["bucket_reduce_scatters"] = bucket_reduce_scatters(gm, cfg.bucket_cap_mb)
+    return done
+
+
+def _sources() -> tuple[str, ...]:
+    return tuple(sorted(str(p) for p in Path(__file__).resolve().parent.glob("*.py")))
+
+
+# Inductor hands ``is_inference`` to passes of this class; older torch lacks it.
+_InferenceAwareBase: type = getattr(_cgp, "CustomInferenceAwareGraphPass", _cgp.CustomGraphPass)
+_INFERENCE_AWARE = _InferenceAwareBase is not _cgp.CustomGraphPass
+_UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of them
+
+
+class TraceableHSDPPass(_InferenceAwareBase):  # type: ignore[misc, valid-type]
+    """The post-grad pre-pass :func:`install` sets: our passes, then the pass the
+    user had set (``user_pass``), if any. See [Note: Installing the passes].
+
+    Args:
+        user_pass: what ``post_grad_custom_pre_pass`` held before (default ``None``).
+    """
+
+    def __init__(self, user_pass: _UserPass = None) -> None:
+        self.user_pass = user_pass
+
+    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
+        gm = graph.owning_module
+        if isinstance(gm, fx.GraphModule):
+            run_passes(gm)
+        else:
+            log.warning("traceable_hsdp passes skipped: the graph has no owning GraphModule")
+        for p in _cgp.get_custom_graph_passes(self.user_pass):
+            if _INFERENCE_AWARE and isinstance(p, _InferenceAwareBase):
+                p(graph, is_inference=is_inference)
+            else:
+                p(graph)
+
+    def uuid(self) -> bytes | None:
+        user_ids = []
+        for p in _cgp.get_custom_graph_passes(self.user_pass):
+            uid = p.uuid() if isinstance(p, _cgp.CustomPassBase) else None
+            if not uid:
+                return None  # as if the user pass were there alone: no caching
+            user_ids.append(uid)
+        extra = f"{get_config()!r}|{user_ids!r}"
+        return _cgp.get_hash_for_files(_sources(), extra)
+
+
+def _is_ours(value: object) -> bool:
+    if isinstance(value, TraceableHSDPPass):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(v, TraceableHSDPPass) for v in value)
+
+
+def install(config: PassConfig | None = None) -> None:
+    """Makes Inductor run the passes on every post-grad graph. Idempotent; keeps and
+    runs a user's ``post_grad_custom_pre_pass`` after ours. See [Note: Installing the
+    passes].
+
+    Args:
+        config: if given, :func:`set_config` it first (default ``None``: keep).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`PassConfig`.
+    """
+    if config is not None:
+        set_config(config)
+    current = inductor_config.post_grad_custom_pre_pass
+    if _is_ours(current):
+        return
+    inductor_config.post_grad_custom_pre_pass = TraceableHSDPPass(current)
+    log.debug("traceable_hsdp passes installed (user pass kept: %r)", current)
+
+
+def uninstall() -> None:
+    """Puts back what ``post_grad_custom_pre_pass`` held before :func:`install`.
+    Does nothing if ours is not installed there."""
+    current = inductor_config.post_grad_custom_pre_pass
+    if isinstance(current, TraceableHSDPPass):
+        inductor_config.post_grad_custom_pre_pass = current.user_pass
+

@@ -1,0 +1,500 @@
+"""Fuse the all-gathers, and the reduce-scatters, of one fully_shard unit.
+
+The runtime issues one collective per parameter (``_param_group.py``), so that eager
+and compiled runs compute the same numbers; these passes merge them in the compiled
+graph. Both are written here from scratch over plain FX (no private
+``torch._inductor.fx_passes.bucketing`` helper is used: its signatures changed
+between torch releases, and its merge traces helper functions with ``make_fx``).
+Each pass first plans the buckets on the unchanged graph, then rewrites them.
+
+[Note: All-gather buckets]
+A unit's gathers are the maximal run of all-gathers (same group, group size, dtype
+and device) with no use of any of their results in between: the runtime issues all
+of a unit's gathers, then the copies (or, after ``remove_resize_copy``, the compute)
+that read them, so the first read closes the run. Only pure compute that does not
+read a gathered result (e.g. the padding of the next shard) may sit between two
+gathers of a run; another collective or wait, or a side effect, closes it too.
+Before (one unit, two parameters, 2 ranks)::
+
+    ag0 = all_gather_into_tensor(w0, 2, "0")         # w0: (4, 8)  -> (8, 8)
+    r0  = wait_tensor(ag0)
+    ag1 = all_gather_into_tensor(w1, 2, "0")         # w1: (3,)    -> (6,)
+    r1  = wait_tensor(ag1)
+    ... uses of r0, r1 ...
+
+After::
+
+    f0  = reshape(w0, [-1]); f1 = reshape(w1, [-1])
+    buf = cat([f0, f1])                              # (35,) this rank's flat input
+    ag  = all_gather_into_tensor(buf, 2, "0")        # (70,) = cat(buf of rank 0, 1)
+    r   = wait_tensor(ag)
+    grd = view(r, [2, 35])                           # row k: rank k's flat input
+    r0  = view(clone(slice(grd, 1, 0, 32)), [8, 8])  # rank-major rows of w0
+    r1  = view(clone(slice(grd, 1, 32, 35)), [6])
+    ... uses of r0, r1 ...
+
+The bucket goes just before the first use of any of its results; the un-interleave
+(``view(ws, N)`` then a column slice per parameter) turns the rank-major output back
+into each parameter's own ``cat`` over ranks.
+
+[Note: Reduce-scatter buckets]
+A unit's reduce-scatters are the run of reduce-scatters (same group, group size,
+reduce op, dtype, device) between two all-gathers: in backward each unit re-gathers,
+then computes its gradients and reduce-scatters each as it is ready. Before::
+
+    rs0 = reduce_scatter_tensor(g0, "avg", 2, "0")   # g0: (8, 8)  -> (4, 8)
+    s0  = wait_tensor(rs0)
+    ... more backward compute ...
+    rs1 = reduce_scatter_tensor(g1, "avg", 2, "0")   # g1: (6,)    -> (3,)
+    s1  = wait_tensor(rs1)
+
+After (at the last reduce-scatter of the bucket)::
+
+    c0  = reshape(g0, [2, 32]); c1 = reshape(g1, [2, 3])   # row k: rank k's chunk
+    buf = view(cat([c0, c1], 1), [-1])               # (70,) rank-major chunks
+    rs  = reduce_scatter_tensor(buf, "avg", 2, "0")  # (35,) this rank's chunks
+    s   = wait_tensor(rs)
+    s0  = view(slice(s, 0, 0, 32), [4, 8])
+    s1  = view(slice(s, 0, 32, 35), [3])
+
+Reads of a result that sat between the reduce-scatters (HSDP's all-reduce over the
+replicate group, views) move after the bucket; a side-effecting read splits it.
+
+Invariant of both: every replaced wait's value is the same tensor value as before
+(bitwise: the reduction is elementwise over the same ranks), each collective now
+reads its input no earlier than that input is complete and no mutation is crossed,
+and all ranks run the same rewrite, so they issue the same collectives in the same
+order.
+
+[Note: Bucket size cap]
+``bucket_cap_mb=None`` gives one bucket per unit. A number merges adjacent units
+(same key) while the bucket stays within the cap (MiB of the gathered output for an
+all-gather, of the reduce-scatter input for a reduce-scatter); a unit is never split.
+Merging all-gathers issues the later unit's gather early (its inputs are hoisted when
+they are pure); merging reduce-scatters delays the earlier unit's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ._predicates import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    WAIT,
+    alias_closure,
+    collective_group,
+    erase_all,
+    has_side_effects,
+    insert_call,
+    is_all_gather,
+    is_collective,
+    is_reduce_scatter,
+    is_resize,
+    is_view,
+    is_wait,
+    node_order,
+    single_wait,
+    static_numel,
+    tensor_val,
+    writes_to,
+)
+
+__all__ = [
+    "bucket_all_gathers",
+    "bucket_reduce_scatters",
+    "plan_all_gather_buckets",
+    "plan_reduce_scatter_buckets",
+]
+
+log = logging.getLogger(__name__)
+_aten = torch.ops.aten
+_MIB = 1024 * 1024
+
+
+@dataclass
+class _Unit:
+    nodes: list[fx.Node]
+    key: Hashable
+    nbytes: int
+
+
+# ------------------------------------------------------------------ all-gathers
+def bucket_all_gathers(gm: fx.GraphModule, bucket_cap_mb: float | None = None) -> int:
+    """Merges each unit's all-gathers into one. See [Note: All-gather buckets].
+
+    Args:
+        gm: a post-grad graph module, changed in place.
+        bucket_cap_mb: see [Note: Bucket size cap] (default ``None``: per unit).
+
+    Returns:
+        The number of merged all-gathers created (0: the graph is unchanged).
+    """
+    buckets = plan_all_gather_buckets(gm.graph, bucket_cap_mb)
+    done: list[int] = []
+    for bucket in buckets:
+        if _merge_all_gathers(gm.graph, bucket):
+            done.append(len(bucket))
+    return _finish(gm, "bucket_all_gathers", "all-gathers", done)
+
+
+def plan_all_gather_buckets(
+    graph: fx.Graph, bucket_cap_mb: float | None = None
+) -> list[list[fx.Node]]:
+    """The all-gather nodes to merge, one list per bucket of two or more, in graph
+    order; the graph is not changed."""
+    order = node_order(graph)
+    units: list[_Unit] = []
+    current: _Unit | None = None
+    results: set[fx.Node] = set()
+
+    def close() -> None:
+        nonlocal current
+        if current is not None:
+            units.append(current)
+        current = None
+        results.clear()
+
+    for node in graph.nodes:
+        if is_all_gather(node):
+            key_bytes = _all_gather_key(node)
+            if key_bytes is None:
+                close()
+                continue
+            key, nbytes = key_bytes
+            if current is not None and current.key == key:
+                current.nodes.append(node)
+                current.nbytes += nbytes
+            else:
+                close()
+                current = _Unit([node], key, nbytes)
+            continue
+        if current is None:
+            continue
+        if is_wait(node) and node.args[0] in current.nodes:
+            results.add(node)
+        elif any(i in results for i in node.all_input_nodes) or has_side_effects(node):
+            close()
+    close()
+    return _apply_cap(
+        units, bucket_cap_mb, lambda nodes: _all_gather_layout(nodes, order) is not None
+    )
+
+
+def _all_gather_key(node: fx.Node) -> tuple[Hashable, int] | None:
+    group = collective_group(node)
+    val = tensor_val(node.args[0])
+    if group is None or val is None or single_wait(node) is None:
+        return None
+    numel = static_numel(val)
+    if numel is None:
+        return None
+    size, name = group
+    return (size, name, val.dtype, val.device), size * numel * val.dtype.itemsize
+
+
+def _all_gather_layout(
+    gathers: Sequence[fx.Node], order: dict[fx.Node, int]
+) -> tuple[fx.Node, list[fx.Node]] | None:
+    """Where the merged all-gather goes (before the first read of any result) and
+    the pure nodes to hoist before it so that every input is ready there; ``None``
+    if that cannot be done."""
+    waits = [single_wait(g) for g in gathers]
+    if any(w is None for w in waits):
+        return None
+    results = set(waits)
+    readers = [u for w in waits for u in w.users]
+    if readers:
+        at = min(readers, key=order.__getitem__)
+    else:
+        at = max(results, key=order.__getitem__).next
+    hoist: set[fx.Node] = set()
+    for g in gathers:
+        stack = [g.args[0]]
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, fx.Node) or n in hoist:
+                continue
+            if n in results:
+                return None  # the input reads a result of the bucket
+            if order[n] < order[at]:
+                continue
+            if has_side_effects(n) or n is at:
+                return None
+            hoist.add(n)
+            stack.extend(n.all_input_nodes)
+        if not _no_write_between(g.args[0], at, g, order):
+            return None
+    return at, sorted(hoist, key=order.__getitem__)
+
+
+def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
+    layout = _all_gather_layout(gathers, node_order(graph))
+    if layout is None:
+        log.info(
+            "bucket_all_gathers: cannot place the bucket of %s any more; left as is",
+            [g.name for g in gathers],
+        )
+        return False
+    at, hoist = layout
+    for n in hoist:
+        at.prepend(n)
+    size, name = collective_group(gathers[0])  # type: ignore[misc]
+    waits = [single_wait(g) for g in gathers]
+    numels = [static_numel(tensor_val(g.args[0])) for g in gathers]  # type: ignore[arg-type]
+    total = sum(numels)  # type: ignore[arg-type]
+    first = gathers[0]
+    with graph.inserting_before(at):
+        flat = [
+            insert_call(graph, _aten.reshape.default, (g.args[0], [-1]), like=g)
+            for g in gathers
+        ]
+        buf = insert_call(graph, _aten.cat.default, (flat,), like=first)
+        ag = insert_call(graph, ALL_GATHER, (buf, size, name), like=first)
+        out = insert_call(graph, WAIT, (ag,), like=first)
+        grid = insert_call(graph, _aten.view.default, (out, [size, total]), like=first)
+        offset = 0
+        for g, wait, numel in zip(gathers, waits, numels):
+            assert wait is not None and numel is not None
+            shape = list(tensor_val(wait).shape)  # type: ignore[union-attr]
+            cols = insert_call(
+                graph, _aten.slice.Tensor, (grid, 1, offset, offset + numel), like=g
+            )
+            dense = insert_call(
+                graph,
+                _aten.clone.default,
+                (cols,),
+                {"memory_format": torch.contiguous_format},
+                like=g,
+            )
+            result = insert_call(graph, _aten.view.default, (dense, shape), like=g)
+            wait.replace_all_uses_with(result)
+            offset += numel
+    erase_all(graph, [*waits, *gathers])  # type: ignore[list-item]
+    log.debug("bucket_all_gathers: %s -> %s", [g.name for g in gathers], ag.name)
+    return True
+
+
+# -------------------------------------------------------------- reduce-scatters
+def bucket_reduce_scatters(gm: fx.GraphModule, bucket_cap_mb: float | None = None) -> int:
+    """Merges each unit's reduce-scatters into one. See [Note: Reduce-scatter
+    buckets].
+
+    Args:
+        gm: a post-grad graph module, changed in place.
+        bucket_cap_mb: see [Note: Bucket size cap] (default ``None``: per unit).
+
+    Returns:
+        The number of merged reduce-scatters created (0: the graph is unchanged).
+    """
+    buckets = plan_reduce_scatter_buckets(gm.graph, bucket_cap_mb)
+    done: list[int] = []
+    for bucket in buckets:
+        if _merge_reduce_scatters(gm.graph, bucket):
+            done.append(len(bucket))
+    return _finish(gm, "bucket_reduce_scatters", "reduce-scatters", done)
+
+
+def plan_reduce_scatter_buckets(
+    graph: fx.Graph, bucket_cap_mb: float | None = None
+) -> list[list[fx.Node]]:
+    """The reduce-scatter nodes to merge, one list per bucket of two or more, in
+    graph order; the graph is not changed."""
+    order = node_order(graph)
+
+    def valid(nodes: list[fx.Node]) -> bool:
+        return _reduce_scatter_layout(nodes, order) is not None
+
+    runs: list[_Unit] = []
+    current: _Unit | None = None
+    for node in graph.nodes:
+        if is_all_gather(node):
+            if current is not None:
+                runs.append(current)
+            current = None
+        elif is_reduce_scatter(node):
+            key_bytes = _reduce_scatter_key(node)
+            if key_bytes is None:
+                if current is not None:
+                    runs.append(current)
+                current = None
+                continue
+            key, nbytes = key_bytes
+            if current is not None and current.key == key:
+                current.nodes.append(node)
+                current.nbytes += nbytes
+            else:
+                if current is not None:
+                    runs.append(current)
+                current = _Unit([node], key, nbytes)
+    if current is not None:
+        runs.append(current)
+    # A run whose results are read in between in a way that cannot move splits.
+    units: list[_Unit] = []
+    for run in runs:
+        part = _Unit([run.nodes[0]], run.key, 0)
+        for node in run.nodes[1:]:
+            if valid([*part.nodes, node]):
+                part.nodes.append(node)
+            else:
+                units.append(part)
+                part = _Unit([node], run.key, 0)
+        units.append(part)
+    for unit in units:
+        unit.nbytes = sum(_reduce_scatter_key(n)[1] for n in unit.nodes)  # type: ignore[index]
+    return _apply_cap(units, bucket_cap_mb, valid)
+
+
+def _reduce_scatter_key(node: fx.Node) -> tuple[Hashable, int] | None:
+    group = collective_group(node)
+    val = tensor_val(node.args[0])
+    op = node.args[1]
+    if group is None or val is None or single_wait(node) is None or not isinstance(op, str):
+        return None
+    numel = static_numel(val)
+    size, name = group
+    if numel is None or numel % size:
+        return None
+    return (size, name, op, val.dtype, val.device), numel * val.dtype.itemsize
+
+
+def _movable(node: fx.Node) -> bool:
+    """A reader of a reduced result that may run later: pure compute, or a functional
+    collective and its wait (HSDP's all-reduce)."""
+    return not has_side_effects(node) or is_collective(node) or is_wait(node)
+
+
+def _reduce_scatter_layout(
+    scatters: Sequence[fx.Node], order: dict[fx.Node, int]
+) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The last reduce-scatter (the merged one goes right after it) and the readers
+    of results to move after the merged one; ``None`` if that cannot be done."""
+    waits = [single_wait(s) for s in scatters]
+    if any(w is None for w in waits):
+        return None
+    members = set(scatters)
+    results: set[fx.Node] = set(waits)  # type: ignore[arg-type]
+    first = min(scatters, key=order.__getitem__)
+    last = max(scatters, key=order.__getitem__)
+    moved: list[fx.Node] = []
+    node = first.next
+    while order[node] < order[last]:
+        if node in members:
+            if any(i in results for i in node.all_input_nodes):
+                return None
+        elif node not in results and any(i in results for i in node.all_input_nodes):
+            if not _movable(node):
+                return None
+            results.add(node)
+            moved.append(node)
+        node = node.next
+    for s in scatters:
+        if not _no_write_between(s.args[0], s, last, order):
+            return None
+    return last, moved
+
+
+def _merge_reduce_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> bool:
+    layout = _reduce_scatter_layout(scatters, node_order(graph))
+    if layout is None:
+        log.info(
+            "bucket_reduce_scatters: cannot place the bucket of %s any more; left as is",
+            [s.name for s in scatters],
+        )
+        return False
+    last, moved = layout
+    size, name = collective_group(scatters[0])  # type: ignore[misc]
+    op = scatters[0].args[1]
+    waits = [single_wait(s) for s in scatters]
+    chunks = [static_numel(tensor_val(s.args[0])) // size for s in scatters]  # type: ignore[operator, arg-type]
+    after = last
+    with graph.inserting_before(last.next):
+        rows = [
+            insert_call(graph, _aten.reshape.default, (s.args[0], [size, c]), like=s)
+            for s, c in zip(scatters, chunks)
+        ]
+        grid = insert_call(graph, _aten.cat.default, (rows, 1), like=last)
+        buf = insert_call(graph, _aten.view.default, (grid, [-1]), like=last)
+        rs = insert_call(graph, REDUCE_SCATTER, (buf, op, size, name), like=last)
+        out = insert_call(graph, WAIT, (rs,), like=last)
+        offset = 0
+        for s, wait, chunk in zip(scatters, waits, chunks):
+            assert wait is not None
+            shape = list(tensor_val(wait).shape)  # type: ignore[union-attr]
+            part = insert_call(
+                graph, _aten.slice.Tensor, (out, 0, offset, offset + chunk), like=s
+            )
+            after = insert_call(graph, _aten.view.default, (part, shape), like=s)
+            wait.replace_all_uses_with(after)
+            offset += chunk
+    for n in moved:
+        after.append(n)
+        after = n
+    erase_all(graph, [*waits, *scatters])  # type: ignore[list-item]
+    log.debug("bucket_reduce_scatters: %s -> %s", [s.name for s in scatters], rs.name)
+    return True
+
+
+# ---------------------------------------------------------------------- shared
+def _apply_cap(
+    units: list[_Unit],
+    bucket_cap_mb: float | None,
+    valid: Callable[[list[fx.Node]], bool],
+) -> list[list[fx.Node]]:
+    """Merges adjacent units within the cap (see [Note: Bucket size cap]); keeps the
+    buckets of two or more collectives."""
+    if bucket_cap_mb is not None and units:
+        cap = bucket_cap_mb * _MIB
+        merged = [units[0]]
+        for unit in units[1:]:
+            acc = merged[-1]
+            if (
+                unit.key == acc.key
+                and acc.nbytes + unit.nbytes <= cap
+                and valid([*acc.nodes, *unit.nodes])
+            ):
+                merged[-1] = _Unit([*acc.nodes, *unit.nodes], acc.key, acc.nbytes + unit.nbytes)
+            else:
+                merged.append(unit)
+        units = merged
+    return [u.nodes for u in units if len(u.nodes) >= 2]
+
+
+def _no_write_between(
+    tensor: object, a: fx.Node, b: fx.Node, order: dict[fx.Node, int]
+) -> bool:
+    """No node strictly between ``a`` and ``b`` (either order) writes to or resizes
+    ``tensor`` or a view of it or of its base, so that reading it at either end
+    gives the same value."""
+    if not isinstance(tensor, fx.Node):
+        return True
+    base = tensor
+    while is_view(base) and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    lo, hi = sorted((order[a], order[b]))
+    for alias in alias_closure(base):
+        for u in alias.users:
+            if lo < order[u] < hi and (writes_to(u, alias) or (is_resize(u) and u.args[0] is alias)):
+                return False
+    return True
+
+
+def _finish(gm: fx.GraphModule, pass_name: str, what: str, sizes: list[int]) -> int:
+    if not sizes:
+        return 0
+    log.info(
+        "%s: %d %s -> %d (bucket sizes %s)",
+        pass_name,
+        sum(sizes),
+        what,
+        len(sizes),
+        sizes,
+    )
+    gm.graph.lint()
+    gm.recompile()
+    return len(sizes)

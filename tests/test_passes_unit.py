@@ -1,0 +1,667 @@
+"""Tier 1: the graph passes on small hand-built FX graphs (no processes, no model
+compile). Each test pins the exact rewrite by counting nodes before and after.
+
+Values are checked by running the graphs, before and after a pass, in a small SPMD
+simulator (``_run_spmd``): it runs one graph for every rank in lock step and
+computes each functional collective from all ranks' inputs, so the rank-major
+un-interleaving of a bucketed all-gather (and the chunking of a bucketed
+reduce-scatter) is checked for 2 and 3 ranks without a process group. All value
+checks are bitwise: the passes only move data (a bucketed reduce-scatter sums the
+same elements in the same rank order).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import traceable_hsdp as th
+import traceable_hsdp.passes as passes
+from traceable_hsdp.passes import (
+    PassConfig,
+    bucket_all_gathers,
+    bucket_reduce_scatters,
+    remove_resize_copy,
+)
+from traceable_hsdp.passes._predicates import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    FSDP_COPY,
+    REDUCE_SCATTER,
+    RESIZE,
+    WAIT,
+    set_fake_val,
+)
+
+aten = torch.ops.aten
+F32 = torch.float32
+
+
+# --------------------------------------------------------------------- helpers
+class _Builder:
+    """Builds a graph of real ops by hand, with fake values on every tensor node."""
+
+    def __init__(self) -> None:
+        self.graph = fx.Graph()
+        self.mode = FakeTensorMode()
+
+    def input(self, name: str, *shape: int, dtype: torch.dtype = F32) -> fx.Node:
+        node = self.graph.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty(shape, dtype=dtype)
+        return node
+
+    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        if target not in (RESIZE, FSDP_COPY):  # side effects only: no value
+            set_fake_val(node)
+        return node
+
+    def done(self, *outputs: fx.Node) -> fx.GraphModule:
+        self.graph.output(tuple(outputs))
+        return fx.GraphModule(torch.nn.Module(), self.graph)
+
+
+def _counts(gm: fx.GraphModule) -> Counter[str]:
+    names = {
+        ALL_GATHER: "all_gather",
+        REDUCE_SCATTER: "reduce_scatter",
+        ALL_REDUCE: "all_reduce",
+        WAIT: "wait",
+        FSDP_COPY: "copy",
+        RESIZE: "resize",
+    }
+    c: Counter[str] = Counter()
+    for n in gm.graph.nodes:
+        c["nodes"] += 1
+        if n.op == "call_function" and n.target in names:
+            c[names[n.target]] += 1
+    return c
+
+
+def _run_spmd(gm: fx.GraphModule, per_rank_inputs: list[list[torch.Tensor]]) -> list[list[Any]]:
+    """Runs ``gm`` on every rank's inputs in lock step; collectives see all ranks."""
+    world = len(per_rank_inputs)
+    envs: list[dict[fx.Node, Any]] = [{} for _ in range(world)]
+    outputs: list[list[Any]] = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for r in range(world):
+        envs[r].update(zip(placeholders, per_rank_inputs[r]))
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            for r in range(world):
+                outputs.append(list(fx.node.map_arg(node.args[0], envs[r].__getitem__)))
+            break
+        if node.target in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE):
+            xs = [envs[r][node.args[0]] for r in range(world)]
+            if node.target is ALL_GATHER:
+                assert node.args[1] == world
+                results = [torch.cat(xs).clone() for _ in range(world)]
+            else:
+                op = node.args[1]
+                total = xs[0].clone()
+                for x in xs[1:]:
+                    total = total + x
+                if op == "avg":
+                    total = total / world
+                if node.target is ALL_REDUCE:
+                    results = [total.clone() for _ in range(world)]
+                else:
+                    results = [c.clone() for c in total.chunk(world)]
+            for r in range(world):
+                envs[r][node] = results[r]
+            continue
+        for r in range(world):
+            if node.target is WAIT:
+                envs[r][node] = envs[r][node.args[0]]
+                continue
+            args = fx.node.map_arg(node.args, envs[r].__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, envs[r].__getitem__)
+            envs[r][node] = node.target(*args, **kwargs)
+    return outputs
+
+
+def _placeholder(*shape: int) -> torch.Tensor:
+    """An unsharded placeholder as the runtime makes it: full shape, 0 bytes."""
+    p = torch.empty(shape)
+    p.untyped_storage().resize_(0)
+    return p
+
+
+def _same(a: list[list[Any]], b: list[list[Any]]) -> None:
+    assert len(a) == len(b)
+    for xs, ys in zip(a, b):
+        assert len(xs) == len(ys)
+        for x, y in zip(xs, ys):
+            assert torch.equal(x, y), (x, y)
+
+
+def _graph_text(gm: fx.GraphModule) -> str:
+    return str(gm.graph)
+
+
+# ----------------------------------------------------- remove_resize_copy
+def _forward_like(world: int = 2) -> tuple[fx.GraphModule, list[list[torch.Tensor]]]:
+    """One unit, two parameters: w0 (8, 8) even, w1 (5,) padded to 3 rows a rank.
+    Gathers first, then grow/copy pairs, compute, frees; p0 is also returned (as
+    AOTAutograd returns a placeholder it saves for backward)."""
+    b = _Builder()
+    w0, w1 = b.input("w0", 8 // world, 8), b.input("w1", 3)
+    p0, p1 = b.input("p0", 8, 8), b.input("p1", 5)
+    x = b.input("x", 2, 8)
+    r0 = b(WAIT, b(ALL_GATHER, w0, world, "0"))
+    r1 = b(WAIT, b(ALL_GATHER, w1, world, "0"))
+    full1 = b(aten.slice.Tensor, r1, 0, 0, 5)
+    b(RESIZE, p0, 8 * 8 * 4)
+    b(FSDP_COPY, p0, r0)
+    b(RESIZE, p1, 5 * 4)
+    b(FSDP_COPY, p1, full1)
+    y = b(aten.mm.default, x, b(aten.permute.default, p0, [1, 0]))
+    out = b(aten.add.Tensor, y, b(aten.sum.default, p1))
+    b(RESIZE, p0, 0)
+    b(RESIZE, p1, 0)
+    gm = b.done(out, p0)
+    g = torch.Generator().manual_seed(0)
+    inputs = [
+        [
+            torch.randn(8 // world, 8, generator=g),
+            torch.randn(3, generator=g),
+            _placeholder(8, 8),
+            _placeholder(5),
+            torch.randn(2, 8, generator=g),
+        ]
+        for _ in range(world)
+    ]
+    return gm, inputs
+
+
+def _values(out: list[list[Any]]) -> list[list[Any]]:
+    """The data outputs (the returned placeholder has no data: compare its size)."""
+    return [[o[0], torch.tensor(o[1].untyped_storage().nbytes())] for o in out]
+
+
+def test_remove_resize_copy_rewrites_forward_regions() -> None:
+    gm, inputs = _forward_like()
+    before = _counts(gm)
+    ref = _values(_run_spmd(gm, inputs))
+    assert remove_resize_copy(gm) == 2
+    after = _counts(gm)
+    assert (before["copy"], before["resize"], before["all_gather"]) == (2, 4, 2)
+    assert (after["copy"], after["resize"], after["all_gather"]) == (0, 0, 2)
+    assert after["nodes"] == before["nodes"] - 6  # nothing added: shapes already match
+    by_target = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    assert by_target[aten.permute.default].args[0].target is WAIT  # reads the gathered p0
+    assert by_target[aten.sum.default].args[0].target is aten.slice.Tensor  # p1's rows
+    _same(_values(_run_spmd(gm, inputs)), ref)
+
+
+def test_remove_resize_copy_no_match_is_unchanged() -> None:
+    b = _Builder()
+    x, w = b.input("x", 2, 4), b.input("w", 4, 4)
+    gm = b.done(b(aten.mm.default, x, w))
+    text = _graph_text(gm)
+    assert remove_resize_copy(gm) == 0
+    assert _graph_text(gm) == text
+
+
+def _one_param(
+    free: bool = True,
+    grow_bytes: int = 64,
+    use_before_copy: bool = False,
+    use_after_free: bool = False,
+    mutate: bool = False,
+    return_view: bool = False,
+) -> fx.GraphModule:
+    """One placeholder p (4, 4) filled from a gather, with one defect switched on."""
+    b = _Builder()
+    w, p, x = b.input("w", 2, 4), b.input("p", 4, 4), b.input("x", 4, 4)
+    r = b(WAIT, b(ALL_GATHER, w, 2, "0"))
+    b(RESIZE, p, grow_bytes)
+    if use_before_copy:
+        b(aten.sum.default, p)
+    b(FSDP_COPY, p, r)
+    y = b(aten.mm.default, x, p)
+    if mutate:
+        b(aten.add_.Tensor, p, 1.0)
+    t = b(aten.t.default, p)
+    if free:
+        b(RESIZE, p, 0)
+    outs = [y]
+    if use_after_free:
+        outs.append(b(aten.mm.default, x, p))
+    if return_view:
+        outs.append(t)
+    return b.done(*outs)
+
+
+@pytest.mark.parametrize(
+    ("defect", "reason"),
+    [
+        ({"free": False}, "never freed (incomplete)"),
+        ({"grow_bytes": 32}, "resizes it to 32 bytes"),
+        ({"use_before_copy": True}, "outside a grow -> copy -> free region"),
+        ({"use_after_free": True}, "outside a grow -> copy -> free region"),
+        ({"mutate": True}, "writes to it"),
+        ({"return_view": True}, "is a graph output"),
+    ],
+)
+def test_remove_resize_copy_skips_incomplete_or_mutated(
+    defect: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    gm = _one_param(**defect)
+    text = _graph_text(gm)
+    with caplog.at_level(logging.INFO, logger="traceable_hsdp.passes.remove_resize_copy"):
+        assert remove_resize_copy(gm) == 0
+    assert _graph_text(gm) == text
+    assert f"leaving p alone: " in caplog.text and reason in caplog.text, caplog.text
+
+
+def test_remove_resize_copy_control_case_of_the_defects() -> None:
+    gm = _one_param()
+    before = _counts(gm)
+    assert remove_resize_copy(gm) == 1
+    after = _counts(gm)
+    assert (after["copy"], after["resize"]) == (0, 0)
+    assert after["nodes"] == before["nodes"] - 3
+
+
+def test_remove_resize_copy_multi_region() -> None:
+    """p is grown, filled and freed twice (forward, then the backward's re-gather);
+    the second fill copies from a transposed (non-contiguous) source: a contiguous
+    clone is inserted, so the uses see p's strides."""
+    b = _Builder()
+    w, p, x = b.input("w", 2, 4), b.input("p", 4, 4), b.input("x", 4, 4)
+    r = b(WAIT, b(ALL_GATHER, w, 2, "0"))
+    b(RESIZE, p, 64)
+    b(FSDP_COPY, p, r)
+    y = b(aten.mm.default, x, p)
+    b(RESIZE, p, 0)
+    r2 = b(WAIT, b(ALL_GATHER, w, 2, "0"))
+    b(RESIZE, p, 64)
+    b(FSDP_COPY, p, b(aten.t.default, r2))
+    z = b(aten.mm.default, y, b(aten.view.default, p, [4, 4]))
+    b(RESIZE, p, 0)
+    gm = b.done(z)
+    before = _counts(gm)
+    g = torch.Generator().manual_seed(1)
+    inputs = [[torch.randn(2, 4, generator=g), _placeholder(4, 4), torch.randn(4, 4, generator=g)] for _ in range(2)]
+    ref = _run_spmd(gm, inputs)
+    assert remove_resize_copy(gm) == 2
+    after = _counts(gm)
+    assert (before["copy"], before["resize"]) == (2, 4)
+    assert (after["copy"], after["resize"]) == (0, 0)
+    assert after["nodes"] == before["nodes"] - 6 + 1  # one clone
+    _same(_run_spmd(gm, inputs), ref)
+
+
+def test_remove_resize_copy_broadcast_copy_of_as_many_elements() -> None:
+    """fsdp.copy_ of a (16,) source into a (1, 16) placeholder: a view restores the
+    placeholder's shape."""
+    b = _Builder()
+    w, p = b.input("w", 8), b.input("p", 1, 16)
+    r = b(WAIT, b(ALL_GATHER, w, 2, "0"))
+    b(RESIZE, p, 64)
+    b(FSDP_COPY, p, r)
+    y = b(aten.sum.dim_IntList, p, [0])
+    b(RESIZE, p, 0)
+    gm = b.done(y)
+    inputs = [[torch.randn(8), _placeholder(1, 16)] for _ in range(2)]
+    ref = _run_spmd(gm, inputs)
+    n = _counts(gm)["nodes"]
+    assert remove_resize_copy(gm) == 1
+    assert _counts(gm)["nodes"] == n - 3 + 1
+    _same(_run_spmd(gm, inputs), ref)
+
+
+def test_remove_resize_copy_leaves_other_params_alone_when_one_is_bad(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    b = _Builder()
+    w, p, q, x = b.input("w", 2, 4), b.input("p", 4, 4), b.input("q", 4, 4), b.input("x", 4, 4)
+    r = b(WAIT, b(ALL_GATHER, w, 2, "0"))
+    for t in (p, q):
+        b(RESIZE, t, 64)
+        b(FSDP_COPY, t, r)
+    y = b(aten.mm.default, b(aten.mm.default, x, p), q)
+    b(RESIZE, p, 0)  # q is never freed
+    gm = b.done(y)
+    with caplog.at_level(logging.INFO, logger="traceable_hsdp.passes.remove_resize_copy"):
+        assert remove_resize_copy(gm) == 1
+    c = _counts(gm)
+    assert (c["copy"], c["resize"]) == (1, 1)
+    assert "leaving q alone" in caplog.text
+
+
+# --------------------------------------------------------- bucket_all_gathers
+_SHAPES = [(4, 8), (3,), (2, 3, 2)]  # per-rank shard shapes, 3 parameters
+
+
+def _gathers(world: int, dtypes: tuple[torch.dtype, ...] = (F32, F32, F32), units: int = 1):
+    """``units`` units of 3 gathers each; each unit's results are read (summed) before
+    the next unit gathers."""
+    b = _Builder()
+    shards = [
+        [b.input(f"u{u}w{i}", *s, dtype=d) for i, (s, d) in enumerate(zip(_SHAPES, dtypes))]
+        for u in range(units)
+    ]
+    acc = b.input("acc", 1)
+    for u in range(units):
+        results = [b(WAIT, b(ALL_GATHER, s, world, "0")) for s in shards[u]]
+        for r in results:
+            acc = b(aten.add.Tensor, acc, b(aten.sum.default, r))
+    outs = [acc, *results]  # the last unit's gathered tensors themselves too
+    gm = b.done(*outs)
+    g = torch.Generator().manual_seed(2)
+    inputs = [
+        [torch.randn(s, generator=g).to(d) for _ in range(units) for s, d in zip(_SHAPES, dtypes)]
+        + [torch.zeros(1)]
+        for _ in range(world)
+    ]
+    return gm, inputs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucket_all_gathers_three_into_one(world: int) -> None:
+    gm, inputs = _gathers(world)
+    before = _counts(gm)
+    ref = _run_spmd(gm, inputs)
+    assert bucket_all_gathers(gm) == 1
+    after = _counts(gm)
+    assert (before["all_gather"], before["wait"]) == (3, 3)
+    assert (after["all_gather"], after["wait"]) == (1, 1)
+    # 3 flattens + cat + gather + wait + view + 3 x (slice, clone, view) - 6 old nodes
+    assert after["nodes"] == before["nodes"] + 3 + 4 + 9 - 6
+    out = _run_spmd(gm, inputs)
+    _same(out, ref)  # bitwise: the gathered tensors come back in cat-over-ranks order
+    for o, s in zip(out[0][1:], _SHAPES):
+        assert o.shape == (world * s[0], *s[1:]) and o.is_contiguous()
+
+
+def test_bucket_all_gathers_one_bucket_per_unit_and_cap() -> None:
+    gm, inputs = _gathers(2, units=2)
+    ref = _run_spmd(gm, inputs)
+    assert bucket_all_gathers(gm) == 2
+    assert _counts(gm)["all_gather"] == 2
+    _same(_run_spmd(gm, inputs), ref)
+
+    # A cap that fits both units merges them (the second unit's gather goes early).
+    unit_bytes = 2 * sum(torch.Size(s).numel() for s in _SHAPES) * 4
+    gm, _ = _gathers(2, units=2)
+    assert bucket_all_gathers(gm, bucket_cap_mb=2 * unit_bytes / 2**20) == 1
+    assert _counts(gm)["all_gather"] == 1
+    _same(_run_spmd(gm, inputs), ref)
+
+    # A cap below two units keeps one bucket per unit (a unit is never split).
+    gm, _ = _gathers(2, units=2)
+    assert bucket_all_gathers(gm, bucket_cap_mb=1.5 * unit_bytes / 2**20) == 2
+    gm, _ = _gathers(2, units=2)
+    assert bucket_all_gathers(gm, bucket_cap_mb=0.0) == 2
+
+
+def test_bucket_all_gathers_same_dtype_and_group_only() -> None:
+    gm, inputs = _gathers(2, dtypes=(F32, torch.bfloat16, torch.bfloat16))
+    ref = _run_spmd(gm, inputs)
+    assert bucket_all_gathers(gm) == 1  # the two bf16 gathers; the f32 one stays
+    assert _counts(gm)["all_gather"] == 2
+    _same(_run_spmd(gm, inputs), ref)
+
+    b = _Builder()
+    a, c = b.input("a", 2, 2), b.input("c", 2, 2)
+    ra = b(WAIT, b(ALL_GATHER, a, 2, "0"))
+    rc = b(WAIT, b(ALL_GATHER, c, 2, "1"))  # another group
+    gm = b.done(ra, rc)
+    text = _graph_text(gm)
+    assert bucket_all_gathers(gm) == 0
+    assert _graph_text(gm) == text
+
+
+def test_bucket_all_gathers_stops_at_a_read() -> None:
+    """A read of the first result between two gathers makes two units of one:
+    nothing to merge."""
+    b = _Builder()
+    a, c = b.input("a", 2, 2), b.input("c", 2, 2)
+    ra = b(WAIT, b(ALL_GATHER, a, 2, "0"))
+    s = b(aten.sum.default, ra)
+    rc = b(WAIT, b(ALL_GATHER, c, 2, "0"))
+    gm = b.done(s, rc)
+    text = _graph_text(gm)
+    assert bucket_all_gathers(gm) == 0
+    assert _graph_text(gm) == text
+
+
+# ----------------------------------------------------- bucket_reduce_scatters
+def _scatters(world: int, hsdp: bool = False, units: int = 1):
+    """Backward-like: per unit a re-gather, then 3 gradients each computed and
+    reduce-scattered in turn (HSDP: all-reduced right after)."""
+    shapes = [(world * 2, 3), (world * 3,), (world, 2, 2)]
+    b = _Builder()
+    w = b.input("w", 2, 2)
+    grads_in = [[b.input(f"u{u}g{i}", *s) for i, s in enumerate(shapes)] for u in range(units)]
+    outs = []
+    for u in range(units):
+        outs.append(b(WAIT, b(ALL_GATHER, w, world, "0")))
+        for g in grads_in[u]:
+            grad = b(aten.mul.Tensor, g, 2.0)  # "compute"
+            r = b(WAIT, b(REDUCE_SCATTER, grad, "avg", world, "0"))
+            if hsdp:
+                r = b(WAIT, b(ALL_REDUCE, r, "avg", "1"))
+            outs.append(r)
+    gm = b.done(*outs)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [
+        [torch.randn(2, 2, generator=gen)]
+        + [torch.randn(s, generator=gen) for _ in range(units) for s in shapes]
+        for _ in range(world)
+    ]
+    return gm, inputs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucket_reduce_scatters_three_into_one(world: int) -> None:
+    gm, inputs = _scatters(world)
+    before = _counts(gm)
+    ref = _run_spmd(gm, inputs)
+    assert bucket_reduce_scatters(gm) == 1
+    after = _counts(gm)
+    assert (before["reduce_scatter"], after["reduce_scatter"]) == (3, 1)
+    # 3 reshapes + cat + view + rs + wait + 3 x (slice, view) - 6 old nodes
+    assert after["nodes"] == before["nodes"] + 3 + 4 + 6 - 6
+    _same(_run_spmd(gm, inputs), ref)
+
+
+def test_bucket_reduce_scatters_hsdp_all_reduce_moves_after() -> None:
+    gm, inputs = _scatters(2, hsdp=True)
+    ref = _run_spmd(gm, inputs)
+    assert bucket_reduce_scatters(gm) == 1
+    c = _counts(gm)
+    assert (c["reduce_scatter"], c["all_reduce"]) == (1, 3)
+    _same(_run_spmd(gm, inputs), ref)
+    order = [n for n in gm.graph.nodes if n.target in (REDUCE_SCATTER, ALL_REDUCE)]
+    assert order[0].target is REDUCE_SCATTER  # every all-reduce reads the bucket
+
+
+def test_bucket_reduce_scatters_per_unit_and_cap() -> None:
+    gm, inputs = _scatters(2, units=2)
+    ref = _run_spmd(gm, inputs)
+    assert bucket_reduce_scatters(gm) == 2
+    assert _counts(gm)["reduce_scatter"] == 2
+    _same(_run_spmd(gm, inputs), ref)
+    gm, _ = _scatters(2, units=2)
+    assert bucket_reduce_scatters(gm, bucket_cap_mb=1.0) == 1
+    assert _counts(gm)["reduce_scatter"] == 1
+    _same(_run_spmd(gm, inputs), ref)
+
+
+def test_bucket_reduce_scatters_split_by_side_effecting_read() -> None:
+    """A read of the first result that cannot move (it writes to a graph input)
+    keeps the first reduce-scatter out of the bucket."""
+    b = _Builder()
+    g0, g1, g2, buf = b.input("g0", 4), b.input("g1", 4), b.input("g2", 4), b.input("buf", 2)
+    r0 = b(WAIT, b(REDUCE_SCATTER, g0, "avg", 2, "0"))
+    b(aten.copy_.default, buf, r0)
+    r1 = b(WAIT, b(REDUCE_SCATTER, g1, "avg", 2, "0"))
+    r2 = b(WAIT, b(REDUCE_SCATTER, g2, "avg", 2, "0"))
+    gm = b.done(r1, r2)
+    assert bucket_reduce_scatters(gm) == 1
+    assert _counts(gm)["reduce_scatter"] == 2
+
+
+# ------------------------------------------------------------- all together
+def test_all_passes_on_a_forward_like_graph() -> None:
+    gm, inputs = _forward_like()
+    ref = _values(_run_spmd(gm, inputs))
+    done = passes.run_passes(gm, PassConfig())
+    assert done == {"remove_resize_copy": 2, "bucket_all_gathers": 1, "bucket_reduce_scatters": 0}
+    c = _counts(gm)
+    assert (c["all_gather"], c["copy"], c["resize"]) == (1, 0, 0)
+    _same(_values(_run_spmd(gm, inputs)), ref)
+
+
+def test_bucketing_without_remove_keeps_copies_after_the_bucket() -> None:
+    gm, inputs = _forward_like()
+    ref = _values(_run_spmd(gm, inputs))
+    assert bucket_all_gathers(gm) == 1
+    c = _counts(gm)
+    assert (c["all_gather"], c["copy"], c["resize"]) == (1, 2, 4)
+    _same(_values(_run_spmd(gm, inputs)), ref)
+
+
+# ------------------------------------------------------- config and install
+def test_config_from_env() -> None:
+    f = PassConfig.from_env
+    assert f({}) == PassConfig()
+    assert f({"TRACEABLE_HSDP_PASSES": ""}) == PassConfig()
+    assert f({"TRACEABLE_HSDP_PASSES": "none"}) == PassConfig(False, False, False)
+    assert f({"TRACEABLE_HSDP_PASSES": "all"}) == PassConfig()
+    assert f({"TRACEABLE_HSDP_PASSES": "remove_resize_copy"}) == PassConfig(True, False, False)
+    assert f({"TRACEABLE_HSDP_PASSES": " Remove_Resize_Copy , bucket "}) == PassConfig()
+    assert f({"TRACEABLE_HSDP_PASSES": "bucket_reduce_scatters"}) == PassConfig(False, False, True)
+    assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "25"}).bucket_cap_mb == 25.0
+    assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "none"}).bucket_cap_mb is None
+    assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "0.5"}).bucket_cap_mb == 0.5
+    with pytest.raises(ValueError, match="unknown pass 'bucketing'"):
+        f({"TRACEABLE_HSDP_PASSES": "bucketing"})
+    with pytest.raises(ValueError, match="mixes 'none'"):
+        f({"TRACEABLE_HSDP_PASSES": "none,bucket"})
+    for bad in ("-1", "abc", "nan", "inf"):
+        with pytest.raises(ValueError, match="TRACEABLE_HSDP_BUCKET_CAP_MB"):
+            f({"TRACEABLE_HSDP_BUCKET_CAP_MB": bad})
+    with pytest.raises(TypeError, match="must be a bool"):
+        PassConfig(remove_resize_copy=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bucket_cap_mb"):
+        PassConfig(bucket_cap_mb="25")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        PassConfig(bucket_cap_mb=-1.0)
+
+
+@pytest.fixture
+def restore_passes():
+    import torch._inductor.config as ic
+
+    saved_pass, saved_cfg = ic.post_grad_custom_pre_pass, passes.get_config()
+    yield ic
+    ic.post_grad_custom_pre_pass = saved_pass
+    passes.set_config(saved_cfg)
+
+
+class _UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+    def __init__(self, uid: bytes | None = b"user-1") -> None:
+        self.calls: list[int] = []
+        self.uid = uid
+
+    def __call__(self, graph: fx.Graph) -> None:
+        # Sees the graph after ours: count the copies left.
+        self.calls.append(sum(1 for n in graph.nodes if n.target is FSDP_COPY))
+
+    def uuid(self) -> bytes | None:
+        return self.uid
+
+
+def test_uuid_follows_config_and_user_pass(restore_passes) -> None:
+    p = passes.TraceableHSDPPass()
+    base = p.uuid()
+    assert isinstance(base, bytes) and base == passes.TraceableHSDPPass().uuid()
+    passes.set_config(PassConfig(bucket_cap_mb=25.0))
+    capped = p.uuid()
+    assert capped != base
+    passes.set_config(PassConfig(remove_resize_copy=False, bucket_cap_mb=25.0))
+    assert p.uuid() not in (base, capped)
+    passes.set_config(PassConfig())
+    assert p.uuid() == base
+    assert passes.TraceableHSDPPass(_UserPass(b"a")).uuid() != passes.TraceableHSDPPass(_UserPass(b"b")).uuid()
+    assert passes.TraceableHSDPPass(_UserPass(b"a")).uuid() != base
+    # A user pass that cannot be hashed turns the cache off, as it would alone.
+    assert passes.TraceableHSDPPass(_UserPass(None)).uuid() is None
+    assert passes.TraceableHSDPPass(lambda g: None).uuid() is None
+
+
+def test_install_is_idempotent_and_composes(restore_passes) -> None:
+    ic = restore_passes
+    user = _UserPass()
+    ic.post_grad_custom_pre_pass = user
+    passes.install()
+    installed = ic.post_grad_custom_pre_pass
+    assert isinstance(installed, passes.TraceableHSDPPass) and installed.user_pass is user
+    passes.install()
+    assert ic.post_grad_custom_pre_pass is installed  # idempotent
+    gm, _ = _forward_like()
+    installed(gm.graph, is_inference=False)
+    assert user.calls == [0]  # ours ran first (no copies left), then theirs
+    assert _counts(gm)["all_gather"] == 1
+    passes.uninstall()
+    assert ic.post_grad_custom_pre_pass is user
+    passes.install(PassConfig(remove_resize_copy=False))
+    assert passes.config == PassConfig(remove_resize_copy=False)
+    gm, _ = _forward_like()
+    ic.post_grad_custom_pre_pass(gm.graph)
+    assert user.calls == [0, 2]
+    with pytest.raises(TypeError, match="PassConfig"):
+        passes.set_config({"remove_resize_copy": True})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def one_rank():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD.group_name
+        finally:
+            dist.destroy_process_group()
+
+
+def test_fully_shard_installs_the_passes(restore_passes, one_rank) -> None:
+    ic = restore_passes
+    user = _UserPass()
+    ic.post_grad_custom_pre_pass = user
+    th.fully_shard(torch.nn.Linear(2, 2))
+    installed = ic.post_grad_custom_pre_pass
+    assert isinstance(installed, passes.TraceableHSDPPass) and installed.user_pass is user
+    th.fully_shard(torch.nn.Linear(2, 2))
+    assert ic.post_grad_custom_pre_pass is installed
+
+
+def test_bucketed_graphs_run_with_real_collectives(one_rank) -> None:
+    """The rewritten graphs execute with the real functional collectives (1 rank)."""
+    b = _Builder()
+    a, c, g0, g1 = b.input("a", 2, 3), b.input("c", 4), b.input("g0", 2, 3), b.input("g1", 4)
+    ra = b(WAIT, b(ALL_GATHER, a, 1, one_rank))
+    rc = b(WAIT, b(ALL_GATHER, c, 1, one_rank))
+    s0 = b(WAIT, b(REDUCE_SCATTER, g0, "avg", 1, one_rank))
+    s1 = b(WAIT, b(REDUCE_SCATTER, g1, "avg", 1, one_rank))
+    gm = b.done(ra, rc, s0, s1)
+    inputs = [torch.randn(2, 3), torch.randn(4), torch.randn(2, 3), torch.randn(4)]
+    ref = gm(*inputs)
+    assert bucket_all_gathers(gm) == 1 and bucket_reduce_scatters(gm) == 1
+    assert (_counts(gm)["all_gather"], _counts(gm)["reduce_scatter"]) == (1, 1)
+    for x, y in zip(gm(*inputs), ref):
+        assert torch.equal(x, y)
