@@ -17,6 +17,7 @@ from ._common import MeshInfo
 from ._param import FSDPParam, ParamModuleInfo
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState
+from .passes import install as _install_passes
 
 __all__ = ["fully_shard", "FSDPModule"]
 
@@ -238,6 +239,7 @@ def fully_shard(
         _add_fsdp_class(m)
     # See [Note: Saved views of the placeholder].
     torch._functorch.config.recompute_views = True
+    _install_passes()  # Inductor post-grad passes; see passes/_install.py
     return module
 
 
