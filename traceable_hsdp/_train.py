@@ -186,6 +186,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     from tqdm import tqdm
 
     import traceable_hsdp
+    from traceable_hsdp import _compile
     from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
 
     if not dist.is_initialized():
@@ -230,6 +231,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         f"{cfg.steps} steps"
     )
 
+    # Turn compiled autograd off at the end only if this function turned it on.
+    enabled_here = not cfg.eager and not _compile._enabled
     if not cfg.eager:
         # See [Note: Why compiled autograd] in _compile.py.
         traceable_hsdp.enable_compiled_autograd(backend=cfg.backend)
@@ -265,7 +268,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
             bar.update(1)
     finally:
         bar.close()
-        if not cfg.eager:
+        if enabled_here:
             traceable_hsdp.disable_compiled_autograd()
 
     result = TrainResult(losses, times, world, cfg.replicate)
