@@ -1,0 +1,700 @@
+"""Per-rank side of the step-time benchmark: the variants, their settings, the timed
+round-robin loop, and the graph/collective bookkeeping.
+
+Imported by ``step_time.py`` (the CLI, which spawns the ranks and writes the report)
+and ``profile_step.py``. Nothing here touches the runtime or the passes: it only
+builds models with the public APIs, flips the documented switches, and reads graphs.
+
+[Note: Round-robin timing]
+Every variant lives in the same two processes for the whole run. A round gives each
+variant, in turn, its own warm-up steps and then ``steps`` timed steps; several
+rounds are run and the medians are taken over all timed steps of all rounds. A burst
+of machine noise (the 2-core box is shared) then lands on every variant alike
+instead of on whichever ran during it. Each variant keeps its own model, optimizer
+and step counter across rounds, so its k-th step always sees batch k.
+
+[Note: Per-variant settings]
+Some switches are global to the process and read at compile time or run time:
+compiled autograd (on only while an ``ours_compiled*`` variant steps, so torch's
+variants never run under it), the passes' configuration (``TRACEABLE_HSDP_PASSES``),
+``torch._functorch.config.recompute_views`` (our ``fully_shard`` turns it on for the
+whole process; torch's variants get torch's default back), and the recording post-grad
+pass. :meth:`Runner.active` sets them on entry and restores them on exit, around every
+block of a variant's steps, including its first (compiling) step and its model build.
+
+[Note: What counts as a compile]
+Two counters: dynamo graphs (``counters["stats"]["unique_graphs"]``, the forward
+graphs and the compiled-autograd backward graphs) and Inductor compiles (calls of the
+recording post-grad pass, one per graph Inductor compiles: a forward, an AOT backward,
+a compiled-autograd backward). Anything either counter gains after a variant's first
+step is reported as a recompile after warm-up; it must stay 0.
+
+[Note: Collectives per step]
+The recording pass is appended to ``torch._inductor.config.post_grad_custom_post_pass``
+(after whatever is already there). It keeps the graph it is handed; later post-grad
+passes (torch's own bucketing, reinplacing) rewrite that same graph object in place, so
+reading it after the compile shows the graph Inductor finally lowered. Collectives
+are counted from its nodes and sized from their ``meta["val"]``: an all-gather by its
+output (the gathered buffer), a reduce-scatter by its input (the full gradient), an
+all-reduce by its tensor. Every recorded graph of a variant runs once per step (the
+profiled step checks: Inductor graph calls per step equal graphs recorded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+WORLD = 2
+LR = 1e-3
+PASSES_ENV = "TRACEABLE_HSDP_PASSES"
+
+
+# --------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model/batch shape (Llama from ``traceable_hsdp.models``).
+
+    Args:
+        name: label in the report.
+        layers, dim, heads, vocab: the model.
+        seq: tokens per sequence.
+        batch: sequences per rank per step.
+    """
+
+    name: str
+    layers: int
+    dim: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int
+
+    def model_config(self) -> Any:
+        from traceable_hsdp.models import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab, dim=self.dim, n_layers=self.layers,
+            n_heads=self.heads, max_seq_len=self.seq,
+        )
+
+
+SHAPES: dict[str, Shape] = {
+    "overhead": Shape("overhead", layers=16, dim=64, heads=4, vocab=256, seq=32, batch=2),
+    "compute": Shape("compute", layers=4, dim=256, heads=4, vocab=256, seq=128, batch=2),
+    "smoke": Shape("smoke", layers=2, dim=32, heads=4, vocab=256, seq=16, batch=2),
+}
+
+
+# ------------------------------------------------------------------- variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the same training step.
+
+    Args:
+        name: label in the report.
+        impl: ``"ours"`` (traceable_hsdp.fully_shard), ``"torch"``
+            (torch.distributed.fsdp.fully_shard) or ``"unsharded"`` (plain model, rank 0
+            only).
+        compile: ``"none"`` (eager), ``"whole"`` (``torch.compile(model,
+            fullgraph=True)``; for ours with compiled autograd) or ``"blocks"`` (each
+            block compiled, torchtitan's recipe).
+        passes: the equivalent ``TRACEABLE_HSDP_PASSES`` value, also put in the
+            environment while the variant runs (the passes module reads it only at
+            import, so ``passes_config`` is what switches); ``None``: untouched.
+        passes_config: the :class:`traceable_hsdp.passes.PassConfig` switches set with
+            ``set_config`` while the variant builds, compiles and runs (restored after);
+            empty when the module offers no ``PassConfig``.
+    """
+
+    name: str
+    impl: Literal["ours", "torch", "unsharded"]
+    compile: Literal["none", "whole", "blocks"]
+    passes: str | None = None
+    passes_config: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile != "none"
+
+    @property
+    def uses_compiled_autograd(self) -> bool:
+        return self.impl == "ours" and self.compile == "whole"
+
+
+def pass_variants() -> tuple[list[Variant], str]:
+    """The ``ours_compiled*`` variants the passes module supports, and a line saying
+    what was found: ``ours_compiled`` runs every pass (``PassConfig()``),
+    ``ours_compiled_nopasses`` none, and one ``ours_compiled_no_<pass>`` per switch of
+    :class:`traceable_hsdp.passes.PassConfig` turned off alone."""
+    try:
+        from traceable_hsdp.passes import PassConfig
+    except Exception as e:  # noqa: BLE001 (report, do not crash the benchmark)
+        return (
+            [
+                Variant("ours_compiled", "ours", "whole", passes="all"),
+                Variant("ours_compiled_nopasses", "ours", "whole", passes="none"),
+            ],
+            f"traceable_hsdp.passes.PassConfig not importable ({type(e).__name__}: {e}); "
+            f"passes switched by {PASSES_ENV} only",
+        )
+    import dataclasses
+
+    switches = [
+        f.name for f in dataclasses.fields(PassConfig)
+        if isinstance(getattr(PassConfig(), f.name), bool)
+    ]
+    on = tuple((n, True) for n in switches)
+    off = tuple((n, False) for n in switches)
+    out = [
+        Variant("ours_compiled", "ours", "whole", passes="all", passes_config=on),
+        Variant("ours_compiled_nopasses", "ours", "whole", passes="none", passes_config=off),
+    ]
+    if len(switches) > 1:
+        for n in switches:
+            cfg = tuple((m, m != n) for m in switches)
+            out.append(
+                Variant(
+                    f"ours_compiled_no_{n}", "ours", "whole",
+                    passes=",".join(m for m in switches if m != n), passes_config=cfg,
+                )
+            )
+    return out, f"passes (traceable_hsdp.passes.PassConfig switches): {', '.join(switches)}"
+
+
+def all_variants() -> tuple[list[Variant], str]:
+    """Every variant, in run order, and the passes line."""
+    ours_compiled, what = pass_variants()
+    return (
+        [
+            Variant("ours_eager", "ours", "none"),
+            *ours_compiled,
+            Variant("torch_eager", "torch", "none"),
+            Variant("torch_block_compiled", "torch", "blocks"),
+            Variant("unsharded_compiled_1rank", "unsharded", "whole"),
+        ],
+        what,
+    )
+
+
+# ------------------------------------------------- compile / graph bookkeeping
+
+
+_COLLECTIVES = (
+    # (substring of the op name, kind, sized by): checked in order.
+    ("all_gather_into_tensor", "all_gather", "out"),
+    ("reduce_scatter_tensor", "reduce_scatter", "in"),
+    ("all_reduce", "all_reduce", "out"),
+)
+
+
+def _nbytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def count_collectives(graph: torch.fx.Graph) -> dict[str, dict[str, int]]:
+    """``{kind: {"count": n, "bytes": b}}`` over the graph's collective nodes (waits
+    excluded). See [Note: Collectives per step]."""
+    out: dict[str, dict[str, int]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if "_c10d_functional" not in name and "c10d" not in name:
+            continue
+        if "wait" in name:
+            continue
+        for sub, kind, sized_by in _COLLECTIVES:
+            if sub in name:
+                if sized_by == "in" and node.args and isinstance(node.args[0], torch.fx.Node):
+                    val = node.args[0].meta.get("val")
+                elif sized_by == "in" and node.args and isinstance(node.args[0], (list, tuple)):
+                    val = [a.meta.get("val") for a in node.args[0] if isinstance(a, torch.fx.Node)]
+                else:
+                    val = node.meta.get("val")
+                slot = out.setdefault(kind, {"count": 0, "bytes": 0})
+                slot["count"] += 1
+                slot["bytes"] += _nbytes(val)
+                break
+    return out
+
+
+@dataclass
+class RecordedGraph:
+    variant: str
+    backward: bool  # a compiled-autograd graph or an AOT backward
+    gm: torch.fx.GraphModule | None
+    graph: torch.fx.Graph
+
+    def final_graph(self) -> torch.fx.Graph:
+        # Later passes may assign a new graph to the module; read the latest.
+        return self.gm.graph if self.gm is not None else self.graph
+
+
+class Recorder:
+    """The recording post-grad pass (a plain callable: it bypasses the FX graph cache,
+    so it sees every graph Inductor compiles). See [Note: Collectives per step]."""
+
+    def __init__(self) -> None:
+        self.variant = "?"
+        self.graphs: list[RecordedGraph] = []
+        self.calls = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.calls += 1
+        cid = torch._guards.CompileContext.current_compile_id()
+        is_ca = cid is not None and getattr(cid, "compiled_autograd_id", None) is not None
+        # AOT backward graphs take tangents; forwards do not.
+        is_bwd_aot = any(n.op == "placeholder" and "tangents" in n.name for n in graph.nodes)
+        self.graphs.append(
+            RecordedGraph(self.variant, is_ca or is_bwd_aot, graph.owning_module, graph)
+        )
+
+    def summary(self, variant: str) -> dict[str, Any]:
+        mine = [g for g in self.graphs if g.variant == variant]
+        per_graph = []
+        total: dict[str, dict[str, int]] = {}
+        for g in mine:
+            c = count_collectives(g.final_graph())
+            per_graph.append({"backward": g.backward, "collectives": c})
+            for kind, v in c.items():
+                slot = total.setdefault(kind, {"count": 0, "bytes": 0})
+                slot["count"] += v["count"]
+                slot["bytes"] += v["bytes"]
+        return {"inductor_graphs": len(mine), "per_graph": per_graph, "per_step": total}
+
+
+RECORDER = Recorder()
+
+
+def compile_counts() -> tuple[int, int]:
+    """(dynamo graphs compiled, Inductor graphs compiled) so far in this process.
+    See [Note: What counts as a compile]."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), RECORDER.calls
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --------------------------------------------------------------------- runner
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batch_for(shape: Shape, step: int, seed: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of step ``step``'s global batch: the same on every variant."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tok = torch.randint(0, shape.vocab, (WORLD * shape.batch, shape.seq + 1), generator=g)
+    mine = tok[rank * shape.batch:(rank + 1) * shape.batch]
+    return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
+def _passes_config(items: tuple[tuple[str, Any], ...]) -> Iterator[None]:
+    """``traceable_hsdp.passes.config`` with ``items`` replaced, and the passes
+    installed in Inductor (``fully_shard`` installs them too; idempotent)."""
+    if not items:
+        yield
+        return
+    import dataclasses
+
+    from traceable_hsdp import passes as P
+
+    old = P.get_config()
+    P.set_config(dataclasses.replace(old, **dict(items)))
+    P.install()
+    try:
+        yield
+    finally:
+        P.set_config(old)
+
+
+class Runner:
+    """One variant on this rank: its model, optimizer, settings and step counter.
+
+    Args:
+        variant: what to run.
+        shape: model and batch shape.
+        mesh: the 1-D device mesh over both ranks (unused by ``unsharded``).
+        rank: this rank.
+        backend: ``torch.compile`` backend for the compiled variants.
+        seed: model init seed (the same for all variants) and data seed.
+        default_recompute_views: torch's value of ``recompute_views`` before our
+            ``fully_shard`` changed it. See [Note: Per-variant settings].
+        default_pre_pass: ``post_grad_custom_pre_pass`` before our ``fully_shard``
+            installed the passes there; torch's variants compile with it.
+    """
+
+    def __init__(
+        self, variant: Variant, shape: Shape, mesh: Any, rank: int, backend: str,
+        seed: int, default_recompute_views: bool, default_pre_pass: Any = None,
+    ) -> None:
+        self.v = variant
+        self.shape = shape
+        self.mesh = mesh
+        self.rank = rank
+        self.backend = backend
+        self.seed = seed
+        self.default_recompute_views = default_recompute_views
+        self.default_pre_pass = default_pre_pass
+        self.model: torch.nn.Module | None = None
+        self.fwd: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.steps_done = 0
+
+    @property
+    def runs_here(self) -> bool:
+        return self.v.impl != "unsharded" or self.rank == 0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The variant's process-wide settings, restored on exit.
+        See [Note: Per-variant settings]."""
+        import torch._functorch.config as fconfig
+        import torch._inductor.config as iconfig
+
+        import traceable_hsdp
+
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+        RECORDER.variant = self.v.name
+        old_post = iconfig.post_grad_custom_post_pass
+        old_pre = iconfig.post_grad_custom_pre_pass
+        existing = get_custom_graph_passes(old_post)
+        old_rv = fconfig.recompute_views
+        if self.v.impl != "ours":
+            # torch's variants compile as torch would: without our passes.
+            iconfig.post_grad_custom_pre_pass = self.default_pre_pass
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_env(PASSES_ENV, self.v.passes if self.v.impl == "ours" else None))
+            stack.enter_context(_passes_config(self.v.passes_config))
+            if self.backend == "inductor" and RECORDER not in existing:
+                iconfig.post_grad_custom_post_pass = [*existing, RECORDER]
+            fconfig.recompute_views = (
+                True if self.v.impl == "ours" else self.default_recompute_views
+            )
+            if self.v.uses_compiled_autograd:
+                traceable_hsdp.enable_compiled_autograd(backend=self.backend)
+            try:
+                if self.model is None:
+                    self._build()
+                yield
+            finally:
+                if self.v.uses_compiled_autograd:
+                    traceable_hsdp.disable_compiled_autograd()
+                iconfig.post_grad_custom_post_pass = old_post
+                if self.v.impl != "ours":
+                    iconfig.post_grad_custom_pre_pass = old_pre
+                fconfig.recompute_views = old_rv
+                RECORDER.variant = "?"
+
+    def _build(self) -> None:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        import traceable_hsdp
+        from traceable_hsdp.models import Llama, shard_llama
+
+        torch.manual_seed(self.seed)  # the same initial weights for every variant
+        model = Llama(self.shape.model_config())
+        if self.v.impl == "ours":
+            shard_llama(model, traceable_hsdp.fully_shard, mesh=self.mesh)
+        elif self.v.impl == "torch":
+            if self.v.compile == "blocks":
+                # torchtitan's recipe: compile each block, then shard per block and root.
+                for i, block in enumerate(model.layers):
+                    model.layers[i] = torch.compile(block, backend=self.backend, fullgraph=True)
+            shard_llama(model, torch_fully_shard, mesh=self.mesh)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        if self.v.compile == "whole":
+            self.fwd = torch.compile(model, backend=self.backend, fullgraph=True)
+        else:
+            self.fwd = model
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward, loss, backward, AdamW step, zero_grad. Returns the detached loss."""
+        assert self.fwd is not None and self.opt is not None
+        loss = loss_fn(self.fwd(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.steps_done += 1
+        return loss.detach()
+
+
+# ---------------------------------------------------------------- per rank
+
+
+@dataclass
+class VariantResult:
+    """What one rank measured for one variant (all lists in step order)."""
+
+    name: str
+    first_step_s: float | None = None
+    # timed[r] = the step times of round r
+    timed: list[list[float]] = field(default_factory=list)
+    warmup: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # this rank's local loss, every step
+    compiles_first_step: tuple[int, int] = (0, 0)
+    compiles_after: tuple[int, int] = (0, 0)  # (dynamo, inductor) after the first step
+    graph_calls: dict[str, int] = field(default_factory=dict)
+    profiled_step_compiles: tuple[int, int] = (0, 0)
+    peak_rss_mib_after_first_round: float | None = None
+    collectives: dict[str, Any] | None = None
+    error: str | None = None  # first line of the exception that stopped the variant
+    traceback: str | None = None
+
+
+def _count_graph_calls(events: Any) -> dict[str, int]:
+    calls = {"dynamo_frames": 0, "inductor_graphs": 0, "aot_backward": 0}
+    for e in events:
+        n = e.name
+        if n.startswith("Torch-Compiled Region"):
+            calls["dynamo_frames"] += 1
+        elif n.startswith("## Call CompiledFxGraph"):
+            calls["inductor_graphs"] += 1
+        elif n == "CompiledFunctionBackward":
+            calls["aot_backward"] += 1
+    return calls
+
+
+def run_rank(
+    rank: int, shape: Shape, variants: list[Variant], rounds: int, steps: int,
+    warmup: int, backend: str, seed: int, progress: bool, count_graphs: bool,
+) -> dict[str, Any]:
+    """The round-robin loop on this rank. See [Note: Round-robin timing]."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch._dynamo
+    import torch._functorch.config as fconfig
+
+    # Many compiled variants share code objects (Module._call_impl); keep them all.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    import torch._inductor.config as iconfig
+
+    default_rv = fconfig.recompute_views
+    default_pre = iconfig.post_grad_custom_pre_pass
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
+    runners = [
+        Runner(v, shape, mesh, rank, backend, seed, default_rv, default_pre) for v in variants
+    ]
+    results = {v.name: VariantResult(v.name) for v in variants}
+
+    # Round 0: the compile step, then `warmup` warm-up steps; later rounds: `warmup`.
+    per_round = warmup + steps
+    total = len(runners) * (rounds * per_round + 1)
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=shape.name, unit="step", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=1.0)
+
+    def one_step(runner: Runner, res: VariantResult) -> float:
+        x, y = batch_for(shape, runner.steps_done, seed, rank)
+        before = compile_counts()
+        t0 = time.perf_counter()
+        loss = runner.step(x, y)
+        dt = time.perf_counter() - t0
+        after = compile_counts()
+        delta = (after[0] - before[0], after[1] - before[1])
+        res.losses.append(float(loss))
+        if runner.steps_done == 1:
+            res.first_step_s = dt
+            res.compiles_first_step = delta
+        else:
+            res.compiles_after = (res.compiles_after[0] + delta[0], res.compiles_after[1] + delta[1])
+        if bar is not None:
+            bar.update(1)
+        return dt
+
+    try:
+        for rnd in range(rounds):
+            for runner in runners:
+                res = results[runner.v.name]
+                if bar is not None:
+                    bar.set_description(f"{shape.name} round {rnd + 1}/{rounds} {runner.v.name}")
+                if res.error is not None:
+                    if bar is not None:
+                        bar.update(per_round)
+                    continue
+                gc.collect()
+                dist.barrier()
+                failed = 0
+                if runner.runs_here:
+                    try:
+                        with runner.active():
+                            n_warm = warmup + (1 if rnd == 0 else 0)
+                            for _ in range(n_warm):
+                                dt = one_step(runner, res)
+                                if runner.steps_done > 1:
+                                    res.warmup.append(dt)
+                            res.timed.append([one_step(runner, res) for _ in range(steps)])
+                    except Exception as e:  # noqa: BLE001 (reported, the others go on)
+                        import traceback
+
+                        res.error = f"{type(e).__name__}: {e}".strip()
+                        res.traceback = traceback.format_exc()
+                        failed = 1
+                        print(f"[rank {rank}] {runner.v.name} FAILED: {res.error.splitlines()[0]}",
+                              file=sys.stderr, flush=True)
+                # Rank 1 idles here while rank 0 runs the unsharded variant alone. Both
+                # ranks agree on a failure, so they skip the variant from now on together.
+                flag = torch.tensor([failed])
+                dist.all_reduce(flag)
+                if int(flag) and res.error is None:
+                    res.error = "failed on the other rank"
+                if rnd == 0:
+                    res.peak_rss_mib_after_first_round = peak_rss_mib()
+        if count_graphs:
+            _profile_graph_calls(runners, results, shape, seed, rank)
+    finally:
+        if bar is not None:
+            bar.close()
+    for runner in runners:
+        if runner.v.compiled and backend == "inductor":
+            results[runner.v.name].collectives = RECORDER.summary(runner.v.name)
+    return {
+        "rank": rank,
+        "variants": {k: vars(v) for k, v in results.items()},
+        "peak_rss_mib": peak_rss_mib(),
+        "order": [v.name for v in variants],
+    }
+
+
+def _profile_graph_calls(
+    runners: list[Runner], results: dict[str, VariantResult], shape: Shape, seed: int, rank: int
+) -> None:
+    """One extra, untimed step per compiled variant under the profiler, counting the
+    compiled graphs it calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for runner in runners:
+        if not runner.v.compiled or results[runner.v.name].error is not None:
+            continue
+        dist.barrier()
+        if runner.runs_here:
+            with runner.active():
+                x, y = batch_for(shape, runner.steps_done, seed, rank)
+                before = compile_counts()
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    runner.step(x, y)
+                after = compile_counts()
+            res = results[runner.v.name]
+            res.graph_calls = _count_graph_calls(prof.events())
+            res.profiled_step_compiles = (after[0] - before[0], after[1] - before[1])
+        dist.barrier()
+
+
+# ------------------------------------------------------------------- spawning
+
+
+def spawn_worker(rank: int, tmp: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """Entry point of a spawned rank: one thread, gloo, ``fn(rank, **kwargs)``, write
+    the result."""
+    import pickle
+    import traceback
+
+    import datetime
+
+    torch.set_num_threads(1)
+    # A variant that fails on one rank only leaves the other in a collective; the
+    # timeout turns that hang into an error.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(minutes=15),
+    )
+    try:
+        result: Any = ("ok", fn(rank, **kwargs))
+    except BaseException:  # sent to the parent, which prints it and fails
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_spawned(**kwargs: Any) -> list[dict[str, Any]]:
+    """Runs :func:`run_rank` on ``WORLD`` spawned gloo ranks; returns their results
+    (rank order) or raises ``RuntimeError`` with every failing rank's traceback."""
+    return run_spawned_fn(run_rank, **kwargs)
+
+
+def run_spawned_fn(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+    """Runs ``fn(rank, **kwargs)`` on ``WORLD`` spawned gloo ranks, like
+    :func:`run_spawned`."""
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
+        ctx = mp.start_processes(
+            spawn_worker, args=(tmp, fn, kwargs), nprocs=WORLD, join=False, start_method="spawn"
+        )
+        try:
+            while not ctx.join():
+                pass
+        except Exception as e:  # a rank died without writing (segfault, kill)
+            died = str(e)
+        else:
+            died = ""
+        results, errors = [], []
+        for r in range(WORLD):
+            path = os.path.join(tmp, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (process died) {died}")
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "ok":
+                results.append(value)
+            else:
+                errors.append(f"rank {r}:\n{value}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results

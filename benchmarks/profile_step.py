@@ -1,0 +1,247 @@
+#!/usr/bin/env python
+"""Where a training step's time goes: torch.profiler on rank 0 of 2 gloo ranks.
+
+    python benchmarks/profile_step.py [--shape overhead|compute]
+        [--variants ours_compiled,torch_block_compiled] [--warmup 3] [--steps 5]
+        [--out DIR] [--trace]
+
+Builds the named variants exactly as ``step_time.py`` does (``_harness.Runner``),
+warms each up, times ``--steps`` unprofiled steps, then profiles ``--steps`` more on
+both ranks with the step split into phases (``forward``, ``loss``, ``backward``,
+``optimizer`` = AdamW step + zero_grad) and reports, per phase and per step, from rank
+0's main thread (the CPU autograd engine runs the backward on the calling thread):
+
+- ``graph``: time inside compiled graphs (``## Call CompiledFxGraph`` events), split
+  into ``collectives`` (the functional collective ops and their ``wait_tensor``
+  inside the graph: issue + wait on the critical path, gloo being synchronous here)
+  and ``compute`` (the rest of the graph: Inductor's C++ kernels and extern calls);
+- outside graphs: ``collectives`` (c10d / functional collective ops called eagerly),
+  ``aten`` (top-level ATen ops: eager compute and DTensor's local ops) and
+  ``python/framework`` (the rest: Python, dynamo guards and wrappers, compiled
+  autograd's graph walk and cache lookup, DTensor dispatch, hooks).
+
+Writes ``<out>/profile_<shape>.md`` (printed too) and ``.json``; ``--trace`` also
+writes a Chrome trace per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PHASES = ("forward", "loss", "backward", "optimizer")
+_COLL_OPS = (
+    "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor",
+    "c10d::allgather", "c10d::_allgather_base", "c10d::reduce_scatter",
+    "c10d::_reduce_scatter_base", "c10d::allreduce", "c10d::barrier",
+    "c10d::allgather_into_tensor_coalesced", "c10d::reduce_scatter_tensor_coalesced",
+)
+
+
+def _is_coll(name: str) -> bool:
+    return name.startswith(_COLL_OPS) or name.startswith("gloo:")
+
+
+def _profile_rank(rank: int, shape_name: str, variants: list[str], warmup: int, steps: int,
+                  out: str, trace: bool, backend: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import _harness as H
+
+    torch._dynamo.config.recompile_limit = 64
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = H.SHAPES[shape_name]
+    known, _ = H.all_variants()
+    by_name = {v.name: v for v in known}
+    mesh = init_device_mesh("cpu", (H.WORLD,), mesh_dim_names=("shard",))
+    default_rv, default_pre = fconfig.recompute_views, iconfig.post_grad_custom_pre_pass
+    results: dict[str, Any] = {}
+    for name in variants:
+        v = by_name[name]
+        runner = H.Runner(v, shape, mesh, rank, backend, 0, default_rv, default_pre)
+        dist.barrier()
+        if runner.runs_here:
+            with runner.active():
+                for _ in range(warmup):
+                    x, y = H.batch_for(shape, runner.steps_done, 0, rank)
+                    runner.step(x, y)
+                plain = []
+                for _ in range(steps):
+                    x, y = H.batch_for(shape, runner.steps_done, 0, rank)
+                    t0 = time.perf_counter()
+                    runner.step(x, y)
+                    plain.append(time.perf_counter() - t0)
+                before = H.compile_counts()
+                walls = []
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(steps):
+                        x, y = H.batch_for(shape, runner.steps_done, 0, rank)
+                        t0 = time.perf_counter()
+                        with record_function("phase::forward"):
+                            logits = runner.fwd(x)
+                        with record_function("phase::loss"):
+                            loss = H.loss_fn(logits, y)
+                        with record_function("phase::backward"):
+                            loss.backward()
+                        with record_function("phase::optimizer"):
+                            runner.opt.step()
+                            runner.opt.zero_grad()
+                        runner.steps_done += 1
+                        walls.append(time.perf_counter() - t0)
+                after = H.compile_counts()
+            if rank == 0:
+                results[name] = _breakdown(prof.events(), steps)
+                results[name]["unprofiled_median_ms"] = statistics.median(plain) * 1e3
+                results[name]["profiled_median_ms"] = statistics.median(walls) * 1e3
+                results[name]["compiles_while_profiling"] = [after[0] - before[0], after[1] - before[1]]
+                if trace:
+                    os.makedirs(out, exist_ok=True)
+                    prof.export_chrome_trace(os.path.join(out, f"trace_{shape_name}_{name}.json"))
+        dist.barrier()
+    return results
+
+
+def _breakdown(events: Any, steps: int) -> dict[str, Any]:
+    """Per-step milliseconds by phase and category (see the module docstring)."""
+    evs = [e for e in events if e.device_type.name == "CPU"]
+    threads: dict[int, int] = {}
+    for e in evs:
+        if e.name.startswith("phase::"):
+            threads[e.thread] = threads.get(e.thread, 0) + 1
+    main = max(threads, key=threads.get)
+    evs = [e for e in evs if e.thread == main]
+
+    def span(e: Any) -> tuple[float, float]:
+        return e.time_range.start, e.time_range.end
+
+    phases = [(e.name.split("::", 1)[1], *span(e)) for e in evs if e.name.startswith("phase::")]
+    graphs = [span(e) for e in evs if e.name.startswith("## Call CompiledFxGraph")]
+    colls = [(e.name, *span(e)) for e in evs if _is_coll(e.name)]
+    atens = sorted((span(e) for e in evs if e.name.startswith("aten::")), key=lambda s: (s[0], -s[1]))
+    # Top-level ATen ops only (not nested in another ATen op).
+    top_aten: list[tuple[float, float]] = []
+    for s, t in atens:
+        if top_aten and s >= top_aten[-1][0] and t <= top_aten[-1][1]:
+            continue
+        top_aten.append((s, t))
+
+    def inside(s: float, t: float, spans: list[tuple[float, float]]) -> bool:
+        return any(a <= s and t <= b for a, b in spans)
+
+    out: dict[str, dict[str, float]] = {}
+    n_coll: dict[str, int] = {}
+    for ph in PHASES:
+        spans = [(s, t) for n, s, t in phases if n == ph]
+        wall = sum(t - s for s, t in spans)
+        g_in = [(s, t) for s, t in graphs if inside(s, t, spans)]
+        graph_t = sum(t - s for s, t in g_in)
+        c_in = [(n, s, t) for n, s, t in colls if inside(s, t, spans)]
+        # Collectives may nest (c10d op inside a functional op): count outermost only.
+        c_top: list[tuple[str, float, float]] = []
+        for n, s, t in sorted(c_in, key=lambda c: (c[1], -c[2])):
+            if c_top and s >= c_top[-1][1] and t <= c_top[-1][2]:
+                continue
+            c_top.append((n, s, t))
+        coll_graph = sum(t - s for n, s, t in c_top if inside(s, t, g_in))
+        coll_out = sum(t - s for n, s, t in c_top if not inside(s, t, g_in))
+        for n, s, t in c_top:
+            if not n.endswith("wait_tensor"):
+                n_coll[n] = n_coll.get(n, 0) + 1
+        aten_out = sum(
+            t - s for s, t in top_aten
+            if inside(s, t, spans) and not inside(s, t, g_in)
+            and not any(cs <= s and t <= ct for _, cs, ct in c_top)
+            and not any(s <= cs and ct <= t for _, cs, ct in c_top)
+        )
+        out[ph] = {
+            "wall": wall / steps / 1e3,
+            "graph_collectives": coll_graph / steps / 1e3,
+            "graph_compute": (graph_t - coll_graph) / steps / 1e3,
+            "eager_collectives": coll_out / steps / 1e3,
+            "eager_aten": aten_out / steps / 1e3,
+            "python_framework": (wall - graph_t - coll_out - aten_out) / steps / 1e3,
+        }
+    return {"ms_per_step": out, "collective_calls_per_step": {k: v / steps for k, v in n_coll.items()}}
+
+
+def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace) -> str:
+    cats = ("graph_compute", "graph_collectives", "eager_collectives", "eager_aten", "python_framework")
+    lines = [
+        f"### Profile, shape `{shape.name}` ({shape.layers} layers, dim {shape.dim}, seq "
+        f"{shape.seq}, batch {shape.batch}/rank), rank 0, ms per step (mean of {args.steps} "
+        "profiled steps)",
+        "",
+        "| variant | phase | wall | graph: compute | graph: collectives | eager collectives "
+        "| eager ATen | Python / framework |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in res.items():
+        tot = {c: 0.0 for c in ("wall", *cats)}
+        for ph in PHASES:
+            row = r["ms_per_step"][ph]
+            for c in tot:
+                tot[c] += row[c]
+            lines.append(f"| {name} | {ph} | {row['wall']:.1f} | " + " | ".join(f"{row[c]:.1f}" for c in cats) + " |")
+        lines.append(f"| **{name}** | **step** | **{tot['wall']:.1f}** | " + " | ".join(f"**{tot[c]:.1f}**" for c in cats) + " |")
+    lines.append("")
+    for name, r in res.items():
+        calls = ", ".join(f"{k.split('::')[-1]} {v:g}" for k, v in sorted(r["collective_calls_per_step"].items()))
+        lines.append(
+            f"- {name}: unprofiled median step {r['unprofiled_median_ms']:.1f} ms, profiled "
+            f"{r['profiled_median_ms']:.1f} ms; collective calls per step (rank 0): {calls or 'none seen'}; "
+            f"compiles while profiling (dynamo, inductor): {r['compiles_while_profiling']}."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="profile_step.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=("overhead", "compute", "smoke"), default="overhead")
+    p.add_argument("--variants", default="ours_compiled,torch_block_compiled")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--trace", action="store_true", help="also write Chrome traces")
+    args = p.parse_args(argv)
+    sys.path.insert(0, HERE)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    import _harness as H
+
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    known = {v.name for v in H.all_variants()[0]}
+    bad = [n for n in names if n not in known]
+    if bad:
+        p.error(f"unknown variant(s) {bad}; known: {sorted(known)}")
+    ranks = H.run_spawned_fn(
+        _profile_rank, shape_name=args.shape, variants=names, warmup=args.warmup,
+        steps=args.steps, out=args.out, trace=args.trace, backend=args.backend,
+    )
+    res = ranks[0]
+    md = _markdown(H.SHAPES[args.shape], res, args)
+    print(md)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"profile_{args.shape}")
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(args=vars(args), results=res), f, indent=1)
+    print(f"wrote {stem}.md, {stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

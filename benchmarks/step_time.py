@@ -1,0 +1,383 @@
+#!/usr/bin/env python
+"""Training step time of traceable_hsdp against torch's fully_shard, on 2 gloo ranks.
+
+    python benchmarks/step_time.py [--shape overhead|compute|both] [--steps N]
+                                   [--rounds R] [--out DIR] [--smoke] [--backend B]
+
+Spawns 2 gloo ranks (one thread each) and, in one run, times these variants of the
+same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same model
+(same seed) and the same batches, alternating round-robin between them (see
+[Note: Round-robin timing] in ``_harness.py``):
+
+- ``ours_eager``: ``traceable_hsdp.fully_shard`` per block then root, eager;
+- ``ours_compiled``: the same under ``torch.compile(model, fullgraph=True)`` with
+  ``traceable_hsdp.enable_compiled_autograd()``, all passes on;
+- ``ours_compiled_nopasses`` (and ``ours_compiled_no_<pass>`` per switchable pass);
+- ``torch_eager``: ``torch.distributed.fsdp.fully_shard`` per block then root, eager;
+- ``torch_block_compiled``: torchtitan's recipe, every block
+  ``torch.compile(block, fullgraph=True)`` then torch's fully_shard; eager backward;
+- ``unsharded_compiled_1rank``: the plain model compiled, on rank 0 alone with the same
+  per-rank batch (rank 1 waits in a barrier meanwhile): the no-communication floor.
+
+Writes ``<out>/step_time_<shape>.md`` (the table, also printed), ``.json`` (every raw
+step time, both ranks, losses, graph and collective counts) and ``.png`` (when
+matplotlib is importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOSS_TOL = 1e-4
+REF_BLOCK, REF_EAGER = "torch_block_compiled", "torch_eager"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="step_time.py",
+        description=(
+            "Step time of traceable_hsdp (eager, compiled, per pass) against torch's "
+            "fully_shard (eager, per-block compiled) and an unsharded 1-rank floor, on 2 "
+            "spawned gloo ranks, alternating round-robin between variants."
+        ),
+    )
+    p.add_argument("--shape", choices=("overhead", "compute", "both"), default="both",
+                   help="overhead: 16 layers, dim 64, seq 32; compute: 4 layers, dim 256, "
+                        "seq 128; both batch 2 per rank, 4 heads, vocab 256 (default both)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round (default 5)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps per variant at the start of each round, after the "
+                        "compile step of round 1 (default 1)")
+    p.add_argument("--out", default=os.path.join(HERE, "results"),
+                   help="output folder (default benchmarks/results/)")
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile backend of every compiled variant (default inductor; "
+                        "collectives are only counted with inductor)")
+    p.add_argument("--variants", default=None,
+                   help="comma list of variant names to run (default all)")
+    p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny check of the harness: 2 layers, dim 32, seq 16, 2 steps, 1 round")
+    p.add_argument("--no-graph-count", action="store_true",
+                   help="skip the extra profiled step per compiled variant that counts graph calls")
+    p.add_argument("--keep-inductor-cache", action="store_true",
+                   help="use the usual Inductor cache dir instead of a fresh one (compile "
+                        "times then depend on earlier runs)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.steps, a.rounds = (2 if a.steps == 5 else a.steps), (1 if a.rounds == 3 else a.rounds)
+    for name in ("steps", "rounds"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    return a
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(shape: Any, ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """Per-variant numbers from the ranks' raw results (rank 0's clock)."""
+    r0, r1 = ranks[0], ranks[1]
+    rows: dict[str, dict[str, Any]] = {}
+    failed: dict[str, dict[str, Any]] = {}
+    for name in r0["order"]:
+        v0, v1 = r0["variants"][name], r1["variants"][name]
+        times = [t for rnd in v0["timed"] for t in rnd]
+        err = v0["error"] or v1["error"]
+        if err:
+            mine = v0 if v0["error"] and v0["error"] != "failed on the other rank" else v1
+            failed[name] = dict(
+                error=mine["error"], traceback=mine["traceback"],
+                failed_on_rank=[r for r, v in ((0, v0), (1, v1))
+                                if v["error"] and v["error"] != "failed on the other rank"],
+                steps_done=len(v0["losses"]), losses_rank0=v0["losses"],
+            )
+            continue
+        med = statistics.median(times)
+        unsharded = name.startswith("unsharded")
+        tokens = shape.batch * shape.seq * (1 if unsharded else world)
+        comp = v0["compiles_after"]
+        comp1 = v1["compiles_after"] if not unsharded else (0, 0)
+        rows[name] = dict(
+            median_s=med,
+            p25_s=_q(times, 0.25),
+            p75_s=_q(times, 0.75),
+            n_timed=len(times),
+            round_medians_s=[statistics.median(r) for r in v0["timed"]],
+            tokens_per_s=tokens / med,
+            first_step_s=v0["first_step_s"],
+            compile_s=(v0["first_step_s"] - med) if v0["first_step_s"] is not None else None,
+            recompiles_after_warmup=[comp[0] + comp[1], comp1[0] + comp1[1]],
+            compiles_first_step=v0["compiles_first_step"],
+            graph_calls=v0["graph_calls"],
+            profiled_step_compiles=v0["profiled_step_compiles"],
+            collectives=v0["collectives"],
+            peak_rss_mib_after_first_round=[
+                v0["peak_rss_mib_after_first_round"], v1["peak_rss_mib_after_first_round"]
+            ],
+            loss_step1=v0["losses"][0],
+            losses_rank0=v0["losses"],
+            losses_rank1=v1["losses"],
+        )
+    for ref in (REF_BLOCK, REF_EAGER):
+        if ref in rows:
+            for row in rows.values():
+                row[f"vs_{ref}"] = row["median_s"] / rows[ref]["median_s"]
+    # Correctness: step-1 local loss of rank 0 on every variant (same weights, same
+    # batch); sharded variants also compared over all steps against torch_eager.
+    l1 = {k: r["loss_step1"] for k, r in rows.items()}
+    l1.update({k: f["losses_rank0"][0] for k, f in failed.items() if f["losses_rank0"]})
+    spread = max(l1.values()) - min(l1.values()) if l1 else float("nan")
+    traj: dict[str, float] = {}
+    if REF_EAGER in rows:
+        ref = rows[REF_EAGER]["losses_rank0"]
+        for k, r in rows.items():
+            if not k.startswith("unsharded"):
+                n = min(len(ref), len(r["losses_rank0"]))
+                traj[k] = max(abs(a - b) for a, b in zip(ref[:n], r["losses_rank0"][:n]))
+    return dict(
+        rows=rows,
+        failed=failed,
+        loss_step1=l1,
+        loss_step1_spread=spread,
+        loss_ok=spread <= LOSS_TOL,
+        loss_traj_max_diff_vs_torch_eager=traj,
+        peak_rss_mib=[r0["peak_rss_mib"], r1["peak_rss_mib"]],
+    )
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}x"
+
+
+def _coll_cells(c: dict[str, Any] | None) -> tuple[str, str]:
+    if not c or not c.get("inductor_graphs"):
+        return "–", "–"
+    per = c["per_step"]
+    n = "/".join(str(per.get(k, {}).get("count", 0)) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    mb = sum(v["bytes"] for v in per.values()) / 2**20
+    return n, f"{mb:.2f}"
+
+
+def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict[str, Any]) -> str:
+    rows = s["rows"]
+    lines = [
+        f"### Shape `{shape.name}`: {shape.layers} layers, dim {shape.dim}, {shape.heads} heads, "
+        f"vocab {shape.vocab}, seq {shape.seq}, batch {shape.batch} per rank",
+        "",
+        f"{meta['world']} gloo ranks x 1 thread on {meta['cpus']} CPU cores; torch "
+        f"{meta['torch']}; backend `{args.backend}`; {args.rounds} rounds x {args.steps} timed "
+        f"steps per variant (+{args.warmup} warm-up per round); medians over all "
+        f"{args.rounds * args.steps} timed steps, rank 0's clock. {meta['passes']}.",
+        "",
+        "| variant | median step (ms) | p25-p75 (ms) | tokens/s | vs torch_block_compiled "
+        "| vs torch_eager | compile (s) | recompiles after warm-up (r0, r1) "
+        "| graphs/step (dynamo / inductor) | collectives/step AG/RS/AR | collective MiB/step "
+        "| peak RSS after round 1, r0/r1 (MiB) | loss step 1 (rank 0) |",
+        "|" + "---|" * 13,
+    ]
+    for name, r in rows.items():
+        gc = r["graph_calls"]
+        graphs = f"{gc['dynamo_frames']} / {gc['inductor_graphs']}" if gc else "–"
+        coll_n, coll_mb = _coll_cells(r["collectives"])
+        rss = r["peak_rss_mib_after_first_round"]
+        rss_cell = f"{rss[0]:.0f} / {'idle' if name.startswith('unsharded') else format(rss[1], '.0f')}"
+        compile_cell = _fmt(r["compile_s"], ".1f")
+        lines.append(
+            f"| {name} | {r['median_s'] * 1e3:.1f} | {r['p25_s'] * 1e3:.1f}-{r['p75_s'] * 1e3:.1f} "
+            f"| {r['tokens_per_s']:.0f}{' (1 rank)' if name.startswith('unsharded') else ''} "
+            f"| {_ratio(r.get('vs_' + REF_BLOCK))} | {_ratio(r.get('vs_' + REF_EAGER))} "
+            f"| {compile_cell} | {r['recompiles_after_warmup'][0]}, "
+            f"{'–' if name.startswith('unsharded') else r['recompiles_after_warmup'][1]} "
+            f"| {graphs} | {coll_n} | {coll_mb} | {rss_cell} | {r['loss_step1']:.6f} |"
+        )
+    for name, f in s["failed"].items():
+        first = f["error"].splitlines()[0][:160]
+        lines.append(
+            f"| {name} | FAILED after {f['steps_done']} step(s) on rank(s) "
+            f"{f['failed_on_rank']}: `{first}` |" + " |" * 12
+        )
+    lines.append("")
+    verdict = "OK" if s["loss_ok"] else "MISMATCH"
+    lines.append(
+        f"Loss check (step 1, rank 0, every variant that got through step 1, from the same "
+        f"weights and batch): spread {s['loss_step1_spread']:.2e} (tolerance {LOSS_TOL:g}): "
+        f"**{verdict}**."
+    )
+    if s["loss_traj_max_diff_vs_torch_eager"]:
+        worst = max(s["loss_traj_max_diff_vs_torch_eager"].items(), key=lambda kv: kv[1])
+        lines.append(
+            f"Sharded variants over all their steps vs torch_eager: max |loss diff| "
+            f"{worst[1]:.2e} ({worst[0]})."
+        )
+    lines.append(
+        f"Peak RSS per process at the end: rank 0 {s['peak_rss_mib'][0]:.0f} MiB, rank 1 "
+        f"{s['peak_rss_mib'][1]:.0f} MiB (all variants share each process, so the per-variant "
+        "column is the process's high-water mark after that variant's first round, in run order)."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot(shape: Any, s: dict[str, Any], path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(s["rows"])
+    med = [s["rows"][n]["median_s"] * 1e3 for n in names]
+    lo = [m - s["rows"][n]["p25_s"] * 1e3 for m, n in zip(med, names)]
+    hi = [s["rows"][n]["p75_s"] * 1e3 - m for m, n in zip(med, names)]
+    colors = ["tab:blue" if n.startswith("ours") else "tab:orange" if n.startswith("torch") else "tab:gray" for n in names]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    ax.barh(names, med, xerr=[lo, hi], color=colors, capsize=3)
+    if REF_BLOCK in s["rows"]:
+        ref = s["rows"][REF_BLOCK]["median_s"] * 1e3
+        ax.axvline(ref, color="tab:orange", ls="--", lw=1, label=f"{REF_BLOCK}")
+        if shape.name == "overhead":
+            ax.axvline(0.75 * ref, color="tab:green", ls=":", lw=1, label="target 0.75x")
+        ax.legend(loc="lower right")
+    ax.invert_yaxis()
+    ax.set_xlabel("median step time (ms), bars p25-p75")
+    ax.set_title(f"step time, shape {shape.name} ({shape.layers} layers, dim {shape.dim}), 2 gloo ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------ main
+
+
+def _git_state() -> dict[str, str]:
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True,
+                                  timeout=20).stdout.strip()
+        except Exception as e:  # noqa: BLE001
+            return f"? ({e})"
+
+    return dict(
+        head=git("rev-parse", "--short", "HEAD"),
+        dirty_runtime=git("status", "--porcelain", "--", "../traceable_hsdp", "../passes"),
+    )
+
+
+def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import _harness as H
+
+    shape = H.SHAPES[shape_name]
+    variants, passes_line = H.all_variants()
+    if args.variants:
+        want = [v.strip() for v in args.variants.split(",") if v.strip()]
+        known = {v.name for v in variants}
+        bad = [w for w in want if w not in known]
+        if bad:
+            raise SystemExit(f"unknown variant(s) {bad}; known: {sorted(known)}")
+        variants = [v for v in variants if v.name in want]
+    print(f"== step_time: shape {shape_name}, variants {[v.name for v in variants]}; {passes_line}",
+          flush=True)
+    t0 = time.time()
+    load_before = os.getloadavg()
+    ranks = H.run_spawned(
+        shape=shape, variants=variants, rounds=args.rounds, steps=args.steps,
+        warmup=args.warmup, backend=args.backend, seed=args.seed,
+        progress=not args.no_progress, count_graphs=not args.no_graph_count,
+    )
+    wall = time.time() - t0
+    meta = dict(
+        git=_git_state(),
+        world=H.WORLD, cpus=os.cpu_count(), torch=torch.__version__,
+        python=platform.python_version(), machine=platform.platform(), passes=passes_line,
+        wall_s=wall, inductor_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"),
+        compile_threads=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"),
+        loadavg_before=load_before, loadavg_after=os.getloadavg(),
+    )
+    s = summarize(shape, ranks, H.WORLD)
+    md = markdown(shape, args, s, meta)
+    dirty = meta["git"]["dirty_runtime"]
+    md += (f"Code: commit {meta['git']['head']}"
+           + (f", with uncommitted changes in: {' '.join(l.split()[-1] for l in dirty.splitlines())}"
+              if dirty else ", runtime and passes clean")
+           + f". Wall time of this shape's run: {wall:.0f} s; load average (1 min) "
+           f"{meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after, "
+           f"{meta['loadavg_after'][2]:.1f} over the last 15 min.\n")
+    print()
+    print(md, flush=True)
+    for name, f in s["failed"].items():
+        print(f"!! {name} FAILED on rank(s) {f['failed_on_rank']}:\n{f['traceback']}",
+              file=sys.stderr, flush=True)
+    if not s["loss_ok"]:
+        l1 = s["loss_step1"]
+        print("!" * 78 + f"\n!! LOSS MISMATCH at step 1 (spread {s['loss_step1_spread']:.3e} > "
+              f"{LOSS_TOL:g}): {l1}\n" + "!" * 78, file=sys.stderr, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"step_time_{shape_name}")
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(args=vars(args), shape=vars(shape), meta=meta, summary=s, raw=ranks), f,
+                  indent=1, default=str)
+    png = plot(shape, s, stem + ".png")
+    print(f"wrote {stem}.md, {stem}.json" + (f", {png}" if png else " (no matplotlib: no plot)"),
+          flush=True)
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, HERE)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # 2 ranks already fill 2 cores
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiled step: no kineto chatter
+    tmp_cache = None
+    if not args.keep_inductor_cache:
+        # Cold compiles for every run: a fresh cache dir (the ranks inherit it).
+        tmp_cache = tempfile.TemporaryDirectory(prefix="step_time_inductor_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp_cache.name
+    shapes = ["smoke"] if args.smoke else (["overhead", "compute"] if args.shape == "both" else [args.shape])
+    ok = True
+    try:
+        for name in shapes:
+            summary = run_shape(name, args)
+            ok &= summary["loss_ok"] and not summary["failed"]
+    finally:
+        if tmp_cache is not None:
+            tmp_cache.cleanup()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
