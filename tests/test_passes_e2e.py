@@ -1,0 +1,171 @@
+"""Tier 2: the passes inside a real compiled training step.
+
+Two gloo ranks, a 4-block Llama (width 32) with nested fully_shard (5 units: 4
+blocks and the root), reshard after forward, the whole step (forward, loss,
+backward) compiled by Inductor with compiled autograd. ``fully_shard`` installed
+the passes as Inductor's post-grad pre-pass; a recording pass set as the post-grad
+*post*-pass sees each graph after them and counts what is left.
+
+Parity: losses against a single-process AdamW reference on the same global batch,
+rtol 1e-5; final full parameters atol 1e-4. Not bitwise: the sharded run averages
+gradients with reduce-scatters (another summation order), Inductor fuses and
+reorders float math, and AdamW turns ~1e-7 gradient differences into larger
+parameter ones. The passes themselves only move data (see test_passes_unit.py,
+where their effect is checked bitwise).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import run_ranks
+
+N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 4, 3, 8, 2, 1e-2
+N_UNITS = N_LAYERS + 1
+
+# [Note: Runtime bug blocking this test]
+# The compiled backward fails before any of these checks can run, with or without the
+# passes: the post-accumulate-grad hook frees the placeholder (resize to 0 bytes);
+# compiled autograd moves that hook right after the parameter's gradient is computed
+# (reorder_accumulate_grad_nodes / reorder_post_acc_grad_hook_nodes); Inductor's
+# partitioner emits a linear's weight-gradient matmul before the input-gradient
+# matmul that still reads the weight; so the weight is read after it was freed:
+# "RuntimeError: The tensor has a non-zero number of elements, but its data is not
+# allocated yet". (aot_eager orders the two matmuls the other way round, which is why
+# tests/test_runtime.py passes.) remove_resize_copy rightly leaves such a parameter
+# alone. Only that error is an expected failure; once the runtime frees after the
+# last read, the test runs its checks and must pass.
+_RUNTIME_BUG = (
+    "runtime frees a placeholder in its post-accumulate-grad hook, which compiled "
+    "autograd schedules before the input-gradient matmul that still reads it "
+    "(Inductor backend); see [Note: Runtime bug blocking this test]"
+)
+
+
+def _counts(graph: torch.fx.Graph) -> dict[str, int]:
+    from traceable_hsdp.passes import _predicates as P
+
+    c = dict.fromkeys(("all_gather", "reduce_scatter", "fsdp_copy", "resize_full", "resize_0"), 0)
+    for n in graph.nodes:
+        if P.is_all_gather(n):
+            c["all_gather"] += 1
+        elif P.is_reduce_scatter(n):
+            c["reduce_scatter"] += 1
+        elif P.is_fsdp_copy(n):
+            c["fsdp_copy"] += 1
+        elif P.is_resize(n):
+            c["resize_0" if P.resize_nbytes(n) == 0 else "resize_full"] += 1
+    return c
+
+
+def _placeholder_bytes(model: torch.nn.Module) -> int:
+    total = 0
+    for m in model.modules():
+        state = m.__dict__.get("_traceable_hsdp_state")
+        if state is not None and state.param_group is not None and state.module is m:
+            total += sum(fp.unsharded_param.untyped_storage().nbytes() for fp in state.param_group.fsdp_params)
+    return total
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.nn.functional as F
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    import traceable_hsdp as th
+    from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+    from traceable_hsdp.passes import TraceableHSDPPass
+
+    graphs: list[dict[str, int]] = []
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            graphs.append(_counts(graph))
+
+        def uuid(self) -> None:
+            return None  # never served from the FX cache: every graph is seen
+
+    torch._inductor.config.post_grad_custom_post_pass = Record()
+    torch.manual_seed(0)
+    # vocab 65: the embedding and the output head have padded shards.
+    cfg = LlamaConfig(vocab_size=65, dim=32, n_layers=N_LAYERS, n_heads=2, max_seq_len=16)
+    ref = Llama(cfg)
+    model = copy.deepcopy(ref)
+    shard_llama(model, th.fully_shard)
+    installed = isinstance(torch._inductor.config.post_grad_custom_pre_pass, TraceableHSDPPass)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    torch._dynamo.config.compiled_autograd = True
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    compiled_step = torch.compile(step)
+    gen = torch.Generator().manual_seed(1234)
+    losses, ref_losses, graphs_after_step, bytes_after_step = [], [], [], []
+    for _ in range(STEPS):
+        tok = torch.randint(0, cfg.vocab_size, (world * BATCH_PER_RANK, SEQ + 1), generator=gen)
+        x, y = tok[:, :-1], tok[:, 1:]
+        loss = compiled_step(x.chunk(world)[rank], y.chunk(world)[rank])
+        graphs_after_step.append(len(graphs))
+        bytes_after_step.append(_placeholder_bytes(model))
+        opt.step()
+        opt.zero_grad()
+        torch.distributed.all_reduce(loss)
+        losses.append(loss.item() / world)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return dict(
+        installed=installed,
+        graphs=graphs,
+        graphs_after_step=graphs_after_step,
+        bytes_after_step=bytes_after_step,
+        losses=losses,
+        ref_losses=ref_losses,
+        param_diff={k: (full[k] - v).abs().max().item() for k, v in ref.state_dict().items()},
+    )
+
+
+@pytest.mark.slow
+def test_passes_in_compiled_fsdp_step() -> None:
+    try:
+        results = run_ranks(_worker, 2)
+    except RuntimeError as e:
+        if "its data is not allocated yet" in str(e):
+            pytest.xfail(_RUNTIME_BUG)
+        raise
+    for r in results:
+        assert r["installed"]
+        # One forward and one backward graph with collectives (plus the empty graph
+        # after the backward() graph break), all compiled in step 1: no recompile.
+        n = r["graphs_after_step"][0]
+        assert r["graphs_after_step"] == [n] * STEPS, r["graphs_after_step"]
+        fwd = [g for g in r["graphs"] if g["all_gather"] and not g["reduce_scatter"]]
+        bwd = [g for g in r["graphs"] if g["reduce_scatter"]]
+        assert len(fwd) == 1 and len(bwd) == 1, r["graphs"]
+        for g in (fwd[0], bwd[0]):
+            # remove_resize_copy: no copy into a placeholder, no storage ever grown.
+            assert g["fsdp_copy"] == 0 and g["resize_full"] == 0 and g["resize_0"] == 0, g
+        # Bucketing: one all-gather per unit forward, at most that backward (the
+        # root's may stay gathered), one reduce-scatter per unit.
+        assert fwd[0]["all_gather"] == N_UNITS, fwd[0]
+        assert 1 <= bwd[0]["all_gather"] <= N_UNITS, bwd[0]
+        assert bwd[0]["reduce_scatter"] == N_UNITS, bwd[0]
+        # The placeholders never got storage.
+        assert r["bytes_after_step"] == [0] * STEPS
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)
+        worst = max(r["param_diff"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-4, worst
