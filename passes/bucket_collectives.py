@@ -59,6 +59,10 @@ After (at the last reduce-scatter of the bucket)::
 
 Reads of a result that sat between the reduce-scatters (HSDP's all-reduce over the
 replicate group, views) move after the bucket; a side-effecting read splits it.
+With ``reshard_after_forward=False`` the backward re-gathers nothing, so nothing
+delimits the units: all of the backward's reduce-scatters form one bucket, issued
+after the last gradient (fewer collectives, but every unsharded gradient stays alive
+until then).
 
 Invariant of both: every replaced wait's value is the same tensor value as before
 (bitwise: the reduction is elementwise over the same ranks), each collective now
@@ -122,6 +126,35 @@ class _Unit:
     nodes: list[fx.Node]
     key: Hashable
     nbytes: int
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One collective of a bucket, with what the rewrite needs."""
+
+    node: fx.Node  # the all-gather or reduce-scatter
+    wait: fx.Node  # its only user
+    input: fx.Node
+    numel: int  # of the input
+    out_shape: list[int]  # of the wait
+
+    @staticmethod
+    def of(node: fx.Node) -> _Member:
+        # The planning keys checked all of this; see _all_gather_key and
+        # _reduce_scatter_key.
+        wait, inp = single_wait(node), node.args[0]
+        in_val, out_val = tensor_val(inp), tensor_val(wait)
+        assert wait is not None and isinstance(inp, fx.Node)
+        assert in_val is not None and out_val is not None
+        numel = static_numel(in_val)
+        assert numel is not None
+        return _Member(node, wait, inp, numel, list(out_val.shape))
+
+
+def _group(node: fx.Node) -> tuple[int, str]:
+    group = collective_group(node)
+    assert group is not None  # checked when planning
+    return group
 
 
 # ------------------------------------------------------------------ all-gathers
@@ -204,11 +237,10 @@ def _all_gather_layout(
     """Where the merged all-gather goes (before the first read of any result) and
     the pure nodes to hoist before it so that every input is ready there; ``None``
     if that cannot be done."""
-    waits = [single_wait(g) for g in gathers]
-    if any(w is None for w in waits):
+    results = {w for w in (single_wait(g) for g in gathers) if w is not None}
+    if len(results) != len(gathers):
         return None
-    results = set(waits)
-    readers = [u for w in waits for u in w.users]
+    readers = [u for w in results for u in w.users]
     if readers:
         at = min(readers, key=order.__getitem__)
     else:
@@ -244,38 +276,35 @@ def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
     at, hoist = layout
     for n in hoist:
         at.prepend(n)
-    size, name = collective_group(gathers[0])  # type: ignore[misc]
-    waits = [single_wait(g) for g in gathers]
-    numels = [static_numel(tensor_val(g.args[0])) for g in gathers]  # type: ignore[arg-type]
-    total = sum(numels)  # type: ignore[arg-type]
+    size, name = _group(gathers[0])
+    members = [_Member.of(g) for g in gathers]
+    total = sum(m.numel for m in members)
     first = gathers[0]
     with graph.inserting_before(at):
         flat = [
-            insert_call(graph, _aten.reshape.default, (g.args[0], [-1]), like=g)
-            for g in gathers
+            insert_call(graph, _aten.reshape.default, (m.input, [-1]), like=m.node)
+            for m in members
         ]
         buf = insert_call(graph, _aten.cat.default, (flat,), like=first)
         ag = insert_call(graph, ALL_GATHER, (buf, size, name), like=first)
         out = insert_call(graph, WAIT, (ag,), like=first)
         grid = insert_call(graph, _aten.view.default, (out, [size, total]), like=first)
         offset = 0
-        for g, wait, numel in zip(gathers, waits, numels):
-            assert wait is not None and numel is not None
-            shape = list(tensor_val(wait).shape)  # type: ignore[union-attr]
+        for m in members:
             cols = insert_call(
-                graph, _aten.slice.Tensor, (grid, 1, offset, offset + numel), like=g
+                graph, _aten.slice.Tensor, (grid, 1, offset, offset + m.numel), like=m.node
             )
             dense = insert_call(
                 graph,
                 _aten.clone.default,
                 (cols,),
                 {"memory_format": torch.contiguous_format},
-                like=g,
+                like=m.node,
             )
-            result = insert_call(graph, _aten.view.default, (dense, shape), like=g)
-            wait.replace_all_uses_with(result)
-            offset += numel
-    erase_all(graph, [*waits, *gathers])  # type: ignore[list-item]
+            result = insert_call(graph, _aten.view.default, (dense, m.out_shape), like=m.node)
+            m.wait.replace_all_uses_with(result)
+            offset += m.numel
+    erase_all(graph, [n for m in members for n in (m.wait, m.node)])
     log.debug("bucket_all_gathers: %s -> %s", [g.name for g in gathers], ag.name)
     return True
 
@@ -346,8 +375,13 @@ def plan_reduce_scatter_buckets(
                 part = _Unit([node], run.key, 0)
         units.append(part)
     for unit in units:
-        unit.nbytes = sum(_reduce_scatter_key(n)[1] for n in unit.nodes)  # type: ignore[index]
+        unit.nbytes = sum(_nbytes(_reduce_scatter_key(n)) for n in unit.nodes)
     return _apply_cap(units, bucket_cap_mb, valid)
+
+
+def _nbytes(key_bytes: tuple[Hashable, int] | None) -> int:
+    assert key_bytes is not None  # planned nodes all have a key
+    return key_bytes[1]
 
 
 def _reduce_scatter_key(node: fx.Node) -> tuple[Hashable, int] | None:
@@ -375,10 +409,10 @@ def _reduce_scatter_layout(
     """The last reduce-scatter (the merged one goes right after it) and the readers
     of results to move after the merged one; ``None`` if that cannot be done."""
     waits = [single_wait(s) for s in scatters]
-    if any(w is None for w in waits):
+    results = {w for w in waits if w is not None}
+    if len(results) != len(scatters):
         return None
     members = set(scatters)
-    results: set[fx.Node] = set(waits)  # type: ignore[arg-type]
     first = min(scatters, key=order.__getitem__)
     last = max(scatters, key=order.__getitem__)
     moved: list[fx.Node] = []
@@ -408,34 +442,32 @@ def _merge_reduce_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> bool:
         )
         return False
     last, moved = layout
-    size, name = collective_group(scatters[0])  # type: ignore[misc]
+    size, name = _group(scatters[0])
     op = scatters[0].args[1]
-    waits = [single_wait(s) for s in scatters]
-    chunks = [static_numel(tensor_val(s.args[0])) // size for s in scatters]  # type: ignore[operator, arg-type]
+    members = [_Member.of(s) for s in scatters]
     after = last
     with graph.inserting_before(last.next):
         rows = [
-            insert_call(graph, _aten.reshape.default, (s.args[0], [size, c]), like=s)
-            for s, c in zip(scatters, chunks)
+            insert_call(graph, _aten.reshape.default, (m.input, [size, m.numel // size]), like=m.node)
+            for m in members
         ]
         grid = insert_call(graph, _aten.cat.default, (rows, 1), like=last)
         buf = insert_call(graph, _aten.view.default, (grid, [-1]), like=last)
         rs = insert_call(graph, REDUCE_SCATTER, (buf, op, size, name), like=last)
         out = insert_call(graph, WAIT, (rs,), like=last)
         offset = 0
-        for s, wait, chunk in zip(scatters, waits, chunks):
-            assert wait is not None
-            shape = list(tensor_val(wait).shape)  # type: ignore[union-attr]
+        for m in members:
+            chunk = m.numel // size
             part = insert_call(
-                graph, _aten.slice.Tensor, (out, 0, offset, offset + chunk), like=s
+                graph, _aten.slice.Tensor, (out, 0, offset, offset + chunk), like=m.node
             )
-            after = insert_call(graph, _aten.view.default, (part, shape), like=s)
-            wait.replace_all_uses_with(after)
+            after = insert_call(graph, _aten.view.default, (part, m.out_shape), like=m.node)
+            m.wait.replace_all_uses_with(after)
             offset += chunk
     for n in moved:
         after.append(n)
         after = n
-    erase_all(graph, [*waits, *scatters])  # type: ignore[list-item]
+    erase_all(graph, [n for m in members for n in (m.wait, m.node)])
     log.debug("bucket_reduce_scatters: %s -> %s", [s.name for s in scatters], rs.name)
     return True
 
