@@ -665,3 +665,30 @@ def test_bucketed_graphs_run_with_real_collectives(one_rank) -> None:
     assert (_counts(gm)["all_gather"], _counts(gm)["reduce_scatter"]) == (1, 1)
     for x, y in zip(gm(*inputs), ref):
         assert torch.equal(x, y)
+
+
+def test_fx_graph_cache_stays_on(restore_passes, monkeypatch, tmp_path) -> None:
+    """With our pass installed Inductor still caches (no bypass), and a changed
+    configuration misses the cache. Compiles one tiny function, not a model."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    restore_passes.post_grad_custom_pre_pass = None
+    passes.install(PassConfig())
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x @ x.t()  # an extern mm only: no C++ kernel to build
+
+    def compile_once() -> dict[str, int]:
+        counters.clear()
+        torch._dynamo.reset()
+        torch.compile(f)(torch.randn(8, 8))
+        return {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+
+    try:
+        assert compile_once() == {"fxgraph_cache_miss": 1}
+        assert compile_once() == {"fxgraph_cache_hit": 1}
+        passes.set_config(PassConfig(bucket_cap_mb=25.0))
+        assert compile_once() == {"fxgraph_cache_miss": 1}
+    finally:
+        torch._dynamo.reset()
