@@ -63,12 +63,17 @@ def _counts(graph: torch.fx.Graph) -> dict[str, int]:
 
 
 def _placeholder_bytes(model: torch.nn.Module) -> int:
-    total = 0
+    """Storage bytes of every unsharded placeholder (each unit's state counted once)."""
+    states = {}
     for m in model.modules():
         state = m.__dict__.get("_traceable_hsdp_state")
-        if state is not None and state.param_group is not None and state.module is m:
-            total += sum(fp.unsharded_param.untyped_storage().nbytes() for fp in state.param_group.fsdp_params)
-    return total
+        if state is not None and state.param_group is not None:
+            states[id(state)] = state
+    return sum(
+        fp.unsharded_param.untyped_storage().nbytes()
+        for state in states.values()
+        for fp in state.param_group.fsdp_params
+    )
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
