@@ -28,8 +28,8 @@ N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 4, 3, 8, 2, 1e-2
 N_UNITS = N_LAYERS + 1
 
 # [Note: Runtime bug blocking this test]
-# The compiled backward fails before any of these checks can run, with or without the
-# passes: the post-accumulate-grad hook frees the placeholder (resize to 0 bytes);
+# Up to commit 1dfcefc the compiled backward fails before any of these checks can run,
+# with or without the passes: the post-accumulate-grad hook frees the placeholder (resize to 0 bytes);
 # compiled autograd moves that hook right after the parameter's gradient is computed
 # (reorder_accumulate_grad_nodes / reorder_post_acc_grad_hook_nodes); Inductor's
 # partitioner emits a linear's weight-gradient matmul before the input-gradient
