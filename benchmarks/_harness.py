@@ -588,20 +588,44 @@ def run_rank(
                     res.error = "failed on the other rank"
                 if rnd == 0:
                     res.peak_rss_mib_after_first_round = peak_rss_mib()
+            _checkpoint(_rank_result(rank, runners, results, backend, variants, rnd + 1))
         if count_graphs:
             _profile_graph_calls(runners, results, shape, seed, rank)
     finally:
         if bar is not None:
             bar.close()
+    return _rank_result(rank, runners, results, backend, variants, rounds)
+
+
+def _rank_result(
+    rank: int, runners: list[Runner], results: dict[str, VariantResult], backend: str,
+    variants: list[Variant], rounds_done: int,
+) -> dict[str, Any]:
     for runner in runners:
         if runner.v.compiled and backend == "inductor":
             results[runner.v.name].collectives = RECORDER.summary(runner.v.name)
     return {
         "rank": rank,
-        "variants": {k: vars(v) for k, v in results.items()},
+        "variants": {k: dict(vars(v)) for k, v in results.items()},
         "peak_rss_mib": peak_rss_mib(),
         "order": [v.name for v in variants],
+        "rounds_done": rounds_done,
     }
+
+
+_PARTIAL_PATH: list[str] = []  # set in a spawned rank: where to checkpoint
+
+
+def _checkpoint(result: dict[str, Any]) -> None:
+    """Writes this rank's results so far, so that a rank that dies later (a crash in
+    native code, a kill) still leaves the completed rounds behind."""
+    import pickle
+
+    if _PARTIAL_PATH:
+        tmp = _PARTIAL_PATH[0] + ".tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(result, f)
+        os.replace(tmp, _PARTIAL_PATH[0])
 
 
 def _profile_graph_calls(
@@ -638,7 +662,10 @@ def spawn_worker(rank: int, tmp: str, fn: Callable[..., Any], kwargs: dict[str, 
     import traceback
 
     import datetime
+    import faulthandler
 
+    faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) prints the Python stack
+    _PARTIAL_PATH.append(os.path.join(tmp, f"rank{rank}.partial.pkl"))
     torch.set_num_threads(1)
     # A variant that fails on one rank only leaves the other in a collective; the
     # timeout turns that hang into an error.
@@ -684,10 +711,15 @@ def run_spawned_fn(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
         else:
             died = ""
         results, errors = [], []
+        partial = []
         for r in range(WORLD):
             path = os.path.join(tmp, f"rank{r}.pkl")
             if not os.path.exists(path):
                 errors.append(f"rank {r}: no result (process died) {died}")
+                ppath = os.path.join(tmp, f"rank{r}.partial.pkl")
+                if os.path.exists(ppath):
+                    with open(ppath, "rb") as f:
+                        partial.append(pickle.load(f))
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
@@ -696,5 +728,14 @@ def run_spawned_fn(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
             else:
                 errors.append(f"rank {r}:\n{value}")
         if errors:
+            if len(partial) == WORLD and not results:
+                done = min(p["rounds_done"] for p in partial)
+                for p in partial:
+                    for v in p["variants"].values():
+                        v["timed"] = v["timed"][:done]
+                    p["incomplete"] = (
+                        f"the run died after {done} complete round(s): " + "; ".join(errors)
+                    )
+                return partial
             raise RuntimeError("\n".join(errors))
         return results

@@ -106,11 +106,11 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], world: int) -> dict[str, 
     for name in r0["order"]:
         v0, v1 = r0["variants"][name], r1["variants"][name]
         times = [t for rnd in v0["timed"] for t in rnd]
-        err = v0["error"] or v1["error"]
+        err = v0["error"] or v1["error"] or (None if times else "no complete timed round")
         if err:
             mine = v0 if v0["error"] and v0["error"] != "failed on the other rank" else v1
             failed[name] = dict(
-                error=mine["error"], traceback=mine["traceback"],
+                error=mine["error"] or err, traceback=mine["traceback"] or "",
                 failed_on_rank=[r for r, v in ((0, v0), (1, v1))
                                 if v["error"] and v["error"] != "failed on the other rank"],
                 steps_done=len(v0["losses"]), losses_rank0=v0["losses"],
@@ -150,7 +150,7 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], world: int) -> dict[str, 
     # batch); sharded variants also compared over all steps against torch_eager.
     l1 = {k: r["loss_step1"] for k, r in rows.items()}
     l1.update({k: f["losses_rank0"][0] for k, f in failed.items() if f["losses_rank0"]})
-    spread = max(l1.values()) - min(l1.values()) if l1 else float("nan")
+    spread = max(l1.values()) - min(l1.values()) if len(l1) > 1 else 0.0
     traj: dict[str, float] = {}
     if REF_EAGER in rows:
         ref = rows[REF_EAGER]["losses_rank0"]
@@ -164,8 +164,10 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], world: int) -> dict[str, 
         loss_step1=l1,
         loss_step1_spread=spread,
         loss_ok=spread <= LOSS_TOL,
+        loss_compared=len(l1),
         loss_traj_max_diff_vs_torch_eager=traj,
         peak_rss_mib=[r0["peak_rss_mib"], r1["peak_rss_mib"]],
+        incomplete=r0.get("incomplete"),
     )
 
 
@@ -195,7 +197,8 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         f"{meta['world']} gloo ranks x 1 thread on {meta['cpus']} CPU cores; torch "
         f"{meta['torch']}; backend `{args.backend}`; {args.rounds} rounds x {args.steps} timed "
         f"steps per variant (+{args.warmup} warm-up per round); medians over all "
-        f"{args.rounds * args.steps} timed steps, rank 0's clock. {meta['passes']}.",
+        f"{max([r['n_timed'] for r in rows.values()] or [0])} timed steps, rank 0's clock. "
+        f"{meta['passes']}.",
         "",
         "| variant | median step (ms) | p25-p75 (ms) | tokens/s | vs torch_block_compiled "
         "| vs torch_eager | compile (s) | recompiles after warm-up (r0, r1) "
@@ -225,7 +228,12 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
             f"{f['failed_on_rank']}: `{first}` |" + " |" * 12
         )
     lines.append("")
-    verdict = "OK" if s["loss_ok"] else "MISMATCH"
+    if s.get("incomplete"):
+        lines.append(f"**Incomplete run**: {s['incomplete']}. The table holds the complete rounds.")
+    verdict = (
+        "OK" if s["loss_ok"] and s["loss_compared"] > 1
+        else "MISMATCH" if not s["loss_ok"] else "nothing to compare"
+    )
     lines.append(
         f"Loss check (step 1, rank 0, every variant that got through step 1, from the same "
         f"weights and batch): spread {s['loss_step1_spread']:.2e} (tolerance {LOSS_TOL:g}): "
@@ -278,19 +286,33 @@ def plot(shape: Any, s: dict[str, Any], path: str) -> str | None:
 # ------------------------------------------------------------------------ main
 
 
-def _git_state() -> dict[str, str]:
+def _code_state() -> dict[str, str]:
+    """Where the imported traceable_hsdp comes from: its git commit and which runtime
+    or passes files differ from it (or the folder, when it is not a git checkout)."""
     import subprocess
+
+    import traceable_hsdp
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(traceable_hsdp.__file__)))
 
     def git(*a: str) -> str:
         try:
-            return subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True,
-                                  timeout=20).stdout.strip()
+            r = subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=20)
         except Exception as e:  # noqa: BLE001
             return f"? ({e})"
+        return r.stdout.strip() if r.returncode == 0 else ""
 
+    head = git("rev-parse", "--short", "HEAD")
+    if not head or git("rev-parse", "--show-toplevel") != root:
+        return dict(root=root, head="", dirty_runtime="", diff="", diff_sha256="")
+    import hashlib
+
+    diff = git("diff", "HEAD", "--", "traceable_hsdp", "passes")
     return dict(
-        head=git("rev-parse", "--short", "HEAD"),
-        dirty_runtime=git("status", "--porcelain", "--", "../traceable_hsdp", "../passes"),
+        root=root, head=head,
+        dirty_runtime=git("status", "--porcelain", "--", "traceable_hsdp", "passes"),
+        diff=diff,
+        diff_sha256=hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else "",
     )
 
 
@@ -319,7 +341,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     wall = time.time() - t0
     meta = dict(
-        git=_git_state(),
+        code=_code_state(),
         world=H.WORLD, cpus=os.cpu_count(), torch=torch.__version__,
         python=platform.python_version(), machine=platform.platform(), passes=passes_line,
         wall_s=wall, inductor_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"),
@@ -328,10 +350,12 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     s = summarize(shape, ranks, H.WORLD)
     md = markdown(shape, args, s, meta)
-    dirty = meta["git"]["dirty_runtime"]
-    md += (f"Code: commit {meta['git']['head']}"
+    code = meta["code"]
+    dirty = code["dirty_runtime"]
+    md += ((f"Code: commit {code['head']}" if code["head"] else f"Code: {code['root']} (not a git checkout)")
            + (f", with uncommitted changes in: {' '.join(l.split()[-1] for l in dirty.splitlines())}"
-              if dirty else ", runtime and passes clean")
+              f" (diff sha256 {code['diff_sha256']}, saved as step_time_{shape_name}.code.diff)"
+              if dirty else (", runtime and passes as committed" if code["head"] else ""))
            + f". Wall time of this shape's run: {wall:.0f} s; load average (1 min) "
            f"{meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after, "
            f"{meta['loadavg_after'][2]:.1f} over the last 15 min.\n")
@@ -351,6 +375,9 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     with open(stem + ".json", "w") as f:
         json.dump(dict(args=vars(args), shape=vars(shape), meta=meta, summary=s, raw=ranks), f,
                   indent=1, default=str)
+    if meta["code"]["diff"]:
+        with open(stem + ".code.diff", "w") as f:
+            f.write(meta["code"]["diff"] + "\n")
     png = plot(shape, s, stem + ".png")
     print(f"wrote {stem}.md, {stem}.json" + (f", {png}" if png else " (no matplotlib: no plot)"),
           flush=True)
