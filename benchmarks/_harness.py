@@ -294,6 +294,13 @@ def compile_counts() -> tuple[int, int]:
     return int(counters["stats"]["unique_graphs"]), RECORDER.calls
 
 
+def _unwaited_works() -> int:
+    try:
+        return int(torch._C._distributed_c10d._get_work_registry_size())
+    except Exception:  # noqa: BLE001 (older torch)
+        return -1
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident set size so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -482,6 +489,9 @@ class VariantResult:
     profiled_step_compiles: tuple[int, int] = (0, 0)
     peak_rss_mib_after_first_round: float | None = None
     collectives: dict[str, Any] | None = None
+    # Functional-collective works issued but never waited (c10d's registry), after
+    # each of this variant's blocks: should stay 0.
+    unwaited_works_after: list[int] = field(default_factory=list)
     error: str | None = None  # first line of the exception that stopped the variant
     traceback: str | None = None
 
@@ -588,6 +598,8 @@ def run_rank(
                     res.error = "failed on the other rank"
                 if rnd == 0:
                     res.peak_rss_mib_after_first_round = peak_rss_mib()
+                res.unwaited_works_after.append(_unwaited_works())
+                _checkpoint(_rank_result(rank, runners, results, backend, variants, rnd))
             _checkpoint(_rank_result(rank, runners, results, backend, variants, rnd + 1))
         if count_graphs:
             _profile_graph_calls(runners, results, shape, seed, rank)
@@ -729,12 +741,12 @@ def run_spawned_fn(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
                 errors.append(f"rank {r}:\n{value}")
         if errors:
             if len(partial) == WORLD and not results:
+                # Checkpointed after every variant block: keep what both ranks finished.
                 done = min(p["rounds_done"] for p in partial)
                 for p in partial:
-                    for v in p["variants"].values():
-                        v["timed"] = v["timed"][:done]
                     p["incomplete"] = (
-                        f"the run died after {done} complete round(s): " + "; ".join(errors)
+                        f"the run died during round {done + 1}; what ran before is kept: "
+                        + "; ".join(errors)
                     )
                 return partial
             raise RuntimeError("\n".join(errors))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -15,6 +16,7 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple) -> None:
+    faulthandler.enable()  # a crashing rank prints its Python stack
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size

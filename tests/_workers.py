@@ -72,7 +72,7 @@ def _placeholder_bytes(model: torch.nn.Module) -> int:
     total = 0
     for m in model.modules():
         state = m.__dict__.get("_traceable_hsdp_state")
-        if state is not None and state.param_group is not None and state.module is m:
+        if state is not None and state.param_group is not None and state.modules[0] is m:
             for fp in state.param_group.fsdp_params:
                 total += fp.unsharded_param.untyped_storage().nbytes()
     return total

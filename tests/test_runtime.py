@@ -168,8 +168,13 @@ def test_eager_single_rank_unshard_reshard(one_rank) -> None:
     m.reshard()
     assert isinstance(m.weight, torch.distributed.tensor.DTensor)
     assert placeholder.untyped_storage().nbytes() == 0
-    with pytest.raises(NotImplementedError, match="async_op"):
-        m.unshard(async_op=True)
+    handle = m.unshard(async_op=True)
+    assert isinstance(m.weight, torch.distributed.tensor.DTensor)  # not yet waited
+    handle.wait()
+    handle.wait()  # idempotent
+    torch.testing.assert_close(m.weight.detach(), ref.weight.detach(), rtol=0, atol=0)
+    m.reshard()
+    assert placeholder.untyped_storage().nbytes() == 0
 
 
 def test_eager_list_unit_and_default_mesh(one_rank) -> None:

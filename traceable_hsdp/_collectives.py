@@ -1,7 +1,9 @@
 """Collectives as functional c10d ops, so the same code runs eagerly and traces.
 
-Each function issues the collective and waits for it. The wait is a separate
-``wait_tensor`` node in a traced graph, which the overlap pass may move later.
+A functional collective returns at once; ``wait_tensor`` blocks until its result is
+ready. Issuing and waiting are separate calls so that an unshard can be issued early
+(``unshard(async_op=True)``, prefetching) and waited for where the data is needed.
+In a traced graph they are separate nodes, which the passes may move.
 """
 
 from __future__ import annotations
@@ -11,19 +13,50 @@ import torch
 _c10d = torch.ops._c10d_functional
 
 
-def all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    """All-gathers ``shard`` along dim 0: returns ``world_size * shard.size(0)`` rows."""
-    out = _c10d.all_gather_into_tensor(shard.contiguous(), world_size, group_name)
-    return _c10d.wait_tensor(out)
+# [Note: In-flight all-gathers on gloo]
+# On torch 2.13 with gloo, two or more functional ``all_gather_into_tensor`` calls in
+# flight at once (issued, not yet waited) corrupt the heap: ranks die with SIGSEGV or
+# "malloc(): unaligned tcache chunk detected", after a few hundred to a few thousand
+# rounds (reproduced with bare ops, no traceable_hsdp code). The ``_out`` variant,
+# writing into an output allocated beforehand, ran clean in the same test, and so
+# did in-flight reduce-scatters. So:
+#
+# - eagerly, all-gathers are issued with ``all_gather_into_tensor_out`` and may stay
+#   in flight (a unit issues all of its gathers, then waits; prefetch issues the next
+#   unit's early);
+# - while tracing, each all-gather is waited for right after it is issued, so a graph
+#   run op by op (the ``aot_eager`` backend) never has two in flight. The graph keeps
+#   ``all_gather_into_tensor`` (the op Inductor lowers, to its ``_out`` variant), and
+#   our Inductor passes are what move the waits later for overlap (``passes/``).
 
 
-def reduce_scatter_avg(full: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    """Averages ``full`` over the group and returns this rank's 1/world_size of dim 0."""
-    out = _c10d.reduce_scatter_tensor(full.contiguous(), "avg", world_size, group_name)
-    return _c10d.wait_tensor(out)
+def all_gather_start(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """Issues an all-gather of ``shard`` along dim 0 (``world_size * shard.size(0)``
+    rows); pass the result to :func:`wait` before reading it. While tracing, the
+    result is already waited for. See [Note: In-flight all-gathers on gloo]."""
+    shard = shard.contiguous()
+    if torch.compiler.is_compiling():
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
+    out = shard.new_empty((world_size * shard.size(0), *shard.shape[1:]))
+    return _c10d.all_gather_into_tensor_out(shard, world_size, group_name, out=out)
 
 
-def all_reduce_avg(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Averages ``tensor`` over the group (out of place)."""
-    out = _c10d.all_reduce(tensor.contiguous(), "avg", group_name)
-    return _c10d.wait_tensor(out)
+def wait_all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Waits for an all-gather issued by :func:`all_gather_start` and returns its
+    result (while tracing it was waited for at issue: returned as it is)."""
+    if torch.compiler.is_compiling():
+        return tensor
+    return _c10d.wait_tensor(tensor)
+
+
+def reduce_scatter(
+    full: torch.Tensor, op: str, world_size: int, group_name: str
+) -> torch.Tensor:
+    """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
+    rank's 1/world_size of dim 0."""
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(full.contiguous(), op, world_size, group_name))
+
+
+def all_reduce(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """Reduces ``tensor`` over the group with ``op`` (out of place)."""
+    return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))

@@ -38,31 +38,165 @@ class FSDPModule:
         self.__init__(*args, **kwargs)
         return self
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gathers this unit's parameters into their unsharded placeholders and
-        registers those on the module, as before its forward.
+        registers those on the modules, as before its forward.
 
         Args:
-            async_op: must be ``False`` here; asynchronous unshard handles come with
-                explicit prefetching.
+            async_op: if ``True``, issue the all-gathers and return a handle whose
+                ``wait()`` finishes the unshard (the next forward also waits for it);
+                default ``False`` waits before returning.
 
-        Raises:
-            NotImplementedError: ``async_op=True``.
+        Returns:
+            An :class:`UnshardHandle` when ``async_op``, else ``None``.
         """
-        if async_op:
-            raise NotImplementedError(
-                "unshard(async_op=True) is not supported yet; call unshard() and the "
-                "parameters are gathered before it returns."
-            )
         state = _require_state(self)
-        if state.param_group is not None:
-            state.param_group.unshard()
+        pg = state.param_group
+        if pg is None:
+            return UnshardHandle(None) if async_op else None
+        pg.issue_unshard()
+        if async_op:
+            return UnshardHandle(pg)
+        pg.wait_for_unshard()
+        pg.register_unsharded()
+        return None
 
     def reshard(self) -> None:
         """Frees this unit's unsharded parameters and registers the sharded ones."""
         state = _require_state(self)
         if state.param_group is not None:
             state.param_group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether the next backwards reduce gradients. With ``False``, unsharded
+        gradients accumulate on the placeholders across backwards (gradient
+        accumulation without communication); the first backward with ``True``
+        reduces the accumulated sum. For HSDP it covers the reduce-scatter and the
+        all-reduce together.
+
+        Args:
+            requires_gradient_sync: reduce gradients (``True``) or accumulate them
+                unsharded (``False``).
+            recurse: also set it on every fully_shard unit inside this module
+                (default ``True``).
+        """
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for state in _states(self, recurse):
+            if state.param_group is not None:
+                state.param_group.reduce_grads = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether the next forwards free the unsharded parameters after use (and
+        re-gather them for backward).
+
+        Args:
+            reshard_after_forward: the new setting.
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        for state in _states(self, recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether backward frees the unsharded parameters when the unit's gradients
+        are done. ``False`` keeps them gathered for the next micro-batch's forward;
+        set it back to ``True`` before the last micro-batch (the optimizer step
+        changes the sharded parameters, and a kept unsharded copy would be stale).
+
+        Args:
+            reshard_after_backward: the new setting.
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        for state in _states(self, recurse):
+            if state.param_group is not None:
+                state.param_group.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step. On the
+        last backward the root finishes every unit (frees what backward left
+        gathered); with ``False`` it leaves them as they are, for micro-batching.
+        Eager only: a compiled backward finishes each unit when its last gradient is
+        reduced (see docs/compile.md)."""
+        _check_bool("is_last_backward", is_last_backward)
+        _require_state(self).is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: "list[FSDPModule]") -> None:
+        """All-gathers of these units are issued in this unit's pre-forward (after its
+        own), so they overlap this unit's forward; each waits in its own pre-forward.
+
+        Raises:
+            TypeError: an entry is not a fully_shard module.
+        """
+        _require_state(self).forward_prefetch = _prefetch_states(modules, "forward")
+
+    def set_modules_to_backward_prefetch(self, modules: "list[FSDPModule]") -> None:
+        """All-gathers of these units are issued in this unit's pre-backward, so they
+        overlap this unit's backward.
+
+        Raises:
+            TypeError: an entry is not a fully_shard module.
+        """
+        _require_state(self).backward_prefetch = _prefetch_states(modules, "backward")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide gradients by ``factor`` after summing them over the data-parallel
+        ranks, instead of averaging (the default divides by the number of ranks).
+
+        Raises:
+            ValueError: ``factor`` is not a positive number.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}.")
+        for state in _states(self, recurse=True):
+            if state.param_group is not None:
+                state.param_group.gradient_divide_factor = float(factor)
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the unshard."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        """Waits for the all-gathers and fills the placeholders. Idempotent."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group.register_unsharded()
+            self._group = None
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}.")
+
+
+def _states(module: Any, recurse: bool) -> list[FSDPState]:
+    root = _require_state(module)
+    if not recurse:
+        return [root]
+    out: list[FSDPState] = []
+    for m in module.modules():
+        s = _get_state(m)
+        if s is not None and s not in out:
+            out.append(s)
+    return out
+
+
+def _prefetch_states(modules: Any, which: str) -> list[FSDPState]:
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"set_modules_to_{which}_prefetch expects a list of modules.")
+    out = []
+    for m in modules:
+        s = _get_state(m) if isinstance(m, nn.Module) else None
+        if s is None:
+            raise TypeError(
+                f"set_modules_to_{which}_prefetch got a {type(m).__name__} that is not a "
+                "fully_shard module; pass modules returned by fully_shard."
+            )
+        out.append(s)
+    return out
 
 
 def _require_state(module: Any) -> FSDPState:
@@ -161,7 +295,9 @@ def fully_shard(
             forward to backward. ``None`` means ``True``.
         shard_placement_fn: must be ``None`` or return ``None`` / ``Shard(0)`` for every
             parameter (other dims come with the feature-breadth work).
-        mp_policy: only the default ``MixedPrecisionPolicy()`` is supported so far.
+        mp_policy: dtypes for the gathered parameters, the gradient reduction and
+            the outputs (default full precision). torch's own policy object is
+            accepted too.
         offload_policy: only the default ``OffloadPolicy()`` is supported so far.
         ignored_params: parameters left alone (neither sharded nor reduced).
 
@@ -178,7 +314,8 @@ def fully_shard(
     mesh = _default_mesh() if mesh is None else mesh
     mesh_info = _mesh_info(mesh)
     raf = _check_reshard_after_forward(reshard_after_forward)
-    _check_unsupported_options(shard_placement_fn, mp_policy, offload_policy, modules)
+    _check_unsupported_options(shard_placement_fn, offload_policy, modules)
+    mp_policy = _check_mp_policy(mp_policy)
     ignored = _check_ignored(ignored_params)
 
     # A list is one unit: its params are managed by the first module's state.
@@ -215,12 +352,12 @@ def fully_shard(
                 "tensor parallelism is not supported."
             )
     fsdp_params = [
-        FSDPParam(p, where[p][0][0], [info for _, info in where[p]], mesh_info)
+        FSDPParam(p, where[p][0][0], [info for _, info in where[p]], mesh_info, mp_policy)
         for p in order
     ]
     label = type(owner).__name__
     group = FSDPParamGroup(fsdp_params, mesh_info, label) if fsdp_params else None
-    state = FSDPState(owner, group, raf)
+    state = FSDPState(modules, group, raf, mp_policy)
     owner.__dict__[_STATE_ATTR] = state
     for m in modules[1:]:
         m.__dict__[_STATE_ATTR] = state
@@ -301,8 +438,26 @@ def _check_reshard_after_forward(value: Any) -> bool:
     )
 
 
+def _check_mp_policy(mp_policy: Any) -> MixedPrecisionPolicy:
+    if isinstance(mp_policy, MixedPrecisionPolicy):
+        return mp_policy
+    # torch.distributed.fsdp.MixedPrecisionPolicy has the same fields: accept it, so a
+    # half-switched import still works.
+    if type(mp_policy).__name__ == "MixedPrecisionPolicy" and hasattr(mp_policy, "param_dtype"):
+        return MixedPrecisionPolicy(
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            output_dtype=mp_policy.output_dtype,
+            cast_forward_inputs=mp_policy.cast_forward_inputs,
+        )
+    raise TypeError(
+        "mp_policy must be a traceable_hsdp.MixedPrecisionPolicy, got "
+        f"{type(mp_policy).__name__}."
+    )
+
+
 def _check_unsupported_options(
-    shard_placement_fn: Any, mp_policy: Any, offload_policy: Any, modules: list[nn.Module]
+    shard_placement_fn: Any, offload_policy: Any, modules: list[nn.Module]
 ) -> None:
     if shard_placement_fn is not None:
         if not callable(shard_placement_fn):
@@ -315,15 +470,6 @@ def _check_unsupported_options(
                         f"shard_placement_fn returned {placement} for {name!r}; only "
                         "Shard(0) (or None) is supported so far."
                     )
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be a traceable_hsdp.MixedPrecisionPolicy, got "
-            f"{type(mp_policy).__name__}."
-        )
-    if mp_policy != MixedPrecisionPolicy():
-        raise NotImplementedError(
-            f"{mp_policy} is not supported yet; only MixedPrecisionPolicy() (full precision)."
-        )
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"offload_policy must be a traceable_hsdp.OffloadPolicy, got "

@@ -17,6 +17,18 @@ Each managed parameter has two ``nn.Parameter``s:
   the traced graphs, in program order, for our passes to rewrite. Autograd saves
   this placeholder (not the gathered buffer) for backward, so resizing it to 0
   really frees the memory; the backward re-gathers into the same storage.
+
+[Note: The module holds the placeholder only in forward]
+The modules hold the placeholder from a unit's pre-forward to its post-forward (and
+between an explicit ``unshard()`` and ``reshard()``); at every other time, including
+all of backward, they hold the sharded parameter, whether or not the placeholder's
+storage is full. Backward needs no module attribute (autograd reads its saved
+tensors), and swapping ``module._parameters`` inside a compiled-autograd graph trips
+a dynamo bug on torch 2.13: the swap is replayed after the graph by indexing the
+graph's ``inputs`` list, which compiled autograd has already emptied
+(``IndexError: list index out of range``, seen with gradient sync off). It also keeps
+``state_dict()`` and ``parameters()`` sharded outside forward, even with
+``reshard_after_forward=False``.
 """
 
 from __future__ import annotations
@@ -29,7 +41,8 @@ import torch.distributed.fsdp  # noqa: F401  registers torch.ops.fsdp.copy_
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._collectives import all_gather, all_reduce_avg, reduce_scatter_avg
+from ._api import MixedPrecisionPolicy
+from ._collectives import all_gather_start, all_reduce, reduce_scatter
 from ._common import MeshInfo, ShardedState
 
 
@@ -56,6 +69,10 @@ class FSDPParam:
         fqn: its fully qualified name, for messages.
         module_infos: every (module, name) the parameter is registered under.
         mesh_info: the unit's mesh.
+        mp_policy: the unit's mixed precision: the placeholder (and so the forward and
+            backward compute and the all-gather) is in ``param_dtype``, gradients are
+            reduced in ``reduce_dtype``, and the sharded gradient is in the original
+            dtype, as the optimizer expects.
     """
 
     def __init__(
@@ -64,12 +81,17 @@ class FSDPParam:
         fqn: str,
         module_infos: list[ParamModuleInfo],
         mesh_info: MeshInfo,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.fqn = fqn
         self.module_infos = module_infos
         self.mesh_info = mesh_info
         self.orig_size = param.size()
-        self.dtype = param.dtype
+        self.orig_dtype = param.dtype
+        # Mixed precision applies to floating-point parameters only.
+        floating = param.dtype.is_floating_point
+        self.dtype = (mp_policy.param_dtype if floating else None) or param.dtype
+        self.reduce_dtype = (mp_policy.reduce_dtype if floating else None) or self.dtype
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard cannot shard the 0-dim parameter {fqn!r} on dim 0. "
@@ -100,11 +122,15 @@ class FSDPParam:
         # The placeholder starts with 0 bytes of storage. See
         # [Note: Sharded parameter and unsharded placeholder].
         self.unsharded_param = nn.Parameter(
-            torch.empty(self.orig_size, dtype=param.dtype, device=param.device),
+            torch.empty(self.orig_size, dtype=self.dtype, device=param.device),
             requires_grad=param.requires_grad,
         )
         self.unsharded_param.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
+        self.module_holds_unsharded = False
+        # Unsharded gradient summed over backwards without gradient sync, in
+        # reduce_dtype (ND, full shape), or None.
+        self.accumulated_grad: torch.Tensor | None = None
         for info in module_infos:
             _set_param(info, self.sharded_param)
 
@@ -114,19 +140,20 @@ class FSDPParam:
         return self.orig_size.numel() * self.dtype.itemsize
 
     def all_gather_input(self) -> torch.Tensor:
-        """This rank's shard padded to ``chunk_rows`` rows (ND, like the parameter)."""
-        local = self.sharded_param.to_local()
+        """This rank's shard in ``param_dtype``, padded to ``chunk_rows`` rows (ND,
+        like the parameter)."""
+        local = self.sharded_param.to_local().to(self.dtype)
         pad = self.chunk_rows - self.local_rows
         if pad == 0:
             return local
         zeros = local.new_zeros((pad, *self.orig_size[1:]))
         return torch.cat([local, zeros], dim=0)
 
-    def all_gather(self) -> torch.Tensor:
-        """Issues and waits for this parameter's all-gather; returns the padded full
-        tensor (``shard_size * chunk_rows`` rows)."""
+    def all_gather_start(self) -> torch.Tensor:
+        """Issues this parameter's all-gather; the result (``shard_size * chunk_rows``
+        rows) is ready after :func:`traceable_hsdp._collectives.wait`."""
         mi = self.mesh_info
-        return all_gather(self.all_gather_input(), mi.shard_size, mi.shard_group_name)
+        return all_gather_start(self.all_gather_input(), mi.shard_size, mi.shard_group_name)
 
     def fill_unsharded(self, gathered: torch.Tensor) -> None:
         """Grows the placeholder to full and copies the gathered rows into it."""
@@ -139,52 +166,103 @@ class FSDPParam:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
             p.untyped_storage().resize_(self.unsharded_nbytes)
             torch.ops.fsdp.copy_(p, full)
-        self.to_unsharded()
-
-    def to_unsharded(self) -> None:
-        for info in self.module_infos:
-            _set_param(info, self.unsharded_param)
         self.sharded_state = ShardedState.UNSHARDED
 
+    def register_unsharded(self) -> None:
+        """Makes the modules hold the (filled) placeholder. See
+        [Note: The module holds the placeholder only in forward]."""
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            raise AssertionError(f"{self.fqn}: register_unsharded needs UNSHARDED data")
+        if not self.module_holds_unsharded:
+            for info in self.module_infos:
+                _set_param(info, self.unsharded_param)
+            self.module_holds_unsharded = True
+
+    def register_sharded(self) -> None:
+        """Makes the modules hold the sharded parameter again. Idempotent."""
+        if self.module_holds_unsharded:
+            for info in self.module_infos:
+                _set_param(info, self.sharded_param)
+            self.module_holds_unsharded = False
+
     def reshard(self) -> None:
-        """Frees the placeholder's storage and puts the sharded parameter back."""
+        """Frees the placeholder's storage; the modules hold the sharded parameter."""
+        self.register_sharded()
         if self.sharded_state is ShardedState.SHARDED:
             return
         p = self.unsharded_param
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
             p.untyped_storage().resize_(0)
-        for info in self.module_infos:
-            _set_param(info, self.sharded_param)
         self.sharded_state = ShardedState.SHARDED
 
     # ----------------------------------------------------------------- backward
-    def reduce_grad(self, unsharded_grad: torch.Tensor) -> None:
-        """Reduce-scatters (avg) ``unsharded_grad`` over the shard group, all-reduces
-        (avg) over the replicate group for HSDP, and accumulates the result into
-        ``sharded_param.grad``."""
+    def reduce_grad(self, unsharded_grad: torch.Tensor, divide_factor: float | None) -> None:
+        """Reduce-scatters ``unsharded_grad`` over the shard group (and, for HSDP,
+        all-reduces over the replicate group) in ``reduce_dtype``, and accumulates the
+        result, in the original dtype, into ``sharded_param.grad``.
+
+        ``divide_factor=None`` averages over all data-parallel ranks; a number sums
+        and divides by it instead.
+        """
         mi = self.mesh_info
         ws = mi.shard_size
-        grad = unsharded_grad
+        op = "avg" if divide_factor is None else "sum"
+        grad = unsharded_grad.to(self.reduce_dtype)
         pad = ws * self.chunk_rows - self.orig_size[0]
         if pad:
             grad = torch.cat([grad, grad.new_zeros((pad, *self.orig_size[1:]))], dim=0)
-        local = reduce_scatter_avg(grad, ws, mi.shard_group_name)
+        local = reduce_scatter(grad, op, ws, mi.shard_group_name)
         if mi.replicate_group_name is not None:
-            local = all_reduce_avg(local, mi.replicate_group_name)
+            local = all_reduce(local, op, mi.replicate_group_name)
+        if divide_factor is not None:
+            local = local / divide_factor
         if self.local_rows != self.chunk_rows:
             local = local.narrow(0, 0, self.local_rows)
-        self.accumulate_sharded_grad(local)
+        self.accumulate_sharded_grad(local.to(self.orig_dtype))
 
     def accumulate_sharded_grad(self, local: torch.Tensor) -> None:
         sp = self.sharded_param
-        if sp.grad is None:
-            sp.grad = DTensor.from_local(
-                local,
-                self.mesh_info.mesh,
-                self.placements,
-                run_check=False,
-                shape=self.orig_size,
-                stride=sp.stride(),
+        if sp.grad is not None:
+            # Out of place: dynamo mis-orders an in-place add through the DTensor's
+            # ``_local_tensor`` inside a compiled-autograd graph (torch 2.13).
+            local = sp.grad.to_local() + local
+        sp.grad = DTensor.from_local(
+            local,
+            self.mesh_info.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.orig_size,
+            stride=sp.stride(),
+        )
+
+    def sync_from_module(self) -> None:
+        """Re-reads the sharded parameter from the module after a
+        ``load_state_dict(assign=True)`` replaced it, and checks it still fits."""
+        if self.module_holds_unsharded:
+            return
+        info = self.module_infos[0]
+        new = info.module._parameters[info.param_name]
+        if new is self.sharded_param:
+            return
+        if not isinstance(new, DTensor):
+            raise TypeError(
+                f"load_state_dict(assign=True) put a {type(new).__name__} at {self.fqn!r}; "
+                "a fully_shard parameter must stay a DTensor. Load DTensors (the values "
+                "state_dict() returns, or distribute_tensor(full, mesh, placements)) or "
+                "use assign=False."
             )
-        else:
-            sp.grad._local_tensor.add_(local)
+        if (
+            new.shape != self.orig_size
+            or tuple(new.placements) != tuple(self.placements)
+            or new.device_mesh != self.mesh_info.mesh
+        ):
+            raise ValueError(
+                f"load_state_dict(assign=True) put a DTensor of shape {tuple(new.shape)}, "
+                f"placements {new.placements} at {self.fqn!r}; expected shape "
+                f"{tuple(self.orig_size)}, placements {self.placements} on the same mesh."
+            )
+        if not isinstance(new, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=self.sharded_param.requires_grad)
+        self.sharded_param = new
+        for info in self.module_infos:
+            _set_param(info, new)

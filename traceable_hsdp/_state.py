@@ -38,7 +38,9 @@ import torch
 from torch import nn
 from torch._dynamo import compiled_autograd
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._api import MixedPrecisionPolicy
 
 from ._common import TrainingState
 from ._param_group import FSDPParamGroup
@@ -86,28 +88,34 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 
 
 class FSDPState:
-    """The fully_shard state of one module (one unit)."""
+    """The fully_shard state of one unit (one module, or a list sharded together)."""
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         param_group: FSDPParamGroup | None,
         reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
-        self.module = module
+        self.modules = modules
         self.param_group = param_group
         self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
         self.is_root = True
         # For the root: every state in its subtree, itself included, in module order.
         self.states: list[FSDPState] = [self]
         self.training_state = TrainingState.IDLE
+        self.is_last_backward = True  # root only: finish every unit after backward
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
         self._final_callback_queued = False
         if param_group is not None:
-            for fp in param_group.fsdp_params:
-                if fp.unsharded_param.requires_grad:
-                    fp.unsharded_param.register_post_accumulate_grad_hook(
-                        self._make_post_acc_hook(param_group, fp)
-                    )
+            for fp in param_group.trainable:
+                fp.unsharded_param.register_post_accumulate_grad_hook(
+                    self._make_post_acc_hook(param_group, fp)
+                )
+            for m in modules:
+                m.register_load_state_dict_post_hook(self._after_load_state_dict)
 
     # ------------------------------------------------------------------ forward
     def forward(self, orig_forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -123,25 +131,39 @@ class FSDPState:
         if self.is_root:
             self._root_pre_forward()
         self.training_state = TrainingState.FORWARD
-        if self.param_group is not None:
-            self.param_group.training_state = TrainingState.FORWARD
-            self.param_group.unshard()
+        pg = self.param_group
+        if pg is not None:
+            pg.training_state = TrainingState.FORWARD
+            pg.issue_unshard()
+            for other in self.forward_prefetch:
+                if other.param_group is not None:
+                    other.param_group.issue_unshard()
+            pg.wait_for_unshard()
+            pg.register_unsharded()
+        dtype = self.mp_policy.param_dtype
+        if dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), dtype)
+        if pg is not None:
+            pg.input_grad_hooks = 0
+            if torch.is_grad_enabled():
+                # See [Note: When a unit's backward is done] (_param_group.py).
+                flat, _ = tree_flatten((args, kwargs))
+                for t in flat:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._input_grad_hook)
+                        pg.input_grad_hooks += 1
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
         needs_backward = torch.is_grad_enabled() and any(
-            s.param_group is not None
-            and any(fp.sharded_param.requires_grad for fp in s.param_group.fsdp_params)
-            for s in self.states
+            s.param_group is not None and s.param_group.trainable for s in self.states
         )
         _check_compile_mode(needs_backward)
         # A compiled backward queues no final callback: finish what it left here.
         # See [Note: Hooks and compiled autograd].
         for state in self.states:
             if state.training_state is TrainingState.PRE_BACKWARD:
-                if state.param_group is not None:
-                    state.param_group.finish_backward()
-                state.training_state = TrainingState.IDLE
+                state._finish_backward()
         self._final_callback_queued = False
 
     def _post_forward(self, output: Any) -> Any:
@@ -149,8 +171,12 @@ class FSDPState:
         if pg is not None:
             if self.reshard_after_forward:
                 pg.reshard()
+            else:
+                pg.register_sharded()  # data stays gathered for backward
             pg.training_state = TrainingState.IDLE
         self.training_state = TrainingState.IDLE
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
             flat, _ = tree_flatten(output)
             for t in flat:
@@ -172,6 +198,9 @@ class FSDPState:
         ):
             self.training_state = TrainingState.PRE_BACKWARD
             pg.pre_backward()
+            for other in self.backward_prefetch:
+                if other.param_group is not None:
+                    other.param_group.issue_unshard()
         return grad
 
     def _make_post_acc_hook(
@@ -179,16 +208,44 @@ class FSDPState:
     ) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
             pg.post_accumulate_grad(fp)
-            if pg.training_state is TrainingState.IDLE:
-                # The group finished: the unit is idle again, so the next forward
-                # sees the same state as the first (no recompile).
-                self.training_state = TrainingState.IDLE
+            self._idle_if_group_done()
 
         return hook
 
+    def _input_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.param_group is not None:
+            self.param_group.input_grad_ready()
+            self._idle_if_group_done()
+        return grad
+
+    def _idle_if_group_done(self) -> None:
+        if self.param_group is not None and self.param_group.training_state is TrainingState.IDLE:
+            # The group finished: the unit is idle again, so the next forward sees
+            # the same state as the first (no recompile).
+            self.training_state = TrainingState.IDLE
+
+    def _finish_backward(self) -> None:
+        if self.param_group is not None:
+            self.param_group.finish_backward()
+        self.training_state = TrainingState.IDLE
+
     def _root_post_backward_final(self) -> None:
-        for state in self.states:
-            if state.param_group is not None:
-                state.param_group.finish_backward()
-            state.training_state = TrainingState.IDLE
+        if self.is_last_backward:
+            for state in self.states:
+                state._finish_backward()
         self._final_callback_queued = False
+
+    # -------------------------------------------------------------- state dict
+    def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
+        if self.param_group is not None:
+            for fp in self.param_group.fsdp_params:
+                fp.sync_from_module()
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)

@@ -1,0 +1,110 @@
+"""Per-rank bodies of the feature tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.device_mesh import init_device_mesh
+
+import traceable_hsdp as th
+from _workers import CFG, GraphRecorder, _data, _loss, _placeholder_bytes
+from traceable_hsdp.models import Llama
+
+MICRO = 2  # micro-batches per optimizer step
+STEPS = 3
+
+
+def _freeze(model: Llama) -> None:
+    # Frozen and trainable parameters mixed inside units: the norms and the first
+    # block's query projection.
+    for layer in model.layers:
+        layer.attn_norm.weight.requires_grad_(False)
+    model.layers[0].attn.wq.weight.requires_grad_(False)
+
+
+def _build(lib: str, mesh: Any, mp: Any) -> Llama:
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    _freeze(model)
+    fs = th.fully_shard if lib == "ours" else torch_fsdp.fully_shard
+    for layer in model.layers:
+        fs(layer, mesh=mesh, mp_policy=mp)
+    fs(model, mesh=mesh, mp_policy=mp)
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    return model
+
+
+def _train(model: Llama, rank: int, world: int, step_fn: Any) -> tuple[list[float], list[Any]]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, grads_after_nosync = [], []
+    for x, y in _data(world * MICRO, STEPS):
+        # This rank's share of the global batch, split into MICRO micro-batches.
+        xs, ys = x.chunk(world)[rank].chunk(MICRO), y.chunk(world)[rank].chunk(MICRO)
+        total = 0.0
+        for i in range(MICRO):
+            last = i == MICRO - 1
+            model.set_requires_gradient_sync(last)
+            total += step_fn(xs[i], ys[i]) / MICRO
+            if not last:
+                grads_after_nosync.append(
+                    [p.grad is None for p in model.parameters() if p.requires_grad]
+                )
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor(total)
+        torch.distributed.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses, grads_after_nosync
+
+
+def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str) -> dict[str, Any]:
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    mp = th.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tmp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def eager_step(model: Llama):
+        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+            loss = _loss(model(x).float(), y) / MICRO
+            loss.backward()
+            return loss.item() * MICRO
+        return step
+
+    # torch's fully_shard first: compiled autograd must be off for it.
+    ref = _build("torch", mesh, tmp)
+    ref_losses, _ = _train(ref, rank, world, eager_step(ref))
+    ref_params = {k: v.full_tensor() for k, v in ref.state_dict().items()}
+
+    ours = _build("ours", mesh, mp)
+    rec = GraphRecorder()
+    if mode == "compiled":
+        th.enable_compiled_autograd(backend=rec)
+        compiled = torch.compile(ours, backend=rec, fullgraph=True)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+            loss = _loss(compiled(x).float(), y) / MICRO
+            loss.backward()
+            return loss.item() * MICRO
+    else:
+        step = eager_step(ours)
+    losses, nosync = _train(ours, rank, world, step)
+    if mode == "compiled":
+        th.disable_compiled_autograd()
+    return dict(
+        losses=losses,
+        ref_losses=ref_losses,
+        params={k: v.full_tensor() for k, v in ours.state_dict().items()},
+        ref_params=ref_params,
+        nosync_grads_none=nosync,
+        bytes_after=_placeholder_bytes(ours),
+        fwd_counts=rec.forward,
+        bwd_counts=rec.backward,
+        dtypes={str(p.dtype) for p in ours.parameters()},
+    )
