@@ -27,25 +27,6 @@ from _dist import run_ranks
 N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 4, 3, 8, 2, 1e-2
 N_UNITS = N_LAYERS + 1
 
-# [Note: Runtime bug blocking this test]
-# Up to commit 1dfcefc the compiled backward fails before any of these checks can run,
-# with or without the passes: the post-accumulate-grad hook frees the placeholder (resize to 0 bytes);
-# compiled autograd moves that hook right after the parameter's gradient is computed
-# (reorder_accumulate_grad_nodes / reorder_post_acc_grad_hook_nodes); Inductor's
-# partitioner emits a linear's weight-gradient matmul before the input-gradient
-# matmul that still reads the weight; so the weight is read after it was freed:
-# "RuntimeError: The tensor has a non-zero number of elements, but its data is not
-# allocated yet". (aot_eager orders the two matmuls the other way round, which is why
-# tests/test_runtime.py passes.) remove_resize_copy rightly leaves such a parameter
-# alone. Only that error is an expected failure; once the runtime frees after the
-# last read, the test runs its checks and must pass.
-_RUNTIME_BUG = (
-    "runtime frees a placeholder in its post-accumulate-grad hook, which compiled "
-    "autograd schedules before the input-gradient matmul that still reads it "
-    "(Inductor backend); see [Note: Runtime bug blocking this test]"
-)
-
-
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _predicates as P
 
@@ -146,12 +127,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_passes_in_compiled_fsdp_step() -> None:
-    try:
-        results = run_ranks(_worker, 2)
-    except RuntimeError as e:
-        if "its data is not allocated yet" in str(e):
-            pytest.xfail(_RUNTIME_BUG)
-        raise
+    results = run_ranks(_worker, 2)
     for r in results:
         assert r["installed"]
         # One forward and one backward graph with collectives (plus the empty graph
