@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import traceable_hsdp as th
 from _workers import CFG, GraphRecorder, _data, _loss, _placeholder_bytes
@@ -29,9 +30,18 @@ def _build(lib: str, mesh: Any, mp: Any) -> Llama:
     model = Llama(CFG)
     _freeze(model)
     fs = th.fully_shard if lib == "ours" else torch_fsdp.fully_shard
+    # shard_placement_fn: the MLP's down projections and the output head on dim 1.
+    dim1 = {id(layer.ffn.w2.weight) for layer in model.layers} | {id(model.output.weight)}
+
+    def placement(p: torch.nn.Parameter) -> Shard | None:
+        return Shard(1) if id(p) in dim1 else None
+
+    # CPUOffloadPolicy on the blocks (on this CPU mesh the copies are same-device,
+    # so the numbers must not change; the test checks where the tensors live).
+    offload = (th if lib == "ours" else torch_fsdp).CPUOffloadPolicy(pin_memory=False)
     for layer in model.layers:
-        fs(layer, mesh=mesh, mp_policy=mp)
-    fs(model, mesh=mesh, mp_policy=mp)
+        fs(layer, mesh=mesh, mp_policy=mp, shard_placement_fn=placement, offload_policy=offload)
+    fs(model, mesh=mesh, mp_policy=mp, shard_placement_fn=placement)
     layers = list(model.layers)
     for i, layer in enumerate(layers):
         if i + 1 < len(layers):
@@ -107,4 +117,7 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
         fwd_counts=rec.forward,
         bwd_counts=rec.backward,
         dtypes={str(p.dtype) for p in ours.parameters()},
+        placements={k: str(v.placements) for k, v in ours.state_dict().items()},
+        devices={str(p.device) for p in ours.parameters()}
+        | {str(p.grad.device) for p in ours.parameters() if p.grad is not None},
     )

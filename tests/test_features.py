@@ -2,9 +2,10 @@
 
 One fat run per mode checks together: MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32), frozen parameters mixed with trainable ones inside units,
-explicit forward/backward prefetch (set_modules_to_*_prefetch), and gradient
+explicit forward/backward prefetch (set_modules_to_*_prefetch), gradient
 accumulation over 2 micro-batches with set_requires_gradient_sync(False) on the
-first. The comparison is bitwise (atol=rtol=0): both libraries cast, gather,
+first, shard_placement_fn (the MLP down projections and the output head on dim 1)
+and CPUOffloadPolicy on the blocks. The comparison is bitwise (atol=rtol=0): both libraries cast, gather,
 compute and reduce in the same dtypes and orders, and so produced identical
 numbers in our runs; any drift means a semantic difference.
 """
@@ -35,6 +36,10 @@ def test_features_match_torch_fully_shard(mode: str) -> None:
         # Sharded parameters stay fp32 under bf16 compute.
         assert r["dtypes"] == {"torch.float32"}
         assert r["bytes_after"] == 0
+        assert r["placements"]["output.weight"] == "(Shard(dim=1),)"
+        assert r["placements"]["layers.0.ffn.w2.weight"] == "(Shard(dim=1),)"
+        assert r["placements"]["layers.0.ffn.w1.weight"] == "(Shard(dim=0),)"
+        assert r["devices"] == {"cpu"}
     if mode == "compiled":
         r = results[0]
         assert len(r["fwd_counts"]) == 1, r["fwd_counts"]  # zero recompiles

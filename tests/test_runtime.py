@@ -239,3 +239,28 @@ def test_eager_all_gathers_in_flight_on_gloo(one_rank) -> None:
     assert any("all_gather_into_tensor_out" in s for s in seen), seen
     assert not any(s.startswith("_c10d_functional.all_gather_into_tensor.") for s in seen), seen
     assert run_ranks(_inflight_worker, 2, 150) == [150, 150]
+
+
+def test_error_bad_shard_placement_and_offload(one_rank) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    with pytest.raises(TypeError, match="shard_placement_fn must be a callable"):
+        th.fully_shard(nn.Linear(2, 2), mesh=one_rank, shard_placement_fn=3)
+    with pytest.raises(TypeError, match=r"returned Replicate\(\) for 'weight'"):
+        th.fully_shard(nn.Linear(2, 2), mesh=one_rank, shard_placement_fn=lambda p: Replicate())
+    with pytest.raises(ValueError, match=r"Shard\(2\) for 'weight', which has 2 dim"):
+        th.fully_shard(nn.Linear(2, 2), mesh=one_rank,
+                       shard_placement_fn=lambda p: Shard(2) if p.dim() == 2 else None)
+    with pytest.raises(TypeError, match="offload_policy must be"):
+        th.fully_shard(nn.Linear(2, 2), mesh=one_rank, offload_policy="cpu")
+    with pytest.raises(TypeError, match="pin_memory must be a bool"):
+        th.fully_shard(nn.Linear(2, 2), mesh=one_rank,
+                       offload_policy=th.CPUOffloadPolicy(pin_memory="yes"))
+    # torch's own policy objects are accepted (a half-switched import).
+    import torch.distributed.fsdp as torch_fsdp
+
+    m = th.fully_shard(nn.Linear(4, 2), mesh=one_rank,
+                       offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False),
+                       shard_placement_fn=lambda p: Shard(-1) if p.dim() == 2 else None)
+    assert m.weight.placements == (Shard(1),)
+    assert m._traceable_hsdp_state.param_group.fsdp_params[0].offload == th.CPUOffloadPolicy(False)

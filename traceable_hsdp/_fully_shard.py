@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._common import MeshInfo
 from ._param import FSDPParam, ParamModuleInfo
 from ._param_group import FSDPParamGroup
@@ -293,12 +293,15 @@ def fully_shard(
         reshard_after_forward: free the unsharded parameters after forward and
             re-gather them for backward (default ``True``). ``False`` keeps them from
             forward to backward. ``None`` means ``True``.
-        shard_placement_fn: must be ``None`` or return ``None`` / ``Shard(0)`` for every
-            parameter (other dims come with the feature-breadth work).
+        shard_placement_fn: called with each managed parameter; returns the
+            ``Shard(dim)`` to shard it on, or ``None`` for ``Shard(0)`` (default
+            ``None``: every parameter on dim 0).
         mp_policy: dtypes for the gathered parameters, the gradient reduction and
             the outputs (default full precision). torch's own policy object is
             accepted too.
-        offload_policy: only the default ``OffloadPolicy()`` is supported so far.
+        offload_policy: ``OffloadPolicy()`` (default, no offload) or
+            ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters and gradients
+            live on the CPU and are copied to the mesh's device for the all-gather.
         ignored_params: parameters left alone (neither sharded nor reduced).
 
     Returns:
@@ -314,7 +317,8 @@ def fully_shard(
     mesh = _default_mesh() if mesh is None else mesh
     mesh_info = _mesh_info(mesh)
     raf = _check_reshard_after_forward(reshard_after_forward)
-    _check_unsupported_options(shard_placement_fn, offload_policy, modules)
+    offload_policy = _check_offload_policy(offload_policy)
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     mp_policy = _check_mp_policy(mp_policy)
     ignored = _check_ignored(ignored_params)
 
@@ -337,8 +341,10 @@ def fully_shard(
                 "materialize it first, e.g. module.to_empty(device=...) then initialize "
                 "its values, and call fully_shard after."
             )
-        if p.device.type != mesh.device_type or (
-            p.device.type != "cpu" and p.device != mesh_info.device
+        on_cpu_offloaded = offload is not None and p.device.type == "cpu"
+        if not on_cpu_offloaded and (
+            p.device.type != mesh.device_type
+            or (p.device.type != "cpu" and p.device != mesh_info.device)
         ):
             where = mesh.device_type if p.device.type != mesh.device_type else mesh_info.device
             raise ValueError(
@@ -352,7 +358,15 @@ def fully_shard(
                 "tensor parallelism is not supported."
             )
     fsdp_params = [
-        FSDPParam(p, where[p][0][0], [info for _, info in where[p]], mesh_info, mp_policy)
+        FSDPParam(
+            p,
+            where[p][0][0],
+            [info for _, info in where[p]],
+            mesh_info,
+            mp_policy,
+            shard_dim=_shard_dim(shard_placement_fn, p, where[p][0][0]),
+            offload=offload,
+        )
         for p in order
     ]
     label = type(owner).__name__
@@ -456,29 +470,62 @@ def _check_mp_policy(mp_policy: Any) -> MixedPrecisionPolicy:
     )
 
 
-def _check_unsupported_options(
-    shard_placement_fn: Any, offload_policy: Any, modules: list[nn.Module]
-) -> None:
-    if shard_placement_fn is not None:
-        if not callable(shard_placement_fn):
-            raise TypeError("shard_placement_fn must be callable or None.")
-        for m in modules:
-            for name, p in m.named_parameters():
-                placement = shard_placement_fn(p)
-                if placement is not None and placement != Shard(0):
-                    raise NotImplementedError(
-                        f"shard_placement_fn returned {placement} for {name!r}; only "
-                        "Shard(0) (or None) is supported so far."
-                    )
+def _shard_dim(
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    param: nn.Parameter,
+    fqn: str,
+) -> int:
+    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None)."""
+    if shard_placement_fn is None:
+        return 0
+    if not callable(shard_placement_fn):
+        raise TypeError(
+            "shard_placement_fn must be a callable taking an nn.Parameter and returning "
+            f"a Shard or None, got {type(shard_placement_fn).__name__}."
+        )
+    placement = shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(
+            f"shard_placement_fn returned {placement!r} for {fqn!r}; it must return a "
+            "torch.distributed.tensor.Shard(dim) or None (for Shard(0))."
+        )
+    dim = placement.dim
+    ndim = param.dim()
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which has {ndim} "
+            f"dim(s) (shape {tuple(param.shape)}); pick a dim in [{-ndim}, {ndim})."
+        )
+    return dim % ndim
+
+
+def _check_offload_policy(offload_policy: Any) -> OffloadPolicy:
+    # torch.distributed.fsdp's policies have the same names and fields: accept them,
+    # so a half-switched import still works (as for mp_policy).
+    torch_name = type(offload_policy).__name__
+    if not isinstance(offload_policy, OffloadPolicy) and torch_name in (
+        "OffloadPolicy",
+        "CPUOffloadPolicy",
+    ):
+        if torch_name == "CPUOffloadPolicy":
+            offload_policy = CPUOffloadPolicy(pin_memory=getattr(offload_policy, "pin_memory", True))
+        else:
+            offload_policy = OffloadPolicy()
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
-            f"offload_policy must be a traceable_hsdp.OffloadPolicy, got "
-            f"{type(offload_policy).__name__}."
+            "offload_policy must be a traceable_hsdp.OffloadPolicy (no offload) or "
+            f"CPUOffloadPolicy(pin_memory=...), got {type(offload_policy).__name__}."
         )
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"{offload_policy} is not supported yet; only OffloadPolicy() (no offload)."
+    if isinstance(offload_policy, CPUOffloadPolicy) and not isinstance(
+        offload_policy.pin_memory, bool
+    ):
+        raise TypeError(
+            "CPUOffloadPolicy.pin_memory must be a bool, got "
+            f"{type(offload_policy.pin_memory).__name__}."
         )
+    return offload_policy
 
 
 def _check_ignored(ignored_params: Any) -> set[nn.Parameter]:

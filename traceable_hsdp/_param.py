@@ -29,6 +29,22 @@ graph's ``inputs`` list, which compiled autograd has already emptied
 (``IndexError: list index out of range``, seen with gradient sync off). It also keeps
 ``state_dict()`` and ``parameters()`` sharded outside forward, even with
 ``reshard_after_forward=False``.
+
+[Note: Shard dim and offload]
+``shard_placement_fn`` may shard a parameter on a dim ``d`` other than 0
+(``Shard(d)``). The sharded DTensor then holds ``torch.chunk(full, ws, d)[rank]``,
+the standard layout, so ``full_tensor()`` and DCP see nothing special. The
+collectives always work on dim 0: the all-gather input is the local shard with
+``d`` moved first (``movedim``, then made contiguous and padded to ``chunk_rows``),
+and the gathered rows are moved back (``movedim(0, d)``, a view) before
+``fsdp.copy_`` fills the placeholder; the gradient goes the same way through the
+reduce-scatter. The numbers are those of a dim-0 shard of the transposed tensor.
+
+``CPUOffloadPolicy`` keeps the sharded parameter (what the optimizer steps) and its
+gradient on the CPU: the all-gather input is copied to the mesh's device first, and
+the reduced gradient shard is copied back. The placeholder lives on the device.
+With ``pin_memory=True`` the CPU shard is pinned when an accelerator is present
+(pinning needs one; on a CPU-only machine it is skipped).
 """
 
 from __future__ import annotations
@@ -41,7 +57,7 @@ import torch.distributed.fsdp  # noqa: F401  registers torch.ops.fsdp.copy_
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._api import MixedPrecisionPolicy
+from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter
 from ._common import MeshInfo, ShardedState
 
@@ -82,6 +98,8 @@ class FSDPParam:
         module_infos: list[ParamModuleInfo],
         mesh_info: MeshInfo,
         mp_policy: MixedPrecisionPolicy,
+        shard_dim: int = 0,
+        offload: CPUOffloadPolicy | None = None,
     ) -> None:
         self.fqn = fqn
         self.module_infos = module_infos
@@ -97,17 +115,25 @@ class FSDPParam:
                 f"fully_shard cannot shard the 0-dim parameter {fqn!r} on dim 0. "
                 "Keep it out with ignored_params={...} or make it 1-D."
             )
+        # See [Note: Shard dim and offload].
+        self.shard_dim = shard_dim
+        self.offload = offload
+        self.device = mesh_info.device  # where gathers, compute and reduction run
         ws, rank = mesh_info.shard_size, mesh_info.shard_rank
-        n = param.size(0)
-        self.chunk_rows = math.ceil(n / ws)  # rows of every padded shard
+        n = param.size(shard_dim)
+        self.chunk_rows = math.ceil(n / ws)  # rows (along shard_dim) of every padded shard
         self.local_rows = max(0, min(self.chunk_rows, n - rank * self.chunk_rows))
         start = min(rank * self.chunk_rows, n)
         with torch.no_grad():
-            local = param.detach().narrow(0, start, self.local_rows).clone()
+            local = param.detach().narrow(shard_dim, start, self.local_rows).clone()
+            if offload is not None:
+                local = local.cpu()
+                if offload.pin_memory and torch.accelerator.is_available():
+                    local = local.pin_memory()
         placements = (
-            (Shard(0),)
+            (Shard(shard_dim),)
             if mesh_info.replicate_mesh_dim is None
-            else (Replicate(), Shard(0))
+            else (Replicate(), Shard(shard_dim))
         )
         self.placements = placements
         dtensor = DTensor.from_local(
@@ -122,7 +148,7 @@ class FSDPParam:
         # The placeholder starts with 0 bytes of storage. See
         # [Note: Sharded parameter and unsharded placeholder].
         self.unsharded_param = nn.Parameter(
-            torch.empty(self.orig_size, dtype=self.dtype, device=param.device),
+            torch.empty(self.orig_size, dtype=self.dtype, device=self.device),
             requires_grad=param.requires_grad,
         )
         self.unsharded_param.untyped_storage().resize_(0)
@@ -140,13 +166,18 @@ class FSDPParam:
         return self.orig_size.numel() * self.dtype.itemsize
 
     def all_gather_input(self) -> torch.Tensor:
-        """This rank's shard in ``param_dtype``, padded to ``chunk_rows`` rows (ND,
-        like the parameter)."""
-        local = self.sharded_param.to_local().to(self.dtype)
+        """This rank's shard in ``param_dtype`` on the compute device, with the shard
+        dim moved first and padded to ``chunk_rows`` rows (ND)."""
+        local = self.sharded_param.to_local()
+        if local.device != self.device:  # CPU offload: copy in for the gather
+            local = local.to(self.device, non_blocking=True)
+        local = local.to(self.dtype)
+        if self.shard_dim != 0:
+            local = local.movedim(self.shard_dim, 0)
         pad = self.chunk_rows - self.local_rows
         if pad == 0:
             return local
-        zeros = local.new_zeros((pad, *self.orig_size[1:]))
+        zeros = local.new_zeros((pad, *local.shape[1:]))
         return torch.cat([local, zeros], dim=0)
 
     def all_gather_start(self) -> torch.Tensor:
@@ -162,7 +193,9 @@ class FSDPParam:
                 f"{self.fqn}: fill_unsharded needs SHARDED, found {self.sharded_state}"
             )
         p = self.unsharded_param
-        full = gathered.narrow(0, 0, self.orig_size[0])
+        full = gathered.narrow(0, 0, self.orig_size[self.shard_dim])
+        if self.shard_dim != 0:
+            full = full.movedim(0, self.shard_dim)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
             p.untyped_storage().resize_(self.unsharded_nbytes)
             torch.ops.fsdp.copy_(p, full)
@@ -208,9 +241,11 @@ class FSDPParam:
         ws = mi.shard_size
         op = "avg" if divide_factor is None else "sum"
         grad = unsharded_grad.to(self.reduce_dtype)
-        pad = ws * self.chunk_rows - self.orig_size[0]
+        if self.shard_dim != 0:
+            grad = grad.movedim(self.shard_dim, 0)
+        pad = ws * self.chunk_rows - grad.size(0)
         if pad:
-            grad = torch.cat([grad, grad.new_zeros((pad, *self.orig_size[1:]))], dim=0)
+            grad = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))], dim=0)
         local = reduce_scatter(grad, op, ws, mi.shard_group_name)
         if mi.replicate_group_name is not None:
             local = all_reduce(local, op, mi.replicate_group_name)
@@ -218,7 +253,12 @@ class FSDPParam:
             local = local / divide_factor
         if self.local_rows != self.chunk_rows:
             local = local.narrow(0, 0, self.local_rows)
-        self.accumulate_sharded_grad(local.to(self.orig_dtype))
+        if self.shard_dim != 0:
+            local = local.movedim(0, self.shard_dim).contiguous()
+        local = local.to(self.orig_dtype)
+        if self.offload is not None:  # CPU offload: the sharded grad lives on the CPU
+            local = local.to("cpu", non_blocking=True)
+        self.accumulate_sharded_grad(local)
 
     def accumulate_sharded_grad(self, local: torch.Tensor) -> None:
         sp = self.sharded_param
