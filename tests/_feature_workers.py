@@ -51,9 +51,14 @@ def _build(lib: str, mesh: Any, mp: Any) -> Llama:
     return model
 
 
-def _train(model: Llama, rank: int, world: int, step_fn: Any) -> tuple[list[float], list[Any]]:
+def _train(
+    model: Llama, rank: int, world: int, step_fn: Any, keep_gathered: bool
+) -> tuple[list[float], list[Any], list[int]]:
+    """``keep_gathered``: on the no-sync micro-batch also set_reshard_after_backward
+    (False) and set_is_last_backward(False), as torch's docs suggest for gradient
+    accumulation; the last micro-batch sets both back to True."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses, grads_after_nosync = [], []
+    losses, grads_after_nosync, kept_bytes = [], [], []
     for x, y in _data(world * MICRO, STEPS):
         # This rank's share of the global batch, split into MICRO micro-batches.
         xs, ys = x.chunk(world)[rank].chunk(MICRO), y.chunk(world)[rank].chunk(MICRO)
@@ -61,17 +66,22 @@ def _train(model: Llama, rank: int, world: int, step_fn: Any) -> tuple[list[floa
         for i in range(MICRO):
             last = i == MICRO - 1
             model.set_requires_gradient_sync(last)
+            if keep_gathered:
+                model.set_reshard_after_backward(last)
+                model.set_is_last_backward(last)
             total += step_fn(xs[i], ys[i]) / MICRO
             if not last:
                 grads_after_nosync.append(
                     [p.grad is None for p in model.parameters() if p.requires_grad]
                 )
+                if keep_gathered and hasattr(model, "_traceable_hsdp_state"):
+                    kept_bytes.append(_placeholder_bytes(model))
         opt.step()
         opt.zero_grad()
         t = torch.tensor(total)
         torch.distributed.all_reduce(t)
         losses.append(t.item() / world)
-    return losses, grads_after_nosync
+    return losses, grads_after_nosync, kept_bytes
 
 
 def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str) -> dict[str, Any]:
@@ -89,7 +99,8 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
 
     # torch's fully_shard first: compiled autograd must be off for it.
     ref = _build("torch", mesh, tmp)
-    ref_losses, _ = _train(ref, rank, world, eager_step(ref))
+    keep = mode == "eager"
+    ref_losses, _, _ = _train(ref, rank, world, eager_step(ref), keep)
     ref_params = {k: v.full_tensor() for k, v in ref.state_dict().items()}
 
     ours = _build("ours", mesh, mp)
@@ -104,7 +115,7 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
             return loss.item() * MICRO
     else:
         step = eager_step(ours)
-    losses, nosync = _train(ours, rank, world, step)
+    losses, nosync, kept_bytes = _train(ours, rank, world, step, keep)
     if mode == "compiled":
         th.disable_compiled_autograd()
     return dict(
@@ -114,6 +125,7 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
         ref_params=ref_params,
         nosync_grads_none=nosync,
         bytes_after=_placeholder_bytes(ours),
+        kept_bytes=kept_bytes,
         fwd_counts=rec.forward,
         bwd_counts=rec.backward,
         dtypes={str(p.dtype) for p in ours.parameters()},
