@@ -6,10 +6,12 @@ A drop-in for ``torch.distributed.fsdp``: ``from traceable_hsdp import fully_sha
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._compile import compiled_autograd, disable_compiled_autograd, enable_compiled_autograd
 from ._fully_shard import FSDPModule, fully_shard
+from ._hsdp import hsdp
 
 __all__ = [
     "fully_shard",
     "FSDPModule",
+    "hsdp",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",

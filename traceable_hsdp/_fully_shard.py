@@ -313,6 +313,32 @@ def fully_shard(
         ValueError: a mesh of 3 or more dims; a parameter on another device than the
             mesh's; meta parameters; a 0-dim parameter; unsupported option values.
     """
+    return _fully_shard_impl(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+    )
+
+
+def _fully_shard_impl(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+    replicate: Callable[[nn.Parameter], bool] | None = None,
+    keep_storage: bool = False,
+) -> Any:
+    """:func:`fully_shard`, plus what ``hsdp()`` adds: ``replicate(param)`` says which
+    parameters stay whole (see [Note: Replicated parameters] in ``_param.py``) and
+    ``keep_storage`` keeps gathered storage across steps (``optimizer_level="level1"``)."""
     modules = _check_modules(module)
     mesh = _default_mesh() if mesh is None else mesh
     mesh_info = _mesh_info(mesh)
@@ -366,9 +392,12 @@ def fully_shard(
             mp_policy,
             shard_dim=_shard_dim(shard_placement_fn, p, where[p][0][0]),
             offload=offload,
+            replicate=replicate is not None and replicate(p),
         )
         for p in order
     ]
+    for fp in fsdp_params:
+        fp.keep_storage = keep_storage
     label = type(owner).__name__
     group = FSDPParamGroup(fsdp_params, mesh_info, label) if fsdp_params else None
     state = FSDPState(modules, group, raf, mp_policy)

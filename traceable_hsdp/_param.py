@@ -30,6 +30,15 @@ graph's ``inputs`` list, which compiled autograd has already emptied
 ``state_dict()`` and ``parameters()`` sharded outside forward, even with
 ``reshard_after_forward=False``.
 
+[Note: Replicated parameters]
+``hsdp(threshold=..., replicate_params=...)`` keeps some parameters whole on every
+rank (small ones, where a collective per parameter costs more than the memory it
+saves). Such a parameter is a ``DTensor`` with ``Replicate()`` on every mesh dim;
+its "gather" is its local tensor (no collective), and its gradient is all-reduced
+(DDP-style) over the shard group and then the replicate group, averaging over every
+data-parallel rank like the sharded ones. It still goes through the placeholder
+(grow, ``fsdp.copy_``, free), so the lifecycle and the graphs keep one shape.
+
 [Note: Shard dim and offload]
 ``shard_placement_fn`` may shard a parameter on a dim ``d`` other than 0
 (``Shard(d)``). The sharded DTensor then holds ``torch.chunk(full, ws, d)[rank]``,
@@ -58,7 +67,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
-from ._collectives import all_gather_start, all_reduce, reduce_scatter
+from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
 from ._common import MeshInfo, ShardedState
 
 
@@ -100,8 +109,11 @@ class FSDPParam:
         mp_policy: MixedPrecisionPolicy,
         shard_dim: int = 0,
         offload: CPUOffloadPolicy | None = None,
+        replicate: bool = False,
     ) -> None:
         self.fqn = fqn
+        # See [Note: Replicated parameters].
+        self.replicate = replicate
         self.module_infos = module_infos
         self.mesh_info = mesh_info
         self.orig_size = param.size()
@@ -119,7 +131,7 @@ class FSDPParam:
         self.shard_dim = shard_dim
         self.offload = offload
         self.device = mesh_info.device  # where gathers, compute and reduction run
-        ws, rank = mesh_info.shard_size, mesh_info.shard_rank
+        ws, rank = (1, 0) if replicate else (mesh_info.shard_size, mesh_info.shard_rank)
         n = param.size(shard_dim)
         self.chunk_rows = math.ceil(n / ws)  # rows (along shard_dim) of every padded shard
         self.local_rows = max(0, min(self.chunk_rows, n - rank * self.chunk_rows))
@@ -130,11 +142,8 @@ class FSDPParam:
                 local = local.cpu()
                 if offload.pin_memory and torch.accelerator.is_available():
                     local = local.pin_memory()
-        placements = (
-            (Shard(shard_dim),)
-            if mesh_info.replicate_mesh_dim is None
-            else (Replicate(), Shard(shard_dim))
-        )
+        inner = Replicate() if replicate else Shard(shard_dim)
+        placements = (inner,) if mesh_info.replicate_mesh_dim is None else (Replicate(), inner)
         self.placements = placements
         dtensor = DTensor.from_local(
             local,
@@ -154,6 +163,9 @@ class FSDPParam:
         self.unsharded_param.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
         self.module_holds_unsharded = False
+        # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage (the
+        # parameter stays whole in memory across steps; the next unshard refills it).
+        self.keep_storage = False
         # Unsharded gradient summed over backwards without gradient sync, in
         # reduce_dtype (ND, full shape), or None.
         self.accumulated_grad: torch.Tensor | None = None
@@ -182,9 +194,16 @@ class FSDPParam:
 
     def all_gather_start(self) -> torch.Tensor:
         """Issues this parameter's all-gather; the result (``shard_size * chunk_rows``
-        rows) is ready after :func:`traceable_hsdp._collectives.wait`."""
+        rows) is ready after :meth:`wait_gathered`. A replicated parameter needs no
+        collective: its local tensor is the result."""
+        if self.replicate:
+            return self.all_gather_input()
         mi = self.mesh_info
         return all_gather_start(self.all_gather_input(), mi.shard_size, mi.shard_group_name)
+
+    def wait_gathered(self, issued: torch.Tensor) -> torch.Tensor:
+        """Waits for what :meth:`all_gather_start` returned."""
+        return issued if self.replicate else wait_all_gather(issued)
 
     def fill_unsharded(self, gathered: torch.Tensor) -> None:
         """Grows the placeholder to full and copies the gathered rows into it."""
@@ -223,9 +242,10 @@ class FSDPParam:
         self.register_sharded()
         if self.sharded_state is ShardedState.SHARDED:
             return
-        p = self.unsharded_param
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
-            p.untyped_storage().resize_(0)
+        if not self.keep_storage:
+            p = self.unsharded_param
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+                p.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
 
     # ----------------------------------------------------------------- backward
@@ -241,6 +261,14 @@ class FSDPParam:
         ws = mi.shard_size
         op = "avg" if divide_factor is None else "sum"
         grad = unsharded_grad.to(self.reduce_dtype)
+        if self.replicate:  # DDP-style: all-reduce over every data-parallel rank
+            local = all_reduce(grad, op, mi.shard_group_name)
+            if mi.replicate_group_name is not None:
+                local = all_reduce(local, op, mi.replicate_group_name)
+            if divide_factor is not None:
+                local = local / divide_factor
+            self._accumulate_reduced(local)
+            return
         if self.shard_dim != 0:
             grad = grad.movedim(self.shard_dim, 0)
         pad = ws * self.chunk_rows - grad.size(0)
@@ -255,6 +283,9 @@ class FSDPParam:
             local = local.narrow(0, 0, self.local_rows)
         if self.shard_dim != 0:
             local = local.movedim(0, self.shard_dim).contiguous()
+        self._accumulate_reduced(local)
+
+    def _accumulate_reduced(self, local: torch.Tensor) -> None:
         local = local.to(self.orig_dtype)
         if self.offload is not None:  # CPU offload: the sharded grad lives on the CPU
             local = local.to("cpu", non_blocking=True)

@@ -7,7 +7,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ._collectives import wait_all_gather
 from ._common import MeshInfo, ShardedState, TrainingState
 from ._param import FSDPParam
 
@@ -74,7 +73,7 @@ class FSDPParamGroup:
             raise AssertionError(f"{self.label}: no all-gather issued, state {self.sharded_state}")
         self._pending = None
         with torch.no_grad():
-            gathered = [wait_all_gather(t) for t in pending]
+            gathered = [p.wait_gathered(t) for p, t in zip(self.fsdp_params, pending)]
             for p, g in zip(self.fsdp_params, gathered):
                 p.fill_unsharded(g)
         self.sharded_state = ShardedState.UNSHARDED
@@ -98,8 +97,8 @@ class FSDPParamGroup:
         """Frees every placeholder and puts the sharded parameters back. Idempotent.
         An all-gather still in flight is waited for and dropped."""
         if self._pending is not None:
-            for t in self._pending:
-                wait_all_gather(t)
+            for p, t in zip(self.fsdp_params, self._pending):
+                p.wait_gathered(t)
             self._pending = None
         for p in self.fsdp_params:
             p.reshard()

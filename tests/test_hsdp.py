@@ -1,0 +1,130 @@
+"""hsdp(): the HSDP systems' entry point on the fully_shard runtime.
+
+Parity against the single-process reference of tests/_workers.py (AdamW, same global
+batch), with the tolerance of test_runtime.py (losses rtol 1e-5, params atol 2e-5:
+reductions in another order, amplified by AdamW; replicated parameters are
+all-reduced instead of reduce-scattered, which is one more order).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import traceable_hsdp as th
+from _dist import run_ranks
+from _hsdp_workers import STEPS, hsdp_worker, reduce_op_worker
+from _workers import CFG, reference_run
+
+N_PARAMS = 2 + 9 * CFG.n_layers + 1
+# threshold=1 KiB keeps every RMSNorm weight (dim 32 fp32 = 128 B) whole: 2 per block
+# and the final norm; replicate_params keeps the output head whole.
+N_REPLICATED = 2 * CFG.n_layers + 1 + 1
+
+
+def _check(results: list[dict], world: int, levels: list[str]) -> None:
+    ref_losses, ref_params = reference_run(world, STEPS)
+    for r in results:
+        for level in levels:
+            got = r[level]
+            torch.testing.assert_close(got["losses"], ref_losses, rtol=1e-5, atol=0, msg=level)
+            for k, v in ref_params.items():
+                torch.testing.assert_close(got["params"][k], v, rtol=0, atol=2e-5, msg=f"{level} {k}")
+            pl = got["placements"]
+            assert "Shard" not in pl["norm.weight"] and "Shard" not in pl["output.weight"], pl
+            assert "Shard(dim=0)" in pl["layers.0.attn.wq.weight"], pl
+            replicated = sum("Shard" not in v for v in pl.values())
+            assert replicated == N_REPLICATED, pl
+            if level == "level1":
+                # Parameters stay whole across the step: storage is never freed.
+                assert all(b > 0 for b in got["bytes_after_bwd"]), got["bytes_after_bwd"]
+            else:
+                assert got["bytes_after_bwd"] == [0] * STEPS, (level, got["bytes_after_bwd"])
+
+
+@pytest.mark.slow
+def test_hsdp_levels_2x2_eager() -> None:
+    """shard_size=2 on 4 ranks: a 2-D (replicate, shard) mesh; all three levels."""
+    levels = ["level3", "level2", "level1"]
+    results = run_ranks(hsdp_worker, 4, 2, levels, "eager")
+    _check(results, 4, levels)
+    assert "Replicate(), Shard(dim=0)" in results[0]["level3"]["placements"]["tok_embeddings.weight"]
+
+
+@pytest.mark.slow
+def test_hsdp_compiled_2_ranks() -> None:
+    """Compiled (aot_eager, compiled autograd): the replicated parameters have no
+    all-gather and are all-reduced in the backward graph; no recompiles."""
+    levels = ["level3", "level1"]
+    results = run_ranks(hsdp_worker, 2, -1, levels, "compiled")
+    _check(results, 2, levels)
+    r = results[0]["level3"]
+    assert len(r["fwd_counts"]) == 1 and len(r["bwd_counts"]) == 1, (r["fwd_counts"], r["bwd_counts"])
+    fwd, bwd = r["fwd_counts"][0], r["bwd_counts"][0]
+    assert fwd["all_gather_into_tensor"] == N_PARAMS - N_REPLICATED, fwd
+    assert bwd["all_gather_into_tensor"] == N_PARAMS - N_REPLICATED, bwd
+    assert bwd["reduce_scatter_tensor"] == N_PARAMS - N_REPLICATED, bwd
+    assert bwd["all_reduce"] == N_REPLICATED, bwd
+    r1 = results[0]["level1"]
+    assert len(r1["fwd_counts"]) == 1 and len(r1["bwd_counts"]) == 1, (r1["fwd_counts"], r1["bwd_counts"])
+    # level1 keeps parameters whole from forward to backward: no re-gather.
+    assert "all_gather_into_tensor" not in r1["bwd_counts"][0], r1["bwd_counts"]
+
+
+def test_hsdp_reduce_op_and_divide_factor() -> None:
+    for ratios in run_ranks(reduce_op_worker, 2):
+        for k, (d_sum, d_div) in ratios.items():
+            assert d_sum < 1e-5 and d_div < 1e-5, (k, d_sum, d_div)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        try:
+            yield init_device_mesh("cpu", (1,))
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(shard_size=3), ValueError, r"shard_size=3\) must be -1 or a positive divisor"),
+        (dict(shard_size=0), ValueError, "positive divisor"),
+        (dict(shard_size=1.5), TypeError, "shard_size=...\\) must be an int"),
+        (dict(threshold=-1), ValueError, "threshold=...\\) must be >= 0"),
+        (dict(optimizer_level="level4"), ValueError, "level1, level2, level3"),
+        (dict(reduce_dtype="bf16"), TypeError, "reduce_dtype must be a torch.dtype"),
+        (dict(reduce_dtype=torch.int32), ValueError, "floating-point"),
+        (dict(comm_fusion=1), TypeError, "comm_fusion"),
+        (dict(bucket_size=0), ValueError, "bucket_size"),
+        (dict(reduce_op="max"), ValueError, "'mean' or 'sum'"),
+        (dict(gradient_divide_factor=-2.0), ValueError, "must be > 0"),
+        (dict(reduce_op="sum", gradient_divide_factor=2.0), ValueError, "not both"),
+        (dict(replicate_params=[torch.ones(2)]), TypeError, "not an nn.Parameter"),
+    ],
+)
+def test_hsdp_errors(one_rank, kwargs, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        th.hsdp(nn.Linear(2, 2), **kwargs)
+
+
+def test_hsdp_comm_fusion_sets_the_pass_config(one_rank) -> None:
+    from traceable_hsdp import passes
+
+    before = passes.get_config()
+    try:
+        th.hsdp(nn.Linear(2, 2), comm_fusion=True, bucket_size=8)
+        cfg = passes.get_config()
+        assert cfg.bucket_all_gathers and cfg.bucket_reduce_scatters and cfg.bucket_cap_mb == 8.0
+        th.hsdp(nn.Linear(2, 2))
+        cfg = passes.get_config()
+        assert not cfg.bucket_all_gathers and not cfg.bucket_reduce_scatters
+    finally:
+        passes.set_config(before)
