@@ -2,8 +2,8 @@
 
 [Note: Collective annotations]
 The runtime issues each parameter's all-gather and reduce-scatter (and, for HSDP, its
-all-reduce) inside :func:`collective_annotation`, which is
-``torch.fx.traceback.annotate`` with one key. Every FX node traced inside it gets::
+all-reduce) inside :func:`collective_annotation` (or :func:`call_annotated`), which
+is ``torch.fx.traceback.annotate`` with one key. Every FX node traced inside it gets::
 
     node.meta["custom"]["traceable_hsdp"] = {"unit": "Block", "params": ("attn.wq.weight",)}
 
@@ -33,9 +33,9 @@ a no-op and dumps show no unit or parameter.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx.traceback
@@ -43,12 +43,14 @@ import torch.fx.traceback
 __all__ = [
     "ANNOTATION_KEY",
     "collective_annotation",
+    "call_annotated",
     "annotation_of",
     "merge_annotations",
     "set_annotation",
 ]
 
 ANNOTATION_KEY = "traceable_hsdp"
+_T = TypeVar("_T")
 
 
 def collective_annotation(unit: str, params: Sequence[str]) -> AbstractContextManager[Any]:
@@ -65,6 +67,15 @@ def collective_annotation(unit: str, params: Sequence[str]) -> AbstractContextMa
     if annotate is None:
         return nullcontext()
     return annotate({ANNOTATION_KEY: {"unit": unit, "params": tuple(params)}})
+
+
+def call_annotated(unit: str, param: str, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` inside ``collective_annotation(unit, [param])``: the one-line
+    form for the runtime's list comprehensions, e.g.
+    ``[call_annotated(self.label, p.fqn, p.all_gather_start) for p in self.fsdp_params]``.
+    """
+    with collective_annotation(unit, (param,)):
+        return fn(*args)
 
 
 def annotation_of(node: torch.fx.Node) -> dict[str, Any] | None:

@@ -357,8 +357,9 @@ def copy_annotations(source: fx.Graph | fx.GraphModule, target: fx.Graph | fx.Gr
     compile), matching them in graph order. See [Note: The recording backend].
 
     Returns:
-        What happened, for the dump: ``"copied N"``, ``"nothing to copy"``, or why
-        the graphs did not match (then ``target`` is unchanged).
+        What happened, for the dump: ``"copied N"``, ``"nothing to copy"`` (all were
+        annotated already), or why nothing was copied (the graphs did not match, or
+        ``source`` has no annotations); then ``target`` is unchanged.
     """
     src = source.graph if isinstance(source, fx.GraphModule) else source
     dst = target.graph if isinstance(target, fx.GraphModule) else target
@@ -375,6 +376,11 @@ def copy_annotations(source: fx.Graph | fx.GraphModule, target: fx.Graph | fx.Gr
                 f"not copied: collective {i} differs ({s.name}: {_signature(s)} vs "
                 f"{d.name}: {_signature(d)})"
             )
+    if all(annotation_of(s) is None for s in src_nodes):
+        return (
+            "none: dynamo's graph has no annotations either (the runtime does not "
+            "annotate its collectives; see [Note: Collective annotations])"
+        )
     copied = 0
     for s, d in zip(src_nodes, dst_nodes):
         ann = annotation_of(s)
