@@ -168,7 +168,7 @@ def test_collective_annotation_sets_node_meta_when_traced() -> None:
     anns = {n.name: annotation_of(n) for n in gm.graph.nodes if n.op == "call_function"}
     assert anns == {
         "y": {"unit": "Block", "params": ("w",)},
-        "neg": {"unit": "Block", "params": ("v",)},
+        "z": {"unit": "Block", "params": ("v",)},
         "add": None,
     }, anns
     assert ANNOTATION_KEY in next(n for n in gm.graph.nodes if n.name == "y").meta["custom"]
