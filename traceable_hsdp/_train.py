@@ -233,8 +233,9 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         f"FSDP over {world} ranks" if cfg.replicate == 1
         else f"HSDP {cfg.replicate} replicas x {world // cfg.replicate} shards"
     )
+    command = "train" if cfg.dump_dir is None else "dump"
     say(
-        f"traceable-hsdp train: Llama {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
+        f"traceable-hsdp {command}: Llama {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
         f"{n_params / 1e6:.2f}M params; {layout} on {device.type} "
         f"({dist.get_backend()}); {mode}; batch {cfg.batch_size}/rank x seq {cfg.seq_len}; "
         f"{cfg.steps} steps"
