@@ -87,6 +87,7 @@ from typing import Any, Literal, TextIO
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
+import torch.distributed as dist
 from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
 
@@ -108,7 +109,9 @@ log = logging.getLogger(__name__)
 
 Stage = Literal["dynamo", "before_passes", "after_passes"]
 Kind = Literal["fwd", "bwd", "aot_bwd"]
-_STAGE_TITLE = {"dynamo": "dynamo", "before_passes": "before passes", "after_passes": "after passes"}
+_STAGE_TITLE = {
+    "dynamo": "dynamo", "before_passes": "before passes", "after_passes": "after passes"
+}
 _OUR_PATHS = (
     "depyf", "graphs", "post_grad", "trace", "tlparse",
     "collectives.json", "breaks_and_recompiles.json", "summary.txt",
@@ -250,7 +253,7 @@ def _group_name(value: Any) -> str | None:
 
 
 def _group_size(name: str | None) -> int | None:
-    if name is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    if name is None or not (dist.is_available() and dist.is_initialized()):
         return None
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
@@ -607,7 +610,8 @@ class GraphDump:
                 annotations = "from dynamo's graph: " + copy_annotations(source, graph)
         elif stage == "after_passes":
             before = next(
-                (r for r in reversed(self.records) if r.name == name and r.stage == "before_passes"),
+                (r for r in reversed(self.records)
+                 if r.name == name and r.stage == "before_passes"),
                 None,
             )
             if before is not None:
@@ -638,9 +642,12 @@ class GraphDump:
     def summary(self) -> str:
         """The text printed when the block exits (also in ``summary.txt``)."""
         out: list[str] = []
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else None
+        rank = dist.get_rank() if dist.is_initialized() else None
         where = "" if rank is None else f" (rank {rank})"
-        out.append(f"traceable_hsdp.dump_graphs{where}: {len(self.graph_names())} graphs -> {self.out_dir}")
+        out.append(
+            f"traceable_hsdp.dump_graphs{where}: {len(self.graph_names())} graphs -> "
+            f"{self.out_dir}"
+        )
         if self._compiled_before:
             out.append(
                 "  WARNING: torch.compile had compiled before the dump started; those "
@@ -681,7 +688,10 @@ class GraphDump:
         b = self._breaks
         out.append("")
         if b.graph_breaks:
-            out.append(f"graph breaks: {len(b.graph_breaks)} (full reasons in breaks_and_recompiles.json)")
+            out.append(
+                f"graph breaks: {len(b.graph_breaks)} (full reasons in "
+                "breaks_and_recompiles.json)"
+            )
             seen = Counter((gb["location"], _brief(gb["reason"])) for gb in b.graph_breaks)
             for (location, reason), n in seen.items():
                 out.append(f"  {n} x at {location}: {reason}")
@@ -704,10 +714,8 @@ class GraphDump:
 
     def _collectives_json(self) -> dict[str, Any]:
         return {
-            "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else None,
-            "world_size": (
-                torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
-            ),
+            "rank": dist.get_rank() if dist.is_initialized() else None,
+            "world_size": dist.get_world_size() if dist.is_initialized() else None,
             "torch": torch.__version__,
             "graphs": [
                 {**asdict(r), "collectives": [asdict(c) for c in r.collectives]}
@@ -754,7 +762,9 @@ def _collect_breaks(since: tuple[int, int]) -> _Breaks:
         }
         b.compiles.append(entry)
         if m.recompile_reason:
-            b.recompiles.append({"compile_id": cid, "function": function, "reason": m.recompile_reason})
+            b.recompiles.append(
+                {"compile_id": cid, "function": function, "reason": m.recompile_reason}
+            )
         if cid.startswith("!"):
             ca_ids.add(cid.split("/")[0])
     b.compiled_autograd_graphs = len(ca_ids)
@@ -833,7 +843,11 @@ def _hook_inductor(dump: GraphDump) -> Callable[[], None]:
 
     def undo() -> None:
         current = inductor_config.post_grad_custom_pre_pass
-        if isinstance(current, list) and len(current) == 3 and current[0] is before and current[2] is after:
+        ours = (
+            isinstance(current, list) and len(current) == 3
+            and current[0] is before and current[2] is after
+        )
+        if ours:
             inductor_config.post_grad_custom_pre_pass = current[1]
         else:
             warnings.warn(
