@@ -210,7 +210,8 @@ def test_dump_graphs_records_breaks_recompiles_and_files(
         return y.cos()
 
     torch._dynamo.reset()
-    (tmp_path / "summary.txt").write_text("stale")  # an earlier dump's file: replaced
+    (tmp_path / ".traceable_hsdp_dump").write_text("")  # an earlier dump was here:
+    (tmp_path / "summary.txt").write_text("stale")  # its file is replaced
     (tmp_path / "mine.txt").write_text("keep")  # not ours: kept
     with _dump.dump_graphs(tmp_path) as dump:
         g = torch.compile(f, backend=dump.backend("eager"))
@@ -265,6 +266,15 @@ def test_dump_graphs_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tlpa
     else:
         assert (tmp_path / "tlparse" / "index.html").exists(), summary
         assert "tlparse report" in summary
+
+
+def test_dump_graphs_keeps_files_it_did_not_write(tmp_path: Path) -> None:
+    (tmp_path / "graphs").mkdir()
+    (tmp_path / "graphs" / "mine.py").write_text("x = 1")
+    with pytest.raises(ValueError, match="holds graphs, not written by an earlier dump"):
+        with _dump.dump_graphs(tmp_path):
+            pass
+    assert (tmp_path / "graphs" / "mine.py").read_text() == "x = 1"
 
 
 def test_dump_graphs_without_depyf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

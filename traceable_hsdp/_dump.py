@@ -522,6 +522,7 @@ class GraphDump:
         self._breaks = _Breaks()
         self._trace_note = "off"
         self._compiled_before = False
+        self._active = True  # False once the dump_graphs block exited
 
     # ------------------------------------------------------------- recording
     def backend(self, inner: str | Callable[..., Any] = "inductor") -> Callable[..., Any]:
@@ -546,7 +547,8 @@ class GraphDump:
 
         def recording_backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
             try:
-                self._record_dynamo(gm)
+                if self._active:
+                    self._record_dynamo(gm)
             except Exception:
                 log.exception("dump_graphs: recording dynamo's graph failed")
             return compile_fn(gm, example_inputs)
@@ -859,13 +861,24 @@ def _hook_inductor(dump: GraphDump) -> Callable[[], None]:
     return undo
 
 
+_MARKER = ".traceable_hsdp_dump"  # marks a directory an earlier dump wrote into
+
+
 def _clear(out_dir: Path) -> None:
-    for name in _OUR_PATHS:
-        p = out_dir / name
+    """Removes an earlier dump's files from ``out_dir``; refuses to remove files of
+    those names that no dump wrote."""
+    ours = [out_dir / name for name in _OUR_PATHS if (out_dir / name).exists()]
+    if ours and not (out_dir / _MARKER).exists():
+        raise ValueError(
+            f"dump_graphs: {out_dir} already holds {', '.join(p.name for p in ours)}, "
+            "not written by an earlier dump; pick a new or empty directory."
+        )
+    for p in ours:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
+        else:
             p.unlink()
+    (out_dir / _MARKER).write_text("written by traceable_hsdp.dump_graphs\n")
 
 
 @contextlib.contextmanager
@@ -888,9 +901,10 @@ def dump_graphs(
     ``dump.backend(...)`` is optional: it adds dynamo's graphs, the collective tables
     of non-Inductor backends, and unit/parameter names in Inductor's backward graphs
     ([Note: The recording backend]). Enter the block before the first compiled call
-    ([Note: Entering before the first compile]). Files from an earlier dump in
+    ([Note: Entering before the first compile]). Files of an earlier dump in
     ``out_dir`` are replaced; other files there are left alone. On exit (also when
-    the block raises) the files are written and the summary is printed.
+    the block raises) the files are written and the summary is printed; the
+    recording backend records nothing after that.
 
     Args:
         out_dir: the dump directory (created if needed).
@@ -903,6 +917,8 @@ def dump_graphs(
     Raises:
         ImportError: depyf is not installed (``pip install traceable-hsdp[dump]``).
         TypeError: ``out_dir`` is not a path.
+        ValueError: ``out_dir`` holds files of a dump's names (``graphs``,
+            ``summary.txt``, ...) that no earlier dump wrote.
     """
     try:
         import depyf
@@ -946,6 +962,7 @@ def dump_graphs(
         try:
             stack.close()  # depyf writes its full_code files; the trace log closes
         finally:
+            dump._active = False
             undo_inductor()
             try:
                 dump._breaks = _collect_breaks(since)
