@@ -49,6 +49,17 @@ _c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
 
+@pytest.fixture(autouse=True)
+def _keep_inductor_hook():
+    """dump_graphs leaves traceable_hsdp's passes installed (as fully_shard does);
+    other tests in this process get the hook as it was."""
+    import torch._inductor.config as ic
+
+    saved = ic.post_grad_custom_pre_pass
+    yield
+    ic.post_grad_custom_pre_pass = saved
+
+
 # --------------------------------------------------------------------- graphs
 class _Builder:
     """A hand-built graph with fake values: post-grad style (``OpOverload`` targets,
@@ -289,17 +300,13 @@ def test_dump_graphs_restores_the_inductor_hook(tmp_path: Path) -> None:
 
     import traceable_hsdp.passes as passes
 
-    saved = ic.post_grad_custom_pre_pass
-    try:
-        with _dump.dump_graphs(tmp_path, print_summary=False):
-            hook = ic.post_grad_custom_pre_pass
-            assert isinstance(hook, list) and len(hook) == 3
-            assert isinstance(hook[1], passes.TraceableHSDPPass)
-            passes.install()  # as fully_shard inside the block: must not wrap the recorders
-            assert ic.post_grad_custom_pre_pass is hook
-        assert ic.post_grad_custom_pre_pass is hook[1]
-    finally:
-        ic.post_grad_custom_pre_pass = saved
+    with _dump.dump_graphs(tmp_path, print_summary=False):
+        hook = ic.post_grad_custom_pre_pass
+        assert isinstance(hook, list) and len(hook) == 3
+        assert isinstance(hook[1], passes.TraceableHSDPPass)
+        passes.install()  # as fully_shard inside the block: must not wrap the recorders
+        assert ic.post_grad_custom_pre_pass is hook
+    assert ic.post_grad_custom_pre_pass is hook[1]
 
 
 # ------------------------------------------------------------------------ CLI
