@@ -96,10 +96,12 @@ class _Builder:
         return fx.GraphModule(torch.nn.Module(), self.graph)
 
 
-def _fsdp_like(dynamo_style: bool = False, annotate: bool = True) -> fx.GraphModule:
+def _fsdp_like(
+    dynamo_style: bool = False, annotate: bool = True, w0_dtype: torch.dtype = torch.float32
+) -> fx.GraphModule:
     """Two parameters of unit "Block" gathered over 2 ranks, one gradient reduced."""
     b = _Builder(dynamo_style)
-    w0, w1 = b.input("w0", 4, 8), b.input("w1", 3)
+    w0, w1 = b.input("w0", 4, 8, dtype=w0_dtype), b.input("w1", 3)
     g = b.input("g", 8, 8, dtype=torch.bfloat16)
     a = ("Block", ["attn.wq.weight"]) if annotate else None
     a1 = ("Block", ["attn_norm.weight"]) if annotate else None
@@ -147,6 +149,9 @@ def test_copy_annotations_matches_collectives_in_order() -> None:
     b = _Builder()
     xs = [b.input(f"x{i}", 5) for i in range(3)]
     other = b.done(*[b(WAIT, b(ALL_GATHER, x, 2, "0")) for x in xs])
+    assert "collective 0 differs" in _dump.copy_annotations(source, other)
+    # Same shapes, another dtype: not copied.
+    other = _fsdp_like(annotate=False, w0_dtype=torch.float64)
     assert "collective 0 differs" in _dump.copy_annotations(source, other)
 
 
