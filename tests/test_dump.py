@@ -350,7 +350,9 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank: str, tmp_path
             x = _c10d.wait_tensor(_c10d.all_gather_into_tensor(a, 1, group))
         with collective_annotation("Block", ["w1"]):
             y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(b, 1, group))
-        return x.sum() + y.sum()
+        # As HSDP's all-reduce: the group size is not an argument, it is looked up.
+        z = _c10d.wait_tensor(_c10d.all_reduce(x + y.sum(), "avg", group))
+        return z.sum()
 
     torch._dynamo.reset()
     with _dump.dump_graphs(tmp_path, print_summary=False) as dump:
@@ -358,16 +360,19 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank: str, tmp_path
             torch.ones(4, 8), torch.ones(3)
         )
     torch._dynamo.reset()
-    assert out.item() == 35.0
+    assert out.item() == 32 * 4.0
     by_stage = {r.stage: r for r in dump.records}
     assert set(by_stage) == {"dynamo", "before_passes", "after_passes"}
     assert {r.name for r in dump.records} == {"00_fwd"}
     before, after = by_stage["before_passes"], by_stage["after_passes"]
     assert before.counts["all_gather_into_tensor"] == 2
-    assert [r.params for r in before.collectives] == [("w0",), ("w1",)]
+    assert [r.params for r in before.collectives] == [("w0",), ("w1",), ()]
     assert after.counts["all_gather_into_tensor"] == 1  # bucket_all_gathers
-    assert after.collectives[0].params == ("w0", "w1")
-    assert after.collectives[0].in_bytes == (32 + 3) * 4
+    ag, ar = after.collectives
+    assert (ag.op, ag.params, ag.in_bytes) == ("all_gather_into_tensor", ("w0", "w1"), 35 * 4)
+    assert (ar.op, ar.reduce_op, ar.group_name, ar.group_size, ar.unit) == (
+        "all_reduce", "avg", group, 1, None
+    )
     for r in dump.records:
         assert (tmp_path / r.file).exists()
     assert (tmp_path / "post_grad" / "00_fwd_after_passes.py").read_text().count(
