@@ -64,6 +64,10 @@ delimits the units: all of the backward's reduce-scatters form one bucket, issue
 after the last gradient (fewer collectives, but every unsharded gradient stays alive
 until then).
 
+Both give the merged collective the annotations of the ones it replaces (every
+parameter it serves; see [Note: Collective annotations] in
+``traceable_hsdp/_annotate.py``), so graph dumps still say what it gathers.
+
 Invariant of both: every replaced wait's value is the same tensor value as before
 (bitwise: the reduction is elementwise over the same ranks), each collective now
 reads its input no earlier than that input is complete and no mutation is crossed,
@@ -87,6 +91,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .._annotate import merge_annotations, set_annotation
 from ._predicates import (
     ALL_GATHER,
     REDUCE_SCATTER,
@@ -287,6 +292,7 @@ def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
         ]
         buf = insert_call(graph, _aten.cat.default, (flat,), like=first)
         ag = insert_call(graph, ALL_GATHER, (buf, size, name), like=first)
+        set_annotation(ag, merge_annotations(gathers))
         out = insert_call(graph, WAIT, (ag,), like=first)
         grid = insert_call(graph, _aten.view.default, (out, [size, total]), like=first)
         offset = 0
@@ -454,6 +460,7 @@ def _merge_reduce_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> bool:
         grid = insert_call(graph, _aten.cat.default, (rows, 1), like=last)
         buf = insert_call(graph, _aten.view.default, (grid, [-1]), like=last)
         rs = insert_call(graph, REDUCE_SCATTER, (buf, op, size, name), like=last)
+        set_annotation(rs, merge_annotations(scatters))
         out = insert_call(graph, WAIT, (rs,), like=last)
         offset = 0
         for m in members:

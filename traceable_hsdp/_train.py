@@ -19,14 +19,16 @@ each rank trains on its own contiguous slice of ``batch_size`` rows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,12 @@ class TrainConfig:
         eager: run without ``torch.compile`` (default ``False``).
         seed: model init and data seed (default 0).
         progress: show a tqdm bar on rank 0 (default ``True``).
+        dump_dir: if set, every rank dumps its compiled graphs to
+            ``dump_dir/rank<r>`` with :func:`traceable_hsdp.dump_graphs`, compiling
+            through its recording backend; rank 0 prints the summary and compares
+            the ranks' collectives (default ``None``: no dump). Needs ``eager=False``.
+        dump_trace: with ``dump_dir``, also write a structured trace (and run
+            tlparse on it when installed) (default ``False``).
     """
 
     layers: int = 4
@@ -75,6 +83,8 @@ class TrainConfig:
     eager: bool = False
     seed: int = 0
     progress: bool = True
+    dump_dir: str | None = None
+    dump_trace: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,7 +196,6 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     from tqdm import tqdm
 
     import traceable_hsdp
-    from traceable_hsdp import _compile
     from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
 
     if not dist.is_initialized():
@@ -224,25 +233,69 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         f"FSDP over {world} ranks" if cfg.replicate == 1
         else f"HSDP {cfg.replicate} replicas x {world // cfg.replicate} shards"
     )
+    command = "train" if cfg.dump_dir is None else "dump"
     say(
-        f"traceable-hsdp train: Llama {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
+        f"traceable-hsdp {command}: Llama {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
         f"{n_params / 1e6:.2f}M params; {layout} on {device.type} "
         f"({dist.get_backend()}); {mode}; batch {cfg.batch_size}/rank x seq {cfg.seq_len}; "
         f"{cfg.steps} steps"
     )
 
+    if cfg.dump_dir is not None and cfg.eager:
+        raise ValueError("TrainConfig.dump_dir dumps compiled graphs; it needs eager=False.")
+    with contextlib.ExitStack() as stack:
+        backend: Any = cfg.backend
+        dump = None
+        if cfg.dump_dir is not None:
+            from traceable_hsdp._dump import dump_graphs
+
+            dump = stack.enter_context(dump_graphs(
+                os.path.join(cfg.dump_dir, f"rank{rank}"), trace=cfg.dump_trace,
+                print_summary=is_rank0, file=out,
+            ))
+            backend = dump.backend(cfg.backend)
+        losses, times = _train_loop(cfg, model, optim, backend, device, rank, world, say)
+    if dump is not None:
+        _compare_rank_dumps(cfg.dump_dir, world, say)
+
+    result = TrainResult(losses, times, world, cfg.replicate)
+    med = result.median_step_time
+    med_text = (
+        f"median step {med:.3f} s (steps 3-{cfg.steps})" if med is not None
+        else "median step n/a (needs more than 2 steps)"
+    )
+    say(f"done: final loss {losses[-1]:.4f}; {med_text}; first step {times[0]:.3f} s")
+    return result
+
+
+def _train_loop(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    backend: Any,
+    device: torch.device,
+    rank: int,
+    world: int,
+    say: Callable[[str], None],
+) -> tuple[list[float], list[float]]:
+    """Compiles (unless eager) and trains; returns the losses and step times."""
+    from tqdm import tqdm
+
+    import traceable_hsdp
+    from traceable_hsdp import _compile
+
     # Turn compiled autograd off at the end only if this function turned it on.
     enabled_here = not cfg.eager and not _compile._enabled
     if not cfg.eager:
         # See [Note: Why compiled autograd] in _compile.py.
-        traceable_hsdp.enable_compiled_autograd(backend=cfg.backend)
-        model = torch.compile(model, backend=cfg.backend)
+        traceable_hsdp.enable_compiled_autograd(backend=backend)
+        model = torch.compile(model, backend=backend)
 
     table = _successor_table(cfg.vocab_size, cfg.seed)
     lo, hi = rank * cfg.batch_size, (rank + 1) * cfg.batch_size
     losses: list[float] = []
     times: list[float] = []
-    bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not (is_rank0 and cfg.progress),
+    bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not (rank == 0 and cfg.progress),
                file=sys.stderr, dynamic_ncols=True)
     try:
         for step in range(cfg.steps):
@@ -271,14 +324,17 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         if enabled_here:
             traceable_hsdp.disable_compiled_autograd()
 
-    result = TrainResult(losses, times, world, cfg.replicate)
-    med = result.median_step_time
-    med_text = (
-        f"median step {med:.3f} s (steps 3-{cfg.steps})" if med is not None
-        else "median step n/a (needs more than 2 steps)"
-    )
-    say(f"done: final loss {losses[-1]:.4f}; {med_text}; first step {times[0]:.3f} s")
-    return result
+    return losses, times
+
+
+def _compare_rank_dumps(dump_dir: str, world: int, say: Callable[[str], None]) -> None:
+    """On rank 0, after every rank wrote its dump: do all ranks hold the same
+    collectives in the same order? See :func:`traceable_hsdp._dump.compare_dumps`."""
+    from traceable_hsdp._dump import compare_dumps
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        say(compare_dumps([os.path.join(dump_dir, f"rank{r}") for r in range(world)]))
 
 
 # --------------------------------------------------------------------- launch

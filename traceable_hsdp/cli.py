@@ -7,6 +7,8 @@ subcommand up by name and returns its exit status. To add one, write a
 
 Run ``traceable-hsdp train`` (or ``python -m traceable_hsdp.cli train``); under
 ``torchrun --nproc-per-node N -m traceable_hsdp.cli train`` each process is one rank.
+``traceable-hsdp dump OUT_DIR`` runs the same job for 2 steps with
+:func:`traceable_hsdp.dump_graphs` on every rank (see docs/debugging.md).
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def _positive_float(text: str) -> float:
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    _add_job_arguments(p, steps=None, eager=True)
+
+
+def _add_job_arguments(p: argparse.ArgumentParser, *, steps: int | None, eager: bool) -> None:
+    """The training job's arguments, shared by ``train`` and ``dump``: ``steps``
+    overrides the default number of steps; ``eager`` offers ``--eager``."""
     from ._train import TrainConfig
 
     d = TrainConfig()
@@ -95,7 +103,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                       help="tokens per sequence (default %(default)s)")
     data.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
                       help="sequences per rank per step (default %(default)s)")
-    data.add_argument("--steps", type=_positive_int, default=d.steps,
+    data.add_argument("--steps", type=_positive_int, default=d.steps if steps is None else steps,
                       help="optimizer steps (default %(default)s)")
     data.add_argument("--lr", type=_positive_float, default=d.lr,
                       help="AdamW learning rate (default %(default)s)")
@@ -112,8 +120,11 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     comp.add_argument("--backend", default=d.backend,
                       help="torch.compile backend, e.g. inductor or aot_eager "
                            "(default %(default)s)")
-    comp.add_argument("--eager", action="store_true",
-                      help="run without torch.compile")
+    if eager:
+        comp.add_argument("--eager", action="store_true",
+                          help="run without torch.compile")
+    else:
+        p.set_defaults(eager=False)
     p.add_argument("--no-progress", action="store_true",
                    help="no tqdm progress bar (the per-step lines are still printed)")
 
@@ -163,8 +174,11 @@ def _train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def _run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    cfg = _train_config(args, parser)
+    return _launch(_train_config(args, parser), "train")
 
+
+def _launch(cfg: TrainConfig, command: str) -> int:
+    """Runs the job on every rank; the exit status."""
     import torch.multiprocessing as mp
 
     from ._train import launch
@@ -172,15 +186,41 @@ def _run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     try:
         result = launch(cfg)
     except mp.ProcessRaisedException as e:
-        print(f"traceable-hsdp train: a rank failed:\n{e}", file=sys.stderr)
+        print(f"traceable-hsdp {command}: a rank failed:\n{e}", file=sys.stderr)
         return 1
     except mp.ProcessExitedException as e:
-        print(f"traceable-hsdp train: a rank died: {e}", file=sys.stderr)
+        print(f"traceable-hsdp {command}: a rank died: {e}", file=sys.stderr)
         return 1
     if result is not None and not all(math.isfinite(v) for v in result.losses):
-        print(f"traceable-hsdp train: non-finite loss: {result.losses}", file=sys.stderr)
+        print(f"traceable-hsdp {command}: non-finite loss: {result.losses}", file=sys.stderr)
         return 1
     return 0
+
+
+# --------------------------------------------------------------------------- dump
+_DUMP_STEPS = 2
+
+
+def _add_dump_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out_dir", metavar="OUT_DIR",
+                   help="where to write the dumps: one directory per rank, OUT_DIR/rank<r>")
+    _add_job_arguments(p, steps=_DUMP_STEPS, eager=False)
+    p.add_argument("--trace", action="store_true",
+                   help="also write a TORCH_TRACE-style structured log per rank and, when "
+                        "tlparse is on PATH, its HTML report")
+
+
+def _run_dump(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import dataclasses
+
+    try:
+        import depyf  # noqa: F401
+    except ImportError:
+        parser.error("traceable-hsdp dump needs depyf: pip install traceable-hsdp[dump]")
+    cfg = dataclasses.replace(
+        _train_config(args, parser), dump_dir=args.out_dir, dump_trace=args.trace
+    )
+    return _launch(cfg, "dump")
 
 
 SUBCOMMANDS: list[Subcommand] = [
@@ -190,6 +230,13 @@ SUBCOMMANDS: list[Subcommand] = [
              "default; torchrun-compatible)",
         add_arguments=_add_train_arguments,
         run=_run_train,
+    ),
+    Subcommand(
+        name="dump",
+        help="run a short compiled training job of the demo Llama and dump every rank's "
+             "graphs, collectives, graph breaks and recompiles (see docs/debugging.md)",
+        add_arguments=_add_dump_arguments,
+        run=_run_dump,
     ),
 ]
 

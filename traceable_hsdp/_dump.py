@@ -1,0 +1,1034 @@
+"""Graph dumps of compiled fully_shard training: :func:`dump_graphs`.
+
+[Note: What dump_graphs records]
+Everything ``torch.compile`` compiles inside ``with dump_graphs(out_dir) as dump:``
+is written under ``out_dir``:
+
+- ``depyf/``: readable source of every compiled function and graph (dynamo's
+  captured graph, AOTAutograd's forward and backward graphs, the compiled-autograd
+  graph, Inductor's output code and kernels), from ``depyf.prepare_debug``.
+- ``post_grad/NN_KIND_before_passes.py`` and ``..._after_passes.py``: each graph
+  Inductor compiles, right before and right after traceable_hsdp's post-grad passes
+  (``traceable_hsdp.passes``). Only the ``inductor`` backend has post-grad graphs.
+- ``graphs/NN_KIND_dynamo.py``: the graph dynamo hands the backend, when compiling
+  with ``backend=dump.backend(...)`` (see [Note: The recording backend]).
+- ``collectives.json``: per recorded graph and stage, each collective in graph
+  order (op, group, group size, dtype, bytes, fully_shard unit and parameters), and
+  per-graph counts (collectives, waits, ``fsdp.copy_``, storage resizes).
+- ``breaks_and_recompiles.json``: graph breaks and recompiles, with reasons.
+- ``summary.txt``: what is printed at the end (a table of the graphs, and each
+  graph's collectives in its last recorded stage).
+- ``trace/`` and ``tlparse/`` with ``trace=True``: a ``TORCH_TRACE``-style structured
+  log, and tlparse's HTML report of it when the ``tlparse`` program is on ``PATH``.
+
+``NN`` numbers the compiles in the order they happened; ``KIND`` is ``fwd`` (a
+dynamo frame: the forward, or a whole compiled step), ``bwd`` (a compiled-autograd
+backward graph) or ``aot_bwd`` (AOTAutograd's own backward graph, which a
+fully_shard model never runs: see docs/compile.md).
+
+[Note: Hooking Inductor]
+The post-grad graphs come from Inductor's public hook only:
+``torch._inductor.config.post_grad_custom_pre_pass``. On entry, ``dump_graphs``
+installs traceable_hsdp's passes (as ``fully_shard`` would; installing is
+idempotent) and replaces the hook's value ``P`` by the list ``[before, P, after]``
+of two recording passes, so they bracket exactly our passes and the user pass they
+wrap. ``passes.install()`` recognizes ``P`` inside the list, so a ``fully_shard``
+called inside the block does not wrap the recorders. On exit the hook gets ``P``
+back (the passes stay installed, as after ``fully_shard``). The recorders' ``uuid()``
+is ``None``, which turns the FX graph cache off while dumping: a cache hit would
+skip the post-grad passes, and the graph would not be recorded.
+
+[Note: The recording backend]
+Compiled-autograd backward graphs lose all node metadata in AOTAutograd on torch
+2.13 (see [Note: Collective annotations] in ``_annotate.py``), so their post-grad
+graphs cannot say which unit and parameters a collective serves, and with a
+non-Inductor backend there are no post-grad graphs at all. No public hook shows the
+graph dynamo produced other than the backend itself, so ``dump.backend(inner)``
+returns a backend that records that graph and then compiles it with ``inner``. Pass
+it to ``torch.compile`` and to ``traceable_hsdp.enable_compiled_autograd``. Then:
+
+- every backend gets a table from dynamo's graph (``graphs/``);
+- with Inductor, annotations missing from a post-grad graph are copied from dynamo's
+  graph of the same compile (the same compile id) before our passes run, matching
+  the collectives in graph order; the copy is made only when both graphs hold the
+  same sequence of (op, group, reduce op, input shape, dtype); otherwise the
+  post-grad table has no unit/parameter and ``collectives.json`` says why.
+
+Without it (plain ``torch.compile(model)``), Inductor's post-grad graphs are still
+recorded, forward graphs keep their annotations, and backward ones show none.
+
+[Note: Entering before the first compile]
+depyf and the recorders see only compiles that happen inside the block; a function
+compiled before keeps running its cached code, which is not dumped. ``dump_graphs``
+does not reset dynamo to force recompiles: ``torch._dynamo.reset()`` also turns
+compiled autograd off (``compiled_autograd.reset()``), which would make the next
+compiled fully_shard forward fail. It warns instead (``UserWarning``) and says so in
+the summary; reset yourself before entering (and call
+``traceable_hsdp.enable_compiled_autograd()`` again after the reset) to dump them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import torch
+import torch._dynamo
+import torch._inductor.config as inductor_config
+import torch.distributed as dist
+from torch import fx
+from torch._inductor import custom_graph_pass as _cgp
+
+from ._annotate import annotation_of, set_annotation
+
+__all__ = [
+    "dump_graphs",
+    "GraphDump",
+    "GraphRecord",
+    "CollectiveRow",
+    "collective_table",
+    "graph_counts",
+    "copy_annotations",
+    "format_table",
+    "compare_dumps",
+]
+
+log = logging.getLogger(__name__)
+
+Stage = Literal["dynamo", "before_passes", "after_passes"]
+Kind = Literal["fwd", "bwd", "aot_bwd"]
+_STAGE_TITLE = {
+    "dynamo": "dynamo", "before_passes": "before passes", "after_passes": "after passes"
+}
+_OUR_PATHS = (
+    "depyf", "graphs", "post_grad", "trace", "tlparse",
+    "collectives.json", "breaks_and_recompiles.json", "summary.txt",
+)
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+# Short names for the per-graph counts and the summary table's columns.
+_SHORT = {
+    "all_gather_into_tensor": "AG",
+    "reduce_scatter_tensor": "RS",
+    "all_reduce": "AR",
+}
+
+
+# ------------------------------------------------------------ collective tables
+@dataclass(frozen=True)
+class CollectiveRow:
+    """One collective of a graph.
+
+    Args:
+        index: position among the graph's collectives (graph order).
+        node: the FX node's name.
+        op: the op without namespace and overload, e.g. ``all_gather_into_tensor``.
+        reduce_op: ``"sum"``, ``"avg"``, ... for reductions, else ``None``.
+        group_name: the process group's name (baked into the graph).
+        group_size: ranks in the group; ``None`` where the graph does not say and
+            no process group of that name is known here.
+        dtype: of the input, e.g. ``"float32"``.
+        in_shape: the input's shape (``None`` if unknown or symbolic).
+        out_shape: the result's shape.
+        in_bytes: bytes of the input (``None`` if unknown or symbolic).
+        out_bytes: bytes of the result.
+        unit: the fully_shard unit it serves (from the node's annotation), or
+            ``None``.
+        params: the parameters it serves (FQNs relative to the unit).
+    """
+
+    index: int
+    node: str
+    op: str
+    reduce_op: str | None
+    group_name: str | None
+    group_size: int | None
+    dtype: str | None
+    in_shape: list[int] | None
+    out_shape: list[int] | None
+    in_bytes: int | None
+    out_bytes: int | None
+    unit: str | None
+    params: tuple[str, ...]
+
+
+def _op_qualname(node: fx.Node) -> tuple[str, str] | None:
+    """``(namespace, name)`` of an ATen-style op target, for ``OpOverload``s
+    (post-grad and AOT graphs) and ``OpOverloadPacket``s (dynamo graphs) alike."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if not isinstance(target, torch._ops.OpOverloadPacket):
+        return None
+    ns, _, name = target._qualified_op_name.partition("::")
+    return ns, name
+
+
+def _is_collective(node: fx.Node) -> bool:
+    q = _op_qualname(node)
+    return q is not None and q[0] in _COLLECTIVE_NAMESPACES and q[1] != "wait_tensor"
+
+
+def _schema(node: fx.Node) -> torch._C.FunctionSchema | None:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        default = getattr(target, "default", None)
+        return default._schema if default is not None else None
+    return None
+
+
+def _bound_args(node: fx.Node) -> dict[str, Any]:
+    """The node's arguments by schema name."""
+    schema = _schema(node)
+    if schema is None:
+        return {}
+    out: dict[str, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+    return out
+
+
+def _value(node: Any) -> Any:
+    """The fake value recorded on a node: ``val`` (AOT and post-grad graphs) or
+    ``example_value`` (dynamo graphs)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("example_value")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _shape(value: Any) -> list[int] | None:
+    ts = _tensors(value)
+    if len(ts) != 1:
+        return None
+    dims = list(ts[0].shape)
+    return dims if all(isinstance(d, int) for d in dims) else None
+
+
+def _nbytes(value: Any) -> int | None:
+    ts = _tensors(value)
+    if not ts:
+        return None
+    total = 0
+    for t in ts:
+        n = t.numel()
+        if not isinstance(n, int):
+            return None
+        total += n * t.element_size()
+    return total
+
+
+def _group_name(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    name = getattr(value, "group_name", None)
+    return name if isinstance(name, str) else None
+
+
+def _group_size(name: str | None) -> int | None:
+    if name is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(name).size()
+    except Exception:  # an unknown name (a graph from another process): say nothing
+        return None
+
+
+def _input_node(node: fx.Node) -> Any:
+    args = _bound_args(node)
+    for key in ("input", "inputs", "self", "tensor"):
+        if key in args:
+            return args[key]
+    return node.args[0] if node.args else None
+
+
+def collective_table(graph: fx.Graph | fx.GraphModule) -> list[CollectiveRow]:
+    """Every collective of ``graph`` in graph order: functional c10d ops
+    (``_c10d_functional`` / ``c10d_functional``) other than ``wait_tensor``, as
+    ``OpOverload``s (post-grad, AOT graphs) or ``OpOverloadPacket``s (dynamo graphs).
+    Sizes come from the fake values on the nodes (``val`` or ``example_value``);
+    unit and parameters from the node's annotation
+    (see [Note: Collective annotations] in ``_annotate.py``).
+
+    Args:
+        graph: an FX graph or graph module; not changed.
+    """
+    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    rows: list[CollectiveRow] = []
+    for node in g.nodes:
+        if not _is_collective(node):
+            continue
+        q = _op_qualname(node)
+        assert q is not None
+        args = _bound_args(node)
+        inp = _input_node(node)
+        in_val, out_val = _value(inp), _value(node)
+        if isinstance(inp, (list, tuple)):
+            in_val = [_value(i) for i in inp]
+        name = _group_name(args.get("group_name"))
+        size = args.get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool):
+            size = _group_size(name)
+        reduce_op = args.get("reduce_op")
+        in_ts = _tensors(in_val)
+        ann = annotation_of(node)
+        rows.append(
+            CollectiveRow(
+                index=len(rows),
+                node=node.name,
+                op=q[1],
+                reduce_op=reduce_op if isinstance(reduce_op, str) else None,
+                group_name=name,
+                group_size=size,
+                dtype=str(in_ts[0].dtype).removeprefix("torch.") if in_ts else None,
+                in_shape=_shape(in_val),
+                out_shape=_shape(out_val),
+                in_bytes=_nbytes(in_val),
+                out_bytes=_nbytes(out_val),
+                unit=None if ann is None else ann["unit"],
+                params=() if ann is None else ann["params"],
+            )
+        )
+    return rows
+
+
+def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
+    """Counts of the nodes a fully_shard dump looks at: each collective op by name,
+    ``wait_tensor``, ``fsdp.copy_`` and storage resizes (to 0 bytes and to more)."""
+    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    c: Counter[str] = Counter()
+    for node in g.nodes:
+        q = _op_qualname(node)
+        if q is None:
+            continue
+        ns, name = q
+        if ns in _COLLECTIVE_NAMESPACES:
+            c[name] += 1
+        elif (ns, name) == ("fsdp", "copy_"):
+            c["fsdp.copy_"] += 1
+        elif (ns, name) == ("inductor", "resize_storage_bytes_"):
+            nbytes = _bound_args(node).get("new_size")
+            c["resize_to_0" if nbytes == 0 else "resize_to_full"] += 1
+    return dict(sorted(c.items()))
+
+
+def _signature(node: fx.Node) -> tuple[Any, ...]:
+    args = _bound_args(node)
+    inp = _input_node(node)
+    in_ts = _tensors(_value(inp))
+    return (
+        _op_qualname(node),
+        _group_name(args.get("group_name")),
+        args.get("reduce_op"),
+        _shape(_value(inp)),
+        in_ts[0].dtype if in_ts else None,
+    )
+
+
+def copy_annotations(source: fx.Graph | fx.GraphModule, target: fx.Graph | fx.GraphModule) -> str:
+    """Copies the collectives' annotations from ``source`` (e.g. dynamo's graph) to
+    the unannotated collectives of ``target`` (e.g. the post-grad graph of the same
+    compile), matching them in graph order. See [Note: The recording backend].
+
+    Returns:
+        What happened, for the dump: ``"copied N"``, ``"nothing to copy"`` (all were
+        annotated already), or why nothing was copied (the graphs did not match, or
+        ``source`` has no annotations); then ``target`` is unchanged.
+    """
+    src = source.graph if isinstance(source, fx.GraphModule) else source
+    dst = target.graph if isinstance(target, fx.GraphModule) else target
+    src_nodes = [n for n in src.nodes if _is_collective(n)]
+    dst_nodes = [n for n in dst.nodes if _is_collective(n)]
+    if len(src_nodes) != len(dst_nodes):
+        return (
+            f"not copied: {len(src_nodes)} collectives in dynamo's graph, "
+            f"{len(dst_nodes)} here"
+        )
+    for i, (s, d) in enumerate(zip(src_nodes, dst_nodes)):
+        if _signature(s) != _signature(d):
+            return (
+                f"not copied: collective {i} differs ({s.name}: {_signature(s)} vs "
+                f"{d.name}: {_signature(d)})"
+            )
+    if all(annotation_of(s) is None for s in src_nodes):
+        return (
+            "none: dynamo's graph has no annotations either (the runtime does not "
+            "annotate its collectives; see [Note: Collective annotations])"
+        )
+    copied = 0
+    for s, d in zip(src_nodes, dst_nodes):
+        ann = annotation_of(s)
+        if ann is not None and annotation_of(d) is None:
+            set_annotation(d, ann)
+            copied += 1
+    return f"copied {copied}" if copied else "nothing to copy"
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def _brief(reason: str) -> str:
+    """The first line of a graph-break reason, and its ``Explanation:`` line."""
+    lines = [ln.strip() for ln in reason.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "?"
+    expl = next((ln for ln in lines[1:] if ln.startswith("Explanation:")), None)
+    return lines[0] if expl is None else f"{lines[0]}. {expl}"
+
+
+def _params_text(params: Sequence[str], limit: int = 4) -> str:
+    if not params:
+        return "-"
+    shown = ", ".join(params[:limit])
+    more = f", ... ({len(params)} params)" if len(params) > limit else ""
+    return shown + more
+
+
+def format_table(rows: Sequence[CollectiveRow]) -> str:
+    """The collectives as an aligned text table, one line each."""
+    header = ("#", "op", "reduce", "group", "size", "dtype", "in -> out", "unit", "params")
+    lines = [header]
+    for r in rows:
+        lines.append((
+            str(r.index),
+            r.op,
+            r.reduce_op or "-",
+            r.group_name or "?",
+            "?" if r.group_size is None else str(r.group_size),
+            r.dtype or "?",
+            f"{_human_bytes(r.in_bytes)} -> {_human_bytes(r.out_bytes)}",
+            r.unit or "-",
+            _params_text(r.params),
+        ))
+    if len(lines) == 1:
+        return "  (no collectives)"
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    out = []
+    for line in lines:
+        cells = [c.ljust(w) for c, w in zip(line[:-1], widths)]
+        out.append("  " + "  ".join(cells) + "  " + line[-1])
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------- records
+@dataclass
+class GraphRecord:
+    """One recorded graph at one stage.
+
+    Args:
+        name: ``NN_KIND`` (see [Note: What dump_graphs records]).
+        stage: ``"dynamo"``, ``"before_passes"`` or ``"after_passes"``.
+        kind: ``"fwd"``, ``"bwd"`` or ``"aot_bwd"``.
+        compile_id: torch's compile id (``"0/0"``; ``"!0/1/0"`` for compiled autograd).
+        file: the graph's source, relative to the dump directory.
+        counts: :func:`graph_counts` of the graph.
+        collectives: :func:`collective_table` of the graph.
+        annotations: where the unit/parameter columns come from: ``"node meta"``,
+            or what :func:`copy_annotations` reported.
+    """
+
+    name: str
+    stage: Stage
+    kind: Kind
+    compile_id: str | None
+    file: str
+    counts: dict[str, int]
+    collectives: list[CollectiveRow]
+    annotations: str = "node meta"
+
+
+@dataclass
+class _Breaks:
+    graph_breaks: list[dict[str, Any]] = field(default_factory=list)
+    compiles: list[dict[str, Any]] = field(default_factory=list)
+    recompiles: list[dict[str, Any]] = field(default_factory=list)
+    compiled_autograd_graphs: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+_InferenceAwareBase: type = getattr(_cgp, "CustomInferenceAwareGraphPass", _cgp.CustomGraphPass)
+
+
+class _RecordPostGrad(_InferenceAwareBase):  # type: ignore[misc, valid-type]
+    """Records each post-grad graph; one instance before our passes, one after.
+    See [Note: Hooking Inductor]."""
+
+    def __init__(self, dump: GraphDump, stage: Stage) -> None:
+        self.dump = dump
+        self.stage = stage
+
+    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
+        try:
+            self.dump._record_post_grad(graph, self.stage)
+        except Exception:  # a dump must never break the compile it watches
+            log.exception("dump_graphs: recording a post-grad graph failed")
+
+    def uuid(self) -> None:
+        return None  # no FX graph cache while dumping: every graph goes through here
+
+
+# ------------------------------------------------------------------------ dump
+class GraphDump:
+    """What :func:`dump_graphs` yields: the recorded graphs so far, and
+    :meth:`backend` to record dynamo's graphs too.
+
+    Attributes:
+        out_dir: the dump directory.
+        records: every recorded graph and stage, in recording order.
+    """
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.records: list[GraphRecord] = []
+        self._names: dict[tuple[str | None, int], str] = {}
+        self._post_grad_seen: Counter[str | None] = Counter()
+        self._dynamo_graphs: dict[str | None, fx.GraphModule] = {}
+        self._breaks = _Breaks()
+        self._trace_note = "off"
+        self._compiled_before = False
+        self._active = True  # False once the dump_graphs block exited
+
+    # ------------------------------------------------------------- recording
+    def backend(self, inner: str | Callable[..., Any] = "inductor") -> Callable[..., Any]:
+        """A ``torch.compile`` backend that records the graph dynamo hands it and then
+        compiles it with ``inner``. See [Note: The recording backend].
+
+        Args:
+            inner: a backend name (``"inductor"``, ``"aot_eager"``, ...) or callable
+                (default ``"inductor"``).
+
+        Raises:
+            ValueError: ``inner`` names no registered backend.
+        """
+        if isinstance(inner, str):
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if inner not in known:
+                raise ValueError(
+                    f"dump.backend({inner!r}): not a torch.compile backend; known: "
+                    f"{', '.join(sorted(known))}."
+                )
+        compile_fn = torch._dynamo.lookup_backend(inner)
+
+        def recording_backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
+            try:
+                if self._active:
+                    self._record_dynamo(gm)
+            except Exception:
+                log.exception("dump_graphs: recording dynamo's graph failed")
+            return compile_fn(gm, example_inputs)
+
+        name = inner if isinstance(inner, str) else getattr(inner, "__name__", "backend")
+        recording_backend.__name__ = f"dump_graphs({name})"
+        return recording_backend
+
+    @staticmethod
+    def _compile_id() -> tuple[str | None, bool]:
+        cid = torch._guards.CompileContext.current_compile_id()
+        if cid is None:
+            return None, False
+        return str(cid), cid.compiled_autograd_id is not None
+
+    def _name(self, key: tuple[str | None, int], kind: Kind) -> str:
+        if key not in self._names:
+            self._names[key] = f"{len(self._names):02d}_{kind}"
+        return self._names[key]
+
+    def _write(self, rel: str, header: str, gm: fx.GraphModule) -> None:
+        path = self.out_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+        path.write_text(f"# {header}\n{code}\n")
+
+    def _record_dynamo(self, gm: fx.GraphModule) -> None:
+        cid, is_bwd = self._compile_id()
+        kind: Kind = "bwd" if is_bwd else "fwd"
+        name = self._name((cid, 0), kind)
+        rel = f"graphs/{name}_dynamo.py"
+        self._write(rel, f"dynamo graph {name}, compile id {cid}, as the backend got it", gm)
+        self._dynamo_graphs[cid] = gm
+        self.records.append(
+            GraphRecord(name, "dynamo", kind, cid, rel, graph_counts(gm), collective_table(gm))
+        )
+
+    def _record_post_grad(self, graph: fx.Graph, stage: Stage) -> None:
+        gm = graph.owning_module
+        if not isinstance(gm, fx.GraphModule):
+            return
+        cid, is_bwd = self._compile_id()
+        if stage == "before_passes":
+            self._post_grad_seen[cid] += 1
+        sub = max(self._post_grad_seen[cid] - 1, 0)
+        tangents = any(
+            n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes
+        )
+        kind: Kind = "bwd" if is_bwd else ("aot_bwd" if tangents else "fwd")
+        name = self._name((cid, sub), kind)
+        annotations = "node meta"
+        missing = any(_is_collective(n) and annotation_of(n) is None for n in graph.nodes)
+        if stage == "before_passes" and missing:
+            source = self._dynamo_graphs.get(cid) if sub == 0 else None
+            if source is None:
+                annotations = (
+                    "none: no dynamo graph of this compile was recorded (compile with "
+                    "backend=dump.backend(...)); see [Note: The recording backend]"
+                )
+            else:
+                annotations = "from dynamo's graph: " + copy_annotations(source, graph)
+        elif stage == "after_passes":
+            before = next(
+                (r for r in reversed(self.records)
+                 if r.name == name and r.stage == "before_passes"),
+                None,
+            )
+            if before is not None:
+                annotations = before.annotations
+        rel = f"post_grad/{name}_{stage}.py"
+        self._write(rel, f"post-grad graph {name} {_STAGE_TITLE[stage]}, compile id {cid}", gm)
+        self.records.append(
+            GraphRecord(
+                name, stage, kind, cid, rel, graph_counts(graph), collective_table(graph),
+                annotations,
+            )
+        )
+
+    # -------------------------------------------------------------- results
+    def graph_names(self) -> list[str]:
+        """The recorded graphs' names, in order."""
+        return list(dict.fromkeys(r.name for r in self.records))
+
+    def last_stage(self, name: str) -> GraphRecord:
+        """The graph's record at its last stage (after passes, else before, else
+        dynamo's)."""
+        order = {"dynamo": 0, "before_passes": 1, "after_passes": 2}
+        recs = [r for r in self.records if r.name == name]
+        if not recs:
+            raise KeyError(f"no recorded graph named {name!r}; have {self.graph_names()}")
+        return max(recs, key=lambda r: order[r.stage])
+
+    def summary(self) -> str:
+        """The text printed when the block exits (also in ``summary.txt``)."""
+        out: list[str] = []
+        rank = dist.get_rank() if dist.is_initialized() else None
+        where = "" if rank is None else f" (rank {rank})"
+        out.append(
+            f"traceable_hsdp.dump_graphs{where}: {len(self.graph_names())} graphs -> "
+            f"{self.out_dir}"
+        )
+        if self._compiled_before:
+            out.append(
+                "  WARNING: torch.compile had compiled before the dump started; those "
+                "graphs are not in it (see [Note: Entering before the first compile])."
+            )
+        if not self.records:
+            out.append(
+                "  no graphs recorded: nothing was compiled by Inductor, and no "
+                "dump.backend(...) was used; depyf's files are in depyf/."
+            )
+        else:
+            head = ("graph", "stage", "AG", "RS", "AR", "fsdp.copy_", "resize", "file")
+            rows = [head]
+            for r in self.records:
+                c = r.counts
+                rows.append((
+                    r.name, _STAGE_TITLE[r.stage],
+                    str(c.get("all_gather_into_tensor", 0)),
+                    str(c.get("reduce_scatter_tensor", 0)),
+                    str(c.get("all_reduce", 0)),
+                    str(c.get("fsdp.copy_", 0)),
+                    str(c.get("resize_to_0", 0) + c.get("resize_to_full", 0)),
+                    r.file,
+                ))
+            widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
+            for x in rows:
+                out.append("  " + "  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip())
+            for name in self.graph_names():
+                rec = self.last_stage(name)
+                out.append("")
+                out.append(
+                    f"{name} ({_STAGE_TITLE[rec.stage]}, compile id {rec.compile_id}): "
+                    f"{len(rec.collectives)} collectives in graph order"
+                )
+                if rec.annotations != "node meta":
+                    out.append(f"  unit/params: {rec.annotations}")
+                out.append(format_table(rec.collectives))
+        b = self._breaks
+        out.append("")
+        if b.graph_breaks:
+            out.append(
+                f"graph breaks: {len(b.graph_breaks)} (full reasons in "
+                "breaks_and_recompiles.json)"
+            )
+            seen = Counter((gb["location"], _brief(gb["reason"])) for gb in b.graph_breaks)
+            for (location, reason), n in seen.items():
+                out.append(f"  {n} x at {location}: {reason}")
+        else:
+            out.append("graph breaks: none")
+        if b.recompiles:
+            out.append(f"recompiles: {len(b.recompiles)}")
+            for rc in b.recompiles:
+                out.append(f"  {rc['compile_id']} {rc['function']}: {rc['reason']}")
+        else:
+            out.append("recompiles: none")
+        out.append(
+            f"compiles: {len(b.compiles)} (compiled-autograd graphs: "
+            f"{b.compiled_autograd_graphs})"
+        )
+        out.extend(f"  note: {n}" for n in b.notes)
+        out.append(f"depyf source: {self.out_dir / 'depyf'}")
+        out.append(f"trace: {self._trace_note}")
+        return "\n".join(out)
+
+    def _collectives_json(self) -> dict[str, Any]:
+        return {
+            "rank": dist.get_rank() if dist.is_initialized() else None,
+            "world_size": dist.get_world_size() if dist.is_initialized() else None,
+            "torch": torch.__version__,
+            "graphs": [
+                {**asdict(r), "collectives": [asdict(c) for c in r.collectives]}
+                for r in self.records
+            ],
+        }
+
+
+# ------------------------------------------------------- breaks and recompiles
+def _snapshot() -> tuple[int, int]:
+    from torch._dynamo.utils import graph_break_reasons
+
+    return len(graph_break_reasons), time.time_ns() // 1000
+
+
+def _collect_breaks(since: tuple[int, int]) -> _Breaks:
+    """Graph breaks and compiles since ``since`` (from :func:`_snapshot`), from
+    dynamo's bookkeeping: ``torch._dynamo.utils.graph_break_reasons`` (one entry per
+    graph break; ``counters["graph_break"]`` is no longer filled on torch 2.13) and
+    ``get_compilation_metrics()`` (one per compiled frame, with its recompile
+    reason)."""
+    from torch._dynamo import utils as dynamo_utils
+
+    n_breaks, t0 = since
+    b = _Breaks()
+    for reason in dynamo_utils.graph_break_reasons[n_breaks:]:
+        frame = reason.user_stack[-1] if reason.user_stack else None
+        b.graph_breaks.append({
+            "reason": reason.reason,
+            "location": f"{frame.filename}:{frame.lineno}" if frame else "?",
+        })
+    metrics = [m for m in dynamo_utils.get_compilation_metrics() if (m.start_time_us or 0) >= t0]
+    ca_ids: set[str] = set()
+    for m in metrics:
+        cid = m.compile_id or "?"
+        function = f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})"
+        entry = {
+            "compile_id": cid,
+            "function": function,
+            "graph_breaks": m.num_graph_breaks,
+            "recompile_reason": m.recompile_reason,
+            "fail_type": m.fail_type,
+            "fail_reason": m.fail_reason,
+        }
+        b.compiles.append(entry)
+        if m.recompile_reason:
+            b.recompiles.append(
+                {"compile_id": cid, "function": function, "reason": m.recompile_reason}
+            )
+        if cid.startswith("!"):
+            ca_ids.add(cid.split("/")[0])
+    b.compiled_autograd_graphs = len(ca_ids)
+    if len(ca_ids) > 1:
+        # Compiled autograd compiles a new graph when the autograd graph (or its
+        # inputs' properties) changes; the reason goes to the compiled_autograd_verbose
+        # log only.
+        b.recompiles.append({
+            "compile_id": ", ".join(sorted(ca_ids)),
+            "function": "compiled autograd",
+            "reason": (
+                f"{len(ca_ids)} backward graphs compiled: a cache miss after the first; "
+                "TORCH_LOGS=compiled_autograd_verbose prints why"
+            ),
+        })
+    limit = dynamo_utils._compilation_metrics.maxlen
+    if limit is not None and len(dynamo_utils.get_compilation_metrics()) >= limit:
+        b.notes.append(f"torch keeps the last {limit} compiles only; older ones are missing")
+    return b
+
+
+# ------------------------------------------------------------------- trace
+@contextlib.contextmanager
+def _structured_trace(trace_dir: Path) -> Iterator[list[Path]]:
+    """A ``TORCH_TRACE=trace_dir`` structured log for the block: the handler that
+    ``TORCH_TRACE`` would install at import (``LazyTraceHandler``, which opens its
+    file at the first record) is added to torch's trace logger and removed after.
+    Yields a list that holds the log file once the block exits."""
+    from torch._logging import _internal as tl
+
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    handler = tl.LazyTraceHandler(str(trace_dir))
+    handler.setFormatter(tl.TorchLogsFormatter(trace=True))
+    logger = tl.trace_log
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    files: list[Path] = []
+    try:
+        yield files
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        handler.close()
+        files.extend(sorted(trace_dir.glob("*.log")))
+
+
+def _run_tlparse(log_files: list[Path], out: Path) -> str:
+    exe = shutil.which("tlparse")
+    if exe is None:
+        return "tlparse not found on PATH (pip install tlparse), so no HTML report"
+    if not log_files:
+        return "no structured log was written (nothing compiled?)"
+    cmd = [exe, str(log_files[-1]), "-o", str(out), "--overwrite", "--no-browser"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"tlparse failed to run: {e}"
+    if proc.returncode != 0:
+        return f"tlparse exited {proc.returncode}: {proc.stderr.strip()[-500:]}"
+    index = out / "index.html"
+    return f"tlparse report {index}" if index.exists() else f"tlparse wrote {out}"
+
+
+# ----------------------------------------------------------------- entry point
+def _hook_inductor(dump: GraphDump) -> Callable[[], None]:
+    """Brackets the post-grad pre-pass with the recorders; returns the undo.
+    See [Note: Hooking Inductor]."""
+    from .passes import install
+
+    install()
+    inner = inductor_config.post_grad_custom_pre_pass
+    before = _RecordPostGrad(dump, "before_passes")
+    after = _RecordPostGrad(dump, "after_passes")
+    inductor_config.post_grad_custom_pre_pass = [before, inner, after]
+
+    def undo() -> None:
+        current = inductor_config.post_grad_custom_pre_pass
+        ours = (
+            isinstance(current, list) and len(current) == 3
+            and current[0] is before and current[2] is after
+        )
+        if ours:
+            inductor_config.post_grad_custom_pre_pass = current[1]
+        else:
+            warnings.warn(
+                "dump_graphs: torch._inductor.config.post_grad_custom_pre_pass was "
+                "replaced inside the block; left as it is now.",
+                stacklevel=3,
+            )
+
+    return undo
+
+
+_MARKER = ".traceable_hsdp_dump"  # marks a directory an earlier dump wrote into
+
+
+def _clear(out_dir: Path) -> None:
+    """Removes an earlier dump's files from ``out_dir``; refuses to remove files of
+    those names that no dump wrote."""
+    ours = [out_dir / name for name in _OUR_PATHS if (out_dir / name).exists()]
+    if ours and not (out_dir / _MARKER).exists():
+        raise ValueError(
+            f"dump_graphs: {out_dir} already holds {', '.join(p.name for p in ours)}, "
+            "not written by an earlier dump; pick a new or empty directory."
+        )
+    for p in ours:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    (out_dir / _MARKER).write_text("written by traceable_hsdp.dump_graphs\n")
+
+
+@contextlib.contextmanager
+def dump_graphs(
+    out_dir: str | os.PathLike[str],
+    *,
+    trace: bool = False,
+    print_summary: bool = True,
+    file: TextIO | None = None,
+) -> Iterator[GraphDump]:
+    """Dumps every graph ``torch.compile`` compiles inside the block, for reading and
+    debugging. See [Note: What dump_graphs records] for the files::
+
+        with traceable_hsdp.dump_graphs("dump") as dump:
+            traceable_hsdp.enable_compiled_autograd(backend=dump.backend("inductor"))
+            model = torch.compile(model, backend=dump.backend("inductor"))
+            for step in range(2):
+                model(x).sum().backward()
+
+    ``dump.backend(...)`` is optional: it adds dynamo's graphs, the collective tables
+    of non-Inductor backends, and unit/parameter names in Inductor's backward graphs
+    ([Note: The recording backend]). Enter the block before the first compiled call
+    ([Note: Entering before the first compile]). Files of an earlier dump in
+    ``out_dir`` are replaced; other files there are left alone. On exit (also when
+    the block raises) the files are written and the summary is printed; the
+    recording backend records nothing after that.
+
+    Args:
+        out_dir: the dump directory (created if needed).
+        trace: also write a ``TORCH_TRACE``-style structured log to ``out_dir/trace``,
+            and run ``tlparse`` on it into ``out_dir/tlparse`` when it is on ``PATH``
+            (default ``False``).
+        print_summary: print the summary when the block exits (default ``True``).
+        file: where to print it (default ``sys.stdout``).
+
+    Raises:
+        ImportError: depyf is not installed (``pip install traceable-hsdp[dump]``).
+        TypeError: ``out_dir`` is not a path.
+        ValueError: ``out_dir`` holds files of a dump's names (``graphs``,
+            ``summary.txt``, ...) that no earlier dump wrote.
+    """
+    try:
+        import depyf
+    except ImportError as e:
+        raise ImportError(
+            "traceable_hsdp.dump_graphs needs depyf to write readable graph source: "
+            "pip install traceable-hsdp[dump] (or pip install depyf)."
+        ) from e
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise TypeError(f"dump_graphs: out_dir must be a path, got {type(out_dir).__name__}.")
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    _clear(out)
+    dump = GraphDump(out)
+
+    from torch._dynamo import convert_frame
+
+    if convert_frame.FRAME_COUNTER > 0:
+        dump._compiled_before = True
+        warnings.warn(
+            "dump_graphs: torch.compile already compiled something in this process; "
+            "those graphs will not be in the dump. Enter dump_graphs before the first "
+            "compiled call, or call torch._dynamo.reset() first (it also turns "
+            "compiled autograd off: call traceable_hsdp.enable_compiled_autograd() "
+            "again after it).",
+            stacklevel=3,
+        )
+    since = _snapshot()
+    undo_inductor = _hook_inductor(dump)
+    stack = contextlib.ExitStack()
+    trace_files: list[Path] | None = None
+    try:
+        if trace:
+            trace_files = stack.enter_context(_structured_trace(out / "trace"))
+        with warnings.catch_warnings():
+            # depyf warns on every entry that the code must run several times.
+            warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`")
+            stack.enter_context(depyf.prepare_debug(str(out / "depyf")))
+        yield dump
+    finally:
+        try:
+            stack.close()  # depyf writes its full_code files; the trace log closes
+        finally:
+            dump._active = False
+            undo_inductor()
+            try:
+                dump._breaks = _collect_breaks(since)
+            except Exception as e:  # never hide the block's own exception
+                dump._breaks.notes.append(f"could not read dynamo's compile records: {e!r}")
+            if trace_files is not None:
+                dump._trace_note = f"{out / 'trace'}; " + _run_tlparse(trace_files, out / "tlparse")
+            _write_results(dump)
+            if print_summary:
+                print(dump.summary(), file=sys.stdout if file is None else file, flush=True)
+
+
+def compare_dumps(dirs: Sequence[str | os.PathLike[str]]) -> str:
+    """Whether the dumps of several ranks (each a ``dump_graphs`` directory) hold the
+    same graphs with the same collectives in the same order: op, reduce op, group
+    size, dtype, shapes, unit and parameters (not the group name, which may differ
+    between ranks for HSDP's sub-groups). Ranks that disagree would hang or compute
+    garbage in a real job.
+
+    Returns:
+        One line saying that they agree, or where the first difference is.
+    """
+    def load(d: str | os.PathLike[str]) -> dict[tuple[str, str], list[tuple[Any, ...]]] | None:
+        path = Path(d) / "collectives.json"
+        if not path.exists():
+            return None
+        graphs = json.loads(path.read_text())["graphs"]
+        return {
+            (g["name"], g["stage"]): [
+                (c["op"], c["reduce_op"], c["group_size"], c["dtype"], c["in_shape"],
+                 c["out_shape"], c["unit"], tuple(c["params"]))
+                for c in g["collectives"]
+            ]
+            for g in graphs
+        }
+
+    if not dirs:
+        return "compare_dumps: no dumps given"
+    ref = load(dirs[0])
+    if ref is None:
+        return f"ranks not compared: {dirs[0]} has no collectives.json"
+    for i, d in enumerate(dirs[1:], start=1):
+        other = load(d)
+        if other is None:
+            return f"ranks not compared: {d} has no collectives.json"
+        if set(other) != set(ref):
+            only = sorted(set(ref) ^ set(other))
+            return f"ranks DISAGREE: {dirs[0]} and {d} recorded different graphs: {only}"
+        for key in sorted(ref):
+            a, b = ref[key], other[key]
+            if a != b:
+                where = next(
+                    (j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+                )
+                return (
+                    f"ranks DISAGREE in graph {key[0]} ({_STAGE_TITLE[key[1]]}): "
+                    f"{len(a)} vs {len(b)} collectives, first difference at #{where}"
+                )
+    return (
+        f"ranks agree: all {len(dirs)} dumps hold the same {len(ref)} graph stages with "
+        "the same collectives in the same order"
+    )
+
+
+def _write_results(dump: GraphDump) -> None:
+    out = dump.out_dir
+    (out / "collectives.json").write_text(json.dumps(dump._collectives_json(), indent=1))
+    (out / "breaks_and_recompiles.json").write_text(json.dumps(asdict(dump._breaks), indent=1))
+    (out / "summary.txt").write_text(dump.summary() + "\n")
