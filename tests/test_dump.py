@@ -427,6 +427,13 @@ def test_dump_command_counts_match_the_graphs_that_ran(tmp_path: Path) -> None:
         # reshards after forward) and one reduce-scatter per parameter.
         assert _ag_rs(fwd) == (n_params, 0)
         assert _ag_rs(bwd) == (n_params, n_params)
+        # The runtime annotates every collective with its unit and parameter: the
+        # block is labelled by its path, the root by its class.
+        for g in (fwd, bwd):
+            assert all(c["unit"] in ("layers.0", "Llama") and len(c["params"]) == 1
+                       for c in g["collectives"]), g["collectives"]
+        assert {c["params"][0] for c in fwd["collectives"] if c["unit"] == "layers.0"} >= {
+            "attn.wq.weight", "ffn.w2.weight"}
         # Independently: count the calls in the AOTAutograd graphs that ran (aot_eager
         # runs them as they are), as depyf wrote their source.
         ran = sorted(

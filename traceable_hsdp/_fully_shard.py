@@ -414,6 +414,13 @@ def _fully_shard_impl(
                 s.is_root = False
                 nested.append(s)
     state.states = [*nested, state]
+    # Nested units are labelled by their path under this root ("layers.0"), for
+    # messages and dumps; see [Note: Collective annotations] (_annotate.py).
+    for m in modules:
+        for name, sub in m.named_modules():
+            s = _get_state(sub)
+            if name and s is not None and s is not state and s.param_group is not None:
+                s.param_group.label = name
 
     for m in modules:
         _add_fsdp_class(m)

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ._annotate import call_annotated
 from ._common import MeshInfo, ShardedState, TrainingState
 from ._param import FSDPParam
 
@@ -60,7 +61,10 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.UNSHARDED or self._pending is not None:
             return
         with torch.no_grad():
-            self._pending = [p.all_gather_start() for p in self.fsdp_params]
+            # See [Note: Collective annotations] (_annotate.py).
+            self._pending = [
+                call_annotated(self.label, p.fqn, p.all_gather_start) for p in self.fsdp_params
+            ]
 
     def wait_for_unshard(self) -> None:
         """Waits for the all-gathers (issuing them first if needed) and fills the
@@ -134,7 +138,9 @@ class FSDPParamGroup:
             grad = fsdp_param.accumulated_grad + grad
             fsdp_param.accumulated_grad = None
         if self.reduce_grads:
-            fsdp_param.reduce_grad(grad, self.gradient_divide_factor)
+            call_annotated(
+                self.label, fsdp_param.fqn, fsdp_param.reduce_grad, grad, self.gradient_divide_factor
+            )
         else:
             fsdp_param.accumulated_grad = grad
         self._count_down()
