@@ -78,7 +78,19 @@ def _placeholder_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def parity_worker(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str) -> dict[str, Any]:
+def _post_forward_bytes(model: torch.nn.Module) -> int:
+    states = {id(s): s for m in model.modules()
+              if (s := m.__dict__.get("_traceable_hsdp_state")) is not None and s.param_group}
+    return sum(
+        fp.post_forward_shard.untyped_storage().nbytes()
+        for s in states.values() for fp in s.param_group.fsdp_params
+        if fp.post_forward_shard is not None
+    )
+
+
+def parity_worker(
+    rank: int, world: int, mesh_shape: tuple[int, ...], mode: str, raf: bool | int = True
+) -> dict[str, Any]:
     """Trains the sharded model for STEPS steps in ``mode`` ("eager", "compiled": plain
     loop with enable_compiled_autograd, "compiled_step": whole step compiled under
     torch._dynamo.config.compiled_autograd) and reports what the test asserts."""
@@ -86,7 +98,7 @@ def parity_worker(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)
     model = Llama(CFG)
-    shard_llama(model, th.fully_shard, mesh=mesh)
+    shard_llama(model, th.fully_shard, mesh=mesh, reshard_after_forward=raf)
     n_units = CFG.n_layers + 1
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     # This rank's slice of the global batch: ranks are laid out (replicate, shard) in
@@ -105,6 +117,7 @@ def parity_worker(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str)
 
         compiled_step = torch.compile(step_fn, backend=rec)
     losses, bytes_after_fwd, bytes_after_bwd, graphs_after_step = [], [], [], []
+    pf_bytes_after_fwd, pf_bytes_after_bwd = [], []
     for x, y in _data(world, STEPS):
         xs = x.chunk(world)[rank]
         ys = y.chunk(world)[rank]
@@ -114,8 +127,10 @@ def parity_worker(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str)
         else:
             out = (fwd if mode == "compiled" else model)(xs)
             bytes_after_fwd.append(_placeholder_bytes(model))
+            pf_bytes_after_fwd.append(_post_forward_bytes(model))
             loss = _loss(out, ys)
             loss.backward()
+            pf_bytes_after_bwd.append(_post_forward_bytes(model))
         bytes_after_bwd.append(_placeholder_bytes(model))
         graphs_after_step.append((len(rec.forward), len(rec.backward)))
         # Every managed parameter has its sharded grad, and only that.
@@ -140,5 +155,8 @@ def parity_worker(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str)
         bwd_counts=rec.backward,
         n_units=n_units,
         n_params=len(list(model.parameters())),
+        full_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        pf_bytes_after_fwd=pf_bytes_after_fwd,
+        pf_bytes_after_bwd=pf_bytes_after_bwd,
         placements={k: tuple(str(p) for p in v.placements) for k, v in model.state_dict().items()},
     )

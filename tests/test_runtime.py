@@ -83,6 +83,25 @@ def test_hsdp_parity_2x2(mode: str) -> None:
             _check_graphs(r, hsdp=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_reshard_after_forward_int_4_ranks(mode: str) -> None:
+    """reshard_after_forward=2 on a 1-D mesh of 4 ranks: after forward every
+    placeholder is freed and each rank keeps half of each (padded) parameter; the
+    backward re-gathers over pairs of ranks. Same parity tolerance as above."""
+    results = run_ranks(parity_worker, 4, (4,), mode, 2)
+    _check_parity(results, 4)
+    for r in results:
+        # Half of every parameter (padded to 4 shards of ceil(n/4) rows) per rank.
+        assert all(r["full_bytes"] / 2 <= b <= r["full_bytes"] / 2 * 1.2
+                   for b in r["pf_bytes_after_fwd"]), (r["full_bytes"], r["pf_bytes_after_fwd"])
+        assert r["pf_bytes_after_bwd"] == [0] * STEPS
+    if mode == "compiled":
+        r = results[0]
+        assert r["graphs_after_step"] == [(1, 1)] * STEPS, r["graphs_after_step"]
+        assert r["bwd_counts"][0]["all_gather_into_tensor"] == N_PARAMS
+
+
 # --------------------------------------------------------------------- errors
 @pytest.fixture(scope="module")
 def one_rank():
@@ -129,6 +148,10 @@ def test_error_applied_twice_and_bad_options(one_rank) -> None:
         th.fully_shard(m, mesh=one_rank)
     with pytest.raises(TypeError, match="reshard_after_forward"):
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank, reshard_after_forward="yes")
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2 must divide the shard group's size 1"):
+        th.fully_shard(nn.Linear(2, 2), mesh=one_rank, reshard_after_forward=2)
+    with pytest.raises(ValueError, match="must divide"):
+        th.fully_shard(nn.Linear(2, 2), mesh=one_rank, reshard_after_forward=-1)
     with pytest.raises(TypeError, match="ignored_params"):
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank, ignored_params=[torch.ones(1)])
 

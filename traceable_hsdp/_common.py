@@ -28,6 +28,11 @@ class ShardedState(Enum):
     SHARDED = auto()
     """Only the sharded DTensor has data; the unsharded placeholder's storage is 0 bytes
     and the module holds the sharded parameter."""
+    SHARDED_POST_FORWARD = auto()
+    """After forward with an int ``reshard_after_forward=k``: the placeholder's storage
+    is 0 bytes and each rank keeps 1/k of the (padded) gathered parameter, to be
+    re-gathered over a group of k ranks for backward; the module holds the sharded
+    parameter."""
     UNSHARDED = auto()
     """The placeholder's storage is full and holds the gathered parameter; the module
     holds the placeholder."""
@@ -74,3 +79,14 @@ class MeshInfo:
         if self.mesh.device_type == "cpu":
             return torch.device("cpu")
         return torch.device(self.mesh.device_type, torch.accelerator.current_device_index())
+
+
+@dataclass(frozen=True)
+class PostForwardInfo:
+    """Where an int ``reshard_after_forward=k`` keeps parameters after forward: the
+    shard group's ranks split into consecutive groups of ``size`` (= k) ranks; this
+    rank is ``index`` in ``group_name``."""
+
+    group_name: str
+    size: int
+    index: int

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._common import MeshInfo
+from ._common import MeshInfo, PostForwardInfo
 from ._param import FSDPParam, ParamModuleInfo
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState
@@ -292,7 +292,9 @@ def fully_shard(
             Default ``None``: a 1-D mesh over the default process group.
         reshard_after_forward: free the unsharded parameters after forward and
             re-gather them for backward (default ``True``). ``False`` keeps them from
-            forward to backward. ``None`` means ``True``.
+            forward to backward. ``None`` means ``True``. An int k dividing the shard
+            group's size keeps 1/k of each parameter per rank after forward and
+            re-gathers over groups of k ranks for backward.
         shard_placement_fn: called with each managed parameter; returns the
             ``Shard(dim)`` to shard it on, or ``None`` for ``Shard(0)`` (default
             ``None``: every parameter on dim 0).
@@ -342,7 +344,7 @@ def _fully_shard_impl(
     modules = _check_modules(module)
     mesh = _default_mesh() if mesh is None else mesh
     mesh_info = _mesh_info(mesh)
-    raf = _check_reshard_after_forward(reshard_after_forward)
+    raf = _check_reshard_after_forward(reshard_after_forward, mesh_info)
     offload_policy = _check_offload_policy(offload_policy)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     mp_policy = _check_mp_policy(mp_policy)
@@ -396,8 +398,12 @@ def _fully_shard_impl(
         )
         for p in order
     ]
+    post_forward = None
+    if not isinstance(raf, bool):
+        post_forward = _post_forward_info(mesh_info, raf)
     for fp in fsdp_params:
         fp.keep_storage = keep_storage
+        fp.post_forward = post_forward
     label = type(owner).__name__
     group = FSDPParamGroup(fsdp_params, mesh_info, label) if fsdp_params else None
     state = FSDPState(modules, group, raf, mp_policy)
@@ -473,18 +479,51 @@ def _check_modules(module: Any) -> list[nn.Module]:
     return mods
 
 
-def _check_reshard_after_forward(value: Any) -> bool:
+def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int:
+    """``True``/``False``/``None``, or an int k dividing the shard group's size (see
+    [Note: Reshard to a smaller world] in ``_param.py``): k equal to that size is
+    ``True``, k = 1 keeps the whole parameter (``False``)."""
     if value is None:
         return True
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        raise NotImplementedError(
-            f"reshard_after_forward={value} (reshard to a smaller world) is not supported "
-            "yet; pass True or False."
-        )
+        size = mesh_info.shard_size
+        if value < 1 or value > size or size % value:
+            raise ValueError(
+                f"reshard_after_forward={value} must divide the shard group's size {size} "
+                f"(a divisor in 1..{size}): it is the number of ranks each parameter is "
+                "resharded over after forward. Use True/False, or a divisor such as the "
+                "number of GPUs per node."
+            )
+        if value == size:
+            return True
+        if value == 1:
+            return False
+        return value
     raise TypeError(
         f"reshard_after_forward must be a bool or int, got {type(value).__name__}."
+    )
+
+
+_POST_FORWARD_MESHES: dict[tuple[DeviceMesh, int], DeviceMesh] = {}
+
+
+def _post_forward_info(mesh_info: MeshInfo, k: int) -> PostForwardInfo:
+    """Groups of ``k`` consecutive ranks of each shard group (one DeviceMesh per mesh
+    and k, built once: building it creates process groups on every rank)."""
+    mesh = mesh_info.mesh
+    key = (mesh, k)
+    pf_mesh = _POST_FORWARD_MESHES.get(key)
+    if pf_mesh is None:
+        ranks = mesh.mesh
+        shape = (*ranks.shape[:-1], ranks.shape[-1] // k, k)
+        pf_mesh = DeviceMesh(mesh.device_type, ranks.reshape(shape))
+        _POST_FORWARD_MESHES[key] = pf_mesh
+    return PostForwardInfo(
+        group_name=pf_mesh.get_group(pf_mesh.ndim - 1).group_name,
+        size=k,
+        index=pf_mesh.get_local_rank(pf_mesh.ndim - 1),
     )
 
 

@@ -39,6 +39,16 @@ its "gather" is its local tensor (no collective), and its gradient is all-reduce
 data-parallel rank like the sharded ones. It still goes through the placeholder
 (grow, ``fsdp.copy_``, free), so the lifecycle and the graphs keep one shape.
 
+[Note: Reshard to a smaller world]
+``reshard_after_forward=k`` (an int dividing the shard group's size S) frees the
+placeholder after forward but keeps, on each rank, one block of the gathered rows:
+the shard group's ranks are split into S/k groups of k consecutive ranks, and the
+rank at index j of its group keeps block j of k of the padded gathered tensor (S/k
+original shards). The backward re-gathers over that group of k ranks, whose blocks
+in order are exactly the padded gathered tensor: less memory than keeping it whole
+(``False``), and a gather over k ranks (intra-node, on a GPU cluster) instead of S.
+``k == S`` is ``True``; ``k == 1`` keeps the whole parameter, which is ``False``.
+
 [Note: Shard dim and offload]
 ``shard_placement_fn`` may shard a parameter on a dim ``d`` other than 0
 (``Shard(d)``). The sharded DTensor then holds ``torch.chunk(full, ws, d)[rank]``,
@@ -68,7 +78,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
-from ._common import MeshInfo, ShardedState
+from ._common import MeshInfo, PostForwardInfo, ShardedState
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,10 @@ class FSDPParam:
         # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage (the
         # parameter stays whole in memory across steps; the next unshard refills it).
         self.keep_storage = False
+        # After an int reshard_after_forward: this rank's block of the padded gathered
+        # rows (ND, dim 0 = shard dim), or None. See [Note: Reshard to a smaller world].
+        self.post_forward_shard: torch.Tensor | None = None
+        self.post_forward: PostForwardInfo | None = None
         # Unsharded gradient summed over backwards without gradient sync, in
         # reduce_dtype (ND, full shape), or None.
         self.accumulated_grad: torch.Tensor | None = None
@@ -198,6 +212,10 @@ class FSDPParam:
         collective: its local tensor is the result."""
         if self.replicate:
             return self.all_gather_input()
+        if self.post_forward_shard is not None:
+            pf = self.post_forward
+            assert pf is not None
+            return all_gather_start(self.post_forward_shard, pf.size, pf.group_name)
         mi = self.mesh_info
         return all_gather_start(self.all_gather_input(), mi.shard_size, mi.shard_group_name)
 
@@ -207,10 +225,11 @@ class FSDPParam:
 
     def fill_unsharded(self, gathered: torch.Tensor) -> None:
         """Grows the placeholder to full and copies the gathered rows into it."""
-        if self.sharded_state is not ShardedState.SHARDED:
+        if self.sharded_state is ShardedState.UNSHARDED:
             raise AssertionError(
-                f"{self.fqn}: fill_unsharded needs SHARDED, found {self.sharded_state}"
+                f"{self.fqn}: fill_unsharded needs a sharded state, found {self.sharded_state}"
             )
+        self.post_forward_shard = None
         p = self.unsharded_param
         full = gathered.narrow(0, 0, self.orig_size[self.shard_dim])
         if self.shard_dim != 0:
@@ -237,10 +256,36 @@ class FSDPParam:
                 _set_param(info, self.sharded_param)
             self.module_holds_unsharded = False
 
-    def reshard(self) -> None:
-        """Frees the placeholder's storage; the modules hold the sharded parameter."""
+    def post_forward_reshard(self) -> None:
+        """Keeps this rank's 1/k block of the gathered rows and frees the placeholder.
+        See [Note: Reshard to a smaller world]."""
+        pf = self.post_forward
+        if pf is None or self.replicate:
+            self.reshard()
+            return
         self.register_sharded()
-        if self.sharded_state is ShardedState.SHARDED:
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            return
+        with torch.no_grad():
+            full = self.unsharded_param.detach()
+            if self.shard_dim != 0:
+                full = full.movedim(self.shard_dim, 0)
+            rows = self.mesh_info.shard_size * self.chunk_rows
+            if rows != full.size(0):
+                full = torch.cat([full, full.new_zeros((rows - full.size(0), *full.shape[1:]))])
+            block = rows // pf.size
+            kept = full.narrow(0, pf.index * block, block).clone()
+        self.reshard()
+        self.post_forward_shard = kept
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def reshard(self) -> None:
+        """Frees the placeholder's storage (and any post-forward shard); the modules
+        hold the sharded parameter."""
+        self.register_sharded()
+        self.post_forward_shard = None
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            self.sharded_state = ShardedState.SHARDED
             return
         if not self.keep_storage:
             p = self.unsharded_param

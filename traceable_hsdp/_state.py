@@ -94,7 +94,7 @@ class FSDPState:
         self,
         modules: list[nn.Module],
         param_group: FSDPParamGroup | None,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | int,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
@@ -169,10 +169,13 @@ class FSDPState:
     def _post_forward(self, output: Any) -> Any:
         pg = self.param_group
         if pg is not None:
-            if self.reshard_after_forward:
+            raf = self.reshard_after_forward
+            if raf is True:
                 pg.reshard()
-            else:
+            elif raf is False:
                 pg.register_sharded()  # data stays gathered for backward
+            else:  # an int: keep 1/raf for a smaller re-gather in backward
+                pg.post_forward_reshard()
             pg.training_state = TrainingState.IDLE
         self.training_state = TrainingState.IDLE
         if self.mp_policy.output_dtype is not None:
