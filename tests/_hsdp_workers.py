@@ -75,3 +75,74 @@ def reduce_op_worker(rank: int, world: int) -> dict[str, float]:
             (grads["div4"][k] - world / 4 * g).abs().max().item(),
         )
     return ratios
+
+
+def comm_options_worker(rank: int, world: int) -> dict[str, Any]:
+    """FSDPModule's communication options on a 2x2 HSDP mesh, eagerly: each run is
+    compared with a plain run of the same model and data (gradients after two
+    backwards)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    data = _data(world * 2, 1)[0]
+    xs, ys = data[0].chunk(world)[rank].chunk(2), data[1].chunk(world)[rank].chunk(2)
+
+    def grads(setup: Any, per_backward: Any = None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Llama(CFG)
+        shard_llama(model, th.fully_shard, mesh=mesh)
+        setup(model)
+        for i in range(2):
+            if per_backward is not None:
+                per_backward(model, i)
+            _loss(model(xs[i]), ys[i]).backward()
+        return {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+
+    def diff(a: dict, b: dict, scale: float = 1.0) -> float:
+        return max((a[k] - scale * b[k]).abs().max().item() for k in a)
+
+    base = grads(lambda m: None)
+    out = {}
+    out["force_sum"] = diff(grads(lambda m: m.set_force_sum_reduction_for_comms(True)), base)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rs = grads(lambda m: m.set_reduce_scatter_divide_factor(2.0))
+    out["rs_divide_warned"] = any(issubclass(w.category, FutureWarning) for w in caught)
+    out["rs_divide"] = diff(rs, base, world / 2.0)
+    # No all-reduce on the first backward, all-reduce on the second: the same sum.
+    out["all_reduce_later"] = diff(
+        grads(lambda m: None, lambda m, i: m.set_requires_all_reduce(i == 1)), base)
+    # Without any all-reduce the replicas' gradients differ (so the check above can
+    # fail): the first replica group and the second see other data.
+    no_ar = grads(lambda m: m.set_requires_all_reduce(False))
+    out["no_all_reduce"] = diff(no_ar, base)
+    # The embedding unit need not re-gather for backward: its weight gradient reads
+    # only indices and the output gradient.
+    torch.manual_seed(0)
+    emb = nn.Sequential(nn.Embedding(CFG.vocab_size, 8), nn.Linear(8, 3))
+    ref = nn.Sequential(nn.Embedding(CFG.vocab_size, 8), nn.Linear(8, 3))
+    ref.load_state_dict(emb.state_dict())
+    th.fully_shard(emb[0], mesh=mesh)
+    th.fully_shard(emb, mesh=mesh)
+    emb[0].set_unshard_in_backward(False)
+    emb(xs[0]).sum().backward()
+    ref(xs[0]).sum().backward()
+    for p in ref.parameters():  # the reference's grads averaged over the 4 ranks
+        torch.distributed.all_reduce(p.grad)
+        p.grad /= world
+    out["embedding_no_unshard"] = max(
+        (a.grad.full_tensor() - b.grad).abs().max().item()
+        for a, b in zip(emb.parameters(), ref.parameters())
+    )
+    # A unit that reads its weight in backward fails loudly when not re-gathered.
+    lin = th.fully_shard(nn.Linear(4, 4), mesh=mesh)
+    lin.set_unshard_in_backward(False)
+    try:
+        lin(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        out["linear_error"] = None
+    except RuntimeError as e:
+        out["linear_error"] = str(e)
+    return out

@@ -128,3 +128,18 @@ def test_hsdp_comm_fusion_sets_the_pass_config(one_rank) -> None:
         assert not cfg.bucket_all_gathers and not cfg.bucket_reduce_scatters
     finally:
         passes.set_config(before)
+
+
+def test_fsdp_module_comm_options_2x2_eager() -> None:
+    """set_force_sum_reduction_for_comms, set_reduce_scatter_divide_factor (the
+    deprecated name), set_requires_all_reduce, set_unshard_in_backward. Tolerance
+    1e-6: sums in another order than the averaging collectives."""
+    from _hsdp_workers import comm_options_worker
+
+    for r in run_ranks(comm_options_worker, 4):
+        assert r["force_sum"] < 1e-6, r
+        assert r["rs_divide_warned"] and r["rs_divide"] < 1e-6, r
+        assert r["all_reduce_later"] < 1e-6, r
+        assert r["no_all_reduce"] > 1e-4, r
+        assert r["embedding_no_unshard"] < 1e-6, r
+        assert r["linear_error"] and "storage of size 0" in r["linear_error"], r

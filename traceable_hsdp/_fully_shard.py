@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -151,6 +152,45 @@ class FSDPModule:
         for state in _states(self, recurse=True):
             if state.param_group is not None:
                 state.param_group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor` (as in torch)."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Sum in the collectives and divide by the number of data-parallel ranks
+        locally, instead of averaging in the collectives (same result up to
+        rounding). An explicit gradient divide factor takes precedence."""
+        _check_bool("enable", enable)
+        for state in _states(self, recurse=True):
+            if state.param_group is not None:
+                state.param_group.force_sum = enable
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces gradients over the replicas. With
+        ``False`` the reduce-scatter still runs and the shard-reduced gradients
+        accumulate locally; the next backward with ``True`` all-reduces the sum.
+        Nothing changes on a 1-D mesh."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        for state in _states(self, recurse):
+            if state.param_group is not None:
+                state.param_group.all_reduce_grads = requires_all_reduce
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether this unit re-gathers its parameters for backward (default
+        ``True``). ``False`` saves the re-gather for a unit whose backward does not
+        read its parameters, e.g. an embedding: its weight gradient needs only the
+        indices and the output gradient. A backward that does read a parameter that
+        was not re-gathered fails loudly (its storage has size 0)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        state = _require_state(self)
+        if state.param_group is not None:
+            state.param_group.unshard_in_backward = unshard_in_backward
 
 
 class UnshardHandle:

@@ -180,6 +180,9 @@ class FSDPParam:
         # rows (ND, dim 0 = shard dim), or None. See [Note: Reshard to a smaller world].
         self.post_forward_shard: torch.Tensor | None = None
         self.post_forward: PostForwardInfo | None = None
+        # HSDP: the sharded grad holds shard-reduced gradients not yet all-reduced
+        # over the replicas (set_requires_all_reduce(False)).
+        self.replicas_pending = False
         # Unsharded gradient summed over backwards without gradient sync, in
         # reduce_dtype (ND, full shape), or None.
         self.accumulated_grad: torch.Tensor | None = None
@@ -294,13 +297,21 @@ class FSDPParam:
         self.sharded_state = ShardedState.SHARDED
 
     # ----------------------------------------------------------------- backward
-    def reduce_grad(self, unsharded_grad: torch.Tensor, divide_factor: float | None) -> None:
+    def reduce_grad(
+        self,
+        unsharded_grad: torch.Tensor,
+        divide_factor: float | None,
+        all_reduce_replicas: bool = True,
+    ) -> None:
         """Reduce-scatters ``unsharded_grad`` over the shard group (and, for HSDP,
         all-reduces over the replicate group) in ``reduce_dtype``, and accumulates the
         result, in the original dtype, into ``sharded_param.grad``.
 
         ``divide_factor=None`` averages over all data-parallel ranks; a number sums
-        and divides by it instead.
+        and divides by it instead. ``all_reduce_replicas=False`` (HSDP,
+        ``set_requires_all_reduce(False)``) skips the all-reduce: the shard-reduced
+        gradient accumulates locally, and the next backward that all-reduces
+        all-reduces the accumulated sum with it.
         """
         mi = self.mesh_info
         ws = mi.shard_size
@@ -320,14 +331,25 @@ class FSDPParam:
         if pad:
             grad = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))], dim=0)
         local = reduce_scatter(grad, op, ws, mi.shard_group_name)
-        if mi.replicate_group_name is not None:
-            local = all_reduce(local, op, mi.replicate_group_name)
-        if divide_factor is not None:
-            local = local / divide_factor
         if self.local_rows != self.chunk_rows:
             local = local.narrow(0, 0, self.local_rows)
         if self.shard_dim != 0:
             local = local.movedim(0, self.shard_dim).contiguous()
+        if mi.replicate_group_name is not None:
+            if not all_reduce_replicas:
+                # Not divided yet: the division comes with the all-reduce, once.
+                self._accumulate_reduced(local)
+                self.replicas_pending = True
+                return
+            if self.replicas_pending:
+                # Fold in what earlier backwards reduced without the all-reduce.
+                sp = self.sharded_param
+                local = sp.grad.to_local().to(local.device, local.dtype) + local
+                sp.grad = None
+                self.replicas_pending = False
+            local = all_reduce(local, op, mi.replicate_group_name)
+        if divide_factor is not None:
+            local = local / divide_factor
         self._accumulate_reduced(local)
 
     def _accumulate_reduced(self, local: torch.Tensor) -> None:

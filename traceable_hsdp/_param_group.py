@@ -51,6 +51,9 @@ class FSDPParamGroup:
         self.reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
+        self.all_reduce_grads = True  # HSDP: all-reduce over the replicas
+        self.force_sum = False  # sum in the collectives, divide locally
+        self.unshard_in_backward = True
         self.trainable = [p for p in fsdp_params if p.unsharded_param.requires_grad]
         self.input_grad_hooks = 0  # forward inputs with a post-backward hook, last forward
 
@@ -134,7 +137,8 @@ class FSDPParamGroup:
     def pre_backward(self) -> None:
         """Re-gathers before this unit's backward (no-op if still unsharded)."""
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
+        if self.unshard_in_backward:
+            self.unshard()
         self._grads_pending = len(self.trainable) + self.input_grad_hooks
 
     def post_accumulate_grad(self, fsdp_param: FSDPParam) -> None:
@@ -151,11 +155,21 @@ class FSDPParamGroup:
             fsdp_param.accumulated_grad = None
         if self.reduce_grads:
             call_annotated(
-                self.label, fsdp_param.fqn, fsdp_param.reduce_grad, grad, self.gradient_divide_factor
+                self.label,
+                fsdp_param.fqn,
+                fsdp_param.reduce_grad,
+                grad,
+                self._divide_factor(),
+                self.all_reduce_grads,
             )
         else:
             fsdp_param.accumulated_grad = grad
         self._count_down()
+
+    def _divide_factor(self) -> float | None:
+        if self.gradient_divide_factor is None and self.force_sum:
+            return float(self.mesh_info.shard_size * self.mesh_info.replicate_size)
+        return self.gradient_divide_factor
 
     def input_grad_ready(self) -> None:
         """Runs when the gradient of one of the unit's forward inputs is complete."""
