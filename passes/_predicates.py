@@ -69,6 +69,20 @@ def is_collective(node: fx.Node) -> bool:
     return node.target.namespace in _COLLECTIVE_NAMESPACES and node.target is not WAIT
 
 
+def collective_group_name(node: fx.Node) -> str | None:
+    """The ``group_name`` argument of any functional collective (all-gather,
+    reduce-scatter, all-reduce, ...), or ``None`` when it is not a constant string or
+    ``node`` is not a collective."""
+    if not is_collective(node):
+        return None
+    assert isinstance(node.target, torch._ops.OpOverload)
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "group_name":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            return value if isinstance(value, str) else None
+    return None
+
+
 def resize_nbytes(node: fx.Node) -> int | None:
     """The byte count of a resize node, or ``None`` if it is not a plain int."""
     n = node.args[1] if len(node.args) > 1 else node.kwargs.get("new_size")
@@ -183,6 +197,35 @@ def alias_closure(node: fx.Node) -> list[fx.Node]:
                 seen.add(u)
                 stack.append(u)
     return out
+
+
+def alias_base(node: fx.Node) -> fx.Node:
+    """The node ``node`` is a view of, through chains of view ops (``node`` itself if
+    it is not a view)."""
+    base = node
+    while is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    return base
+
+
+def writes_between(
+    tensor: object, a: fx.Node, b: fx.Node, order: dict[fx.Node, int]
+) -> list[fx.Node]:
+    """The nodes strictly between ``a`` and ``b`` (either order), in graph order, that
+    write to or resize ``tensor``, a view of it, or its base or another view of that:
+    a read of ``tensor`` may move from one end to the other only if this is empty.
+    (``resize_storage_bytes_`` declares no mutation in its schema: checked by name.)"""
+    if not isinstance(tensor, fx.Node):
+        return []
+    lo, hi = sorted((order[a], order[b]))
+    found = set()
+    for alias in alias_closure(alias_base(tensor)):
+        for u in alias.users:
+            if lo < order[u] < hi and (
+                writes_to(u, alias) or (is_resize(u) and u.args[0] is alias)
+            ):
+                found.add(u)
+    return sorted(found, key=order.__getitem__)
 
 
 def set_fake_val(node: fx.Node) -> None:

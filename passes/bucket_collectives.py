@@ -96,7 +96,6 @@ from ._predicates import (
     ALL_GATHER,
     REDUCE_SCATTER,
     WAIT,
-    alias_closure,
     collective_group,
     erase_all,
     has_side_effects,
@@ -104,14 +103,12 @@ from ._predicates import (
     is_all_gather,
     is_collective,
     is_reduce_scatter,
-    is_resize,
-    is_view,
     is_wait,
     node_order,
     single_wait,
     static_numel,
     tensor_val,
-    writes_to,
+    writes_between,
 )
 
 __all__ = [
@@ -265,7 +262,7 @@ def _all_gather_layout(
                 return None
             hoist.add(n)
             stack.extend(n.all_input_nodes)
-        if not _no_write_between(g.args[0], at, g, order):
+        if writes_between(g.args[0], at, g, order):
             return None
     return at, sorted(hoist, key=order.__getitem__)
 
@@ -434,7 +431,7 @@ def _reduce_scatter_layout(
             moved.append(node)
         node = node.next
     for s in scatters:
-        if not _no_write_between(s.args[0], s, last, order):
+        if writes_between(s.args[0], s, last, order):
             return None
     return last, moved
 
@@ -502,25 +499,6 @@ def _apply_cap(
                 merged.append(unit)
         units = merged
     return [u.nodes for u in units if len(u.nodes) >= 2]
-
-
-def _no_write_between(
-    tensor: object, a: fx.Node, b: fx.Node, order: dict[fx.Node, int]
-) -> bool:
-    """No node strictly between ``a`` and ``b`` (either order) writes to or resizes
-    ``tensor`` or a view of it or of its base, so that reading it at either end
-    gives the same value."""
-    if not isinstance(tensor, fx.Node):
-        return True
-    base = tensor
-    while is_view(base) and isinstance(base.args[0], fx.Node):
-        base = base.args[0]
-    lo, hi = sorted((order[a], order[b]))
-    for alias in alias_closure(base):
-        for u in alias.users:
-            if lo < order[u] < hi and (writes_to(u, alias) or (is_resize(u) and u.args[0] is alias)):
-                return False
-    return True
 
 
 def _finish(gm: fx.GraphModule, pass_name: str, what: str, sizes: list[int]) -> int:
