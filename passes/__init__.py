@@ -7,6 +7,8 @@ it in place and does nothing when nothing matches:
   tensor; its grow/``fsdp.copy_``/free nodes go.
 - :func:`bucket_all_gathers` / :func:`bucket_reduce_scatters`: one collective per
   fully_shard unit (optionally merging units up to a size cap).
+- :func:`overlap`: each all-gather is issued one unit early (before the previous
+  unit's compute), each reduce-scatter waited for just before the next one.
 
 :func:`install` (called by ``fully_shard``) runs them on every graph Inductor
 compiles, configured by ``traceable_hsdp.passes.config`` (a :class:`PassConfig`, from
@@ -28,6 +30,7 @@ from ._install import (
     uninstall,
 )
 from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
+from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "config",
     "get_config",
     "install",
+    "overlap",
     "remove_resize_copy",
     "run_passes",
     "set_config",

@@ -25,9 +25,9 @@ initial value comes from the environment:
 ``TRACEABLE_HSDP_PASSES``
     Comma-separated pass names to run, the others off: ``remove_resize_copy``,
     ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``bucket`` (both bucketing
-    passes); or ``all`` (the default when unset or empty) or ``none``. Names are
-    case-insensitive; an unknown one raises ``ValueError``. Example:
-    ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket``.
+    passes), ``overlap``; or ``all`` (every pass, the default when unset or empty) or
+    ``none``. Names are case-insensitive; an unknown one raises ``ValueError``.
+    Example: ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket`` (no overlap).
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``
     ``bucket_cap_mb``: a number >= 0, or ``none``/empty for no cap (the default).
     See [Note: Bucket size cap] in ``bucket_collectives.py``.
@@ -50,6 +50,7 @@ from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
 
 from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
+from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
 
 __all__ = [
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 
 ENV_PASSES = "TRACEABLE_HSDP_PASSES"
 ENV_BUCKET_CAP_MB = "TRACEABLE_HSDP_BUCKET_CAP_MB"
-_PASS_NAMES = ("remove_resize_copy", "bucket_all_gathers", "bucket_reduce_scatters")
+_PASS_NAMES = ("remove_resize_copy", "bucket_all_gathers", "bucket_reduce_scatters", "overlap")
 _ALIASES = {
     "all": _PASS_NAMES,
     "none": (),
@@ -83,6 +84,8 @@ class PassConfig:
             (default ``True``).
         bucket_all_gathers: one all-gather per fully_shard unit (default ``True``).
         bucket_reduce_scatters: one reduce-scatter per unit (default ``True``).
+        overlap: issue each all-gather one unit early and wait for reduce-scatters
+            late (default ``True``); see [Note: Overlap] in ``overlap.py``.
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB;
             ``None`` (default) keeps one bucket per unit.
 
@@ -94,6 +97,7 @@ class PassConfig:
     remove_resize_copy: bool = True
     bucket_all_gathers: bool = True
     bucket_reduce_scatters: bool = True
+    overlap: bool = True
     bucket_cap_mb: float | None = None
 
     def __post_init__(self) -> None:
@@ -168,6 +172,7 @@ class PassConfig:
             remove_resize_copy="remove_resize_copy" in on,
             bucket_all_gathers="bucket_all_gathers" in on,
             bucket_reduce_scatters="bucket_reduce_scatters" in on,
+            overlap="overlap" in on,
             bucket_cap_mb=cap,
         )
 
@@ -197,7 +202,8 @@ def set_config(config: PassConfig) -> None:
 
 def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str, int]:
     """Runs the enabled passes on ``gm`` in order: ``remove_resize_copy`` first (see
-    [Note: Removing resize/copy regions]), then the two bucketing passes.
+    [Note: Removing resize/copy regions]), then the two bucketing passes, then
+    ``overlap`` (it moves whole buckets; see [Note: Overlap]).
 
     Args:
         gm: a post-grad graph module, changed in place.
@@ -214,6 +220,8 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
         done["bucket_all_gathers"] = bucket_all_gathers(gm, cfg.bucket_cap_mb)
     if cfg.bucket_reduce_scatters:
         done["bucket_reduce_scatters"] = bucket_reduce_scatters(gm, cfg.bucket_cap_mb)
+    if cfg.overlap:
+        done["overlap"] = overlap(gm)
     return done
 
 

@@ -29,6 +29,7 @@ from traceable_hsdp.passes import (
     PassConfig,
     bucket_all_gathers,
     bucket_reduce_scatters,
+    overlap,
     remove_resize_copy,
 )
 from traceable_hsdp.passes._predicates import (
@@ -38,11 +39,13 @@ from traceable_hsdp.passes._predicates import (
     REDUCE_SCATTER,
     RESIZE,
     WAIT,
+    alias_closure,
     set_fake_val,
 )
 
 aten = torch.ops.aten
 F32 = torch.float32
+BROADCAST = torch.ops._c10d_functional.broadcast.default
 
 
 # --------------------------------------------------------------------- helpers
@@ -521,10 +524,34 @@ def test_all_passes_on_a_forward_like_graph() -> None:
     gm, inputs = _forward_like()
     ref = _values(_run_spmd(gm, inputs))
     done = passes.run_passes(gm, PassConfig())
-    assert done == {"remove_resize_copy": 2, "bucket_all_gathers": 1, "bucket_reduce_scatters": 0}
+    assert done == {
+        "remove_resize_copy": 2,
+        "bucket_all_gathers": 1,
+        "bucket_reduce_scatters": 0,
+        "overlap": 0,  # one unit: nothing to prefetch
+    }
     c = _counts(gm)
     assert (c["all_gather"], c["copy"], c["resize"]) == (1, 0, 0)
     _same(_values(_run_spmd(gm, inputs)), ref)
+
+
+def test_all_passes_overlap_the_buckets() -> None:
+    """Per-parameter gathers of 3 units: bucketed one per unit, then each unit's
+    bucket issued before the previous unit's reads (its copy-in moved with it)."""
+    gm, inputs = _gathers(2, units=3)
+    ref = _run_spmd(gm, inputs)
+    done = passes.run_passes(gm, PassConfig())
+    assert (done["bucket_all_gathers"], done["overlap"]) == (3, 2)
+    ags = _of(gm, ALL_GATHER)
+    assert all(a.args[0].target is aten.cat.default for a in ags)
+    p = _pos(gm)
+    sums = _of(gm, aten.sum.default)  # 3 reads per unit
+    for u in (1, 2):
+        assert p[next(iter(ags[u - 1].users)).name] < p[ags[u].name] < p[sums[3 * (u - 1)].name]
+    assert _in_flight(gm, ALL_GATHER) == 1
+    _same(_run_spmd(gm, inputs), ref)
+    gm, _ = _gathers(2, units=3)
+    assert "overlap" not in passes.run_passes(gm, PassConfig(overlap=False))
 
 
 def test_bucketing_without_remove_keeps_copies_after_the_bucket() -> None:
@@ -541,11 +568,23 @@ def test_config_from_env() -> None:
     f = PassConfig.from_env
     assert f({}) == PassConfig()
     assert f({"TRACEABLE_HSDP_PASSES": ""}) == PassConfig()
-    assert f({"TRACEABLE_HSDP_PASSES": "none"}) == PassConfig(False, False, False)
+    off = dict(
+        remove_resize_copy=False,
+        bucket_all_gathers=False,
+        bucket_reduce_scatters=False,
+        overlap=False,
+    )
+    assert f({"TRACEABLE_HSDP_PASSES": "none"}) == PassConfig(**off)
     assert f({"TRACEABLE_HSDP_PASSES": "all"}) == PassConfig()
-    assert f({"TRACEABLE_HSDP_PASSES": "remove_resize_copy"}) == PassConfig(True, False, False)
-    assert f({"TRACEABLE_HSDP_PASSES": " Remove_Resize_Copy , bucket "}) == PassConfig()
-    assert f({"TRACEABLE_HSDP_PASSES": "bucket_reduce_scatters"}) == PassConfig(False, False, True)
+    assert f({"TRACEABLE_HSDP_PASSES": "remove_resize_copy"}) == PassConfig(
+        **{**off, "remove_resize_copy": True}
+    )
+    assert f({"TRACEABLE_HSDP_PASSES": " Remove_Resize_Copy , bucket , OVERLAP"}) == PassConfig()
+    assert f({"TRACEABLE_HSDP_PASSES": "remove_resize_copy,bucket"}) == PassConfig(overlap=False)
+    assert f({"TRACEABLE_HSDP_PASSES": "bucket_reduce_scatters"}) == PassConfig(
+        **{**off, "bucket_reduce_scatters": True}
+    )
+    assert f({"TRACEABLE_HSDP_PASSES": "overlap"}) == PassConfig(**{**off, "overlap": True})
     assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "25"}).bucket_cap_mb == 25.0
     assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "none"}).bucket_cap_mb is None
     assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "0.5"}).bucket_cap_mb == 0.5
@@ -558,6 +597,8 @@ def test_config_from_env() -> None:
             f({"TRACEABLE_HSDP_BUCKET_CAP_MB": bad})
     with pytest.raises(TypeError, match="must be a bool"):
         PassConfig(remove_resize_copy=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="PassConfig.overlap must be a bool"):
+        PassConfig(overlap="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="bucket_cap_mb"):
         PassConfig(bucket_cap_mb="25")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=">= 0"):
@@ -595,6 +636,8 @@ def test_uuid_follows_config_and_user_pass(restore_passes) -> None:
     capped = p.uuid()
     assert capped != base
     passes.set_config(PassConfig(remove_resize_copy=False, bucket_cap_mb=25.0))
+    assert p.uuid() not in (base, capped)
+    passes.set_config(PassConfig(overlap=False))
     assert p.uuid() not in (base, capped)
     passes.set_config(PassConfig())
     assert p.uuid() == base
@@ -692,3 +735,283 @@ def test_fx_graph_cache_stays_on(restore_passes, monkeypatch, tmp_path) -> None:
         assert compile_once() == {"fxgraph_cache_miss": 1}
     finally:
         torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------- overlap
+def _pos(gm: fx.GraphModule) -> dict[str, int]:
+    return {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _of(gm: fx.GraphModule, target: Any) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def _copies(inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Fresh inputs for each run (a graph may write to its inputs)."""
+    return [[t.clone() for t in rank] for rank in inputs]
+
+
+def _in_flight(gm: fx.GraphModule, target: Any) -> int:
+    """The most collectives of ``target`` issued and not yet waited for at once."""
+    most, now = 0, set()
+    for n in gm.graph.nodes:
+        if n.target is target:
+            now.add(n)
+            most = max(most, len(now))
+        elif n.target is WAIT:
+            now.discard(n.args[0])
+    return most
+
+
+def _live_gathered(gm: fx.GraphModule) -> int:
+    """The most all-gather outputs alive at once: from the all-gather to the last read
+    of its wait or a view of it."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    spans = []
+    for ag in _of(gm, ALL_GATHER):
+        (wait,) = ag.users
+        readers = [u for a in alias_closure(wait) for u in a.users]
+        spans.append((pos[ag], max(pos[u] for u in readers)))
+    return max(sum(1 for a, b in spans if a <= i <= b) for i in range(len(pos)))
+
+
+def _chain(world: int, units: int = 3, *, between: Any = None, group: str = "0"):
+    """A forward: per unit, the copy-in (flatten the shard), its all-gather and wait,
+    the unpack (views), then its compute (mm, relu). ``between(b, shards)`` may add
+    nodes after unit 1's mm. Returns the graph and per-rank inputs."""
+    b = _Builder()
+    rows = 4 // world if 4 % world == 0 else 2  # the gathered weight has >= 4 rows
+    shards = [b.input(f"w{u}", rows, 4) for u in range(units)]
+    x = b.input("x", 2, 4)
+    h = x
+    for u in range(units):
+        flat = b(aten.reshape.default, shards[u], [-1])
+        r = b(WAIT, b(ALL_GATHER, flat, world, group))
+        weight = b(aten.view.default, r, [world * rows, 4])
+        h = b(aten.mm.default, h, b(aten.narrow.default, weight, 0, 0, 4))
+        if between is not None and u == 1:
+            between(b, shards)
+        h = b(aten.relu.default, h)
+    gm = b.done(h)
+    g = torch.Generator().manual_seed(5)
+    inputs = [
+        [torch.randn(rows, 4, generator=g) for _ in range(units)] + [torch.randn(2, 4, generator=g)]
+        for _ in range(world)
+    ]
+    return gm, inputs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlap_prefetches_the_next_unit(world: int) -> None:
+    gm, inputs = _chain(world)
+    before = _counts(gm)
+    ref = _run_spmd(gm, _copies(inputs))
+    ags, waits, mms = _of(gm, ALL_GATHER), _of(gm, WAIT), _of(gm, aten.mm.default)
+    p = _pos(gm)
+    assert all(p[ags[u].name] > p[mms[u - 1].name] for u in (1, 2))  # no overlap yet
+    assert _live_gathered(gm) == 1
+    assert overlap(gm) == 2
+    p = _pos(gm)
+    for u in (1, 2):
+        # Issued right after the previous unit's wait (with its flatten), so before
+        # that unit's compute; at most one ahead: not before the previous wait.
+        assert p[waits[u - 1].name] < p[ags[u].name] < p[mms[u - 1].name]
+        assert p[ags[u].name] == p[waits[u - 1].name] + 2
+        assert ags[u].args[0].target is aten.reshape.default
+        # Its own wait stays where it was: after the previous unit's compute, before
+        # its unpack (the view) and its compute.
+        assert p[mms[u - 1].name] < p[waits[u].name] < p[mms[u].name]
+        assert next(iter(waits[u].users)).target is aten.view.default
+    assert [n.name for n in _of(gm, ALL_GATHER)] == [n.name for n in ags]  # same order
+    assert _counts(gm) == before  # only moved
+    assert _in_flight(gm, ALL_GATHER) == 1  # gloo: never two all-gathers in flight
+    assert _live_gathered(gm) == 2  # the memory bound: one unit more than before
+    _same(_run_spmd(gm, _copies(inputs)), ref)
+
+
+def test_overlap_no_match_is_unchanged() -> None:
+    b = _Builder()
+    x, w = b.input("x", 2, 4), b.input("w", 4, 4)
+    gm = b.done(b(aten.mm.default, x, w))
+    text = _graph_text(gm)
+    assert overlap(gm) == 0
+    assert _graph_text(gm) == text
+    gm, _ = _chain(2, units=1)  # one all-gather: the first never moves
+    text = _graph_text(gm)
+    assert overlap(gm) == 0
+    assert _graph_text(gm) == text
+    gm, _ = _chain(2)
+    assert overlap(gm) == 2
+    text = _graph_text(gm)
+    assert overlap(gm) == 0  # already overlapped: nothing left to move
+    assert _graph_text(gm) == text
+
+
+def test_overlap_stays_after_a_write_to_its_input() -> None:
+    """Unit 1's compute writes to unit 2's shard: unit 2's copy-in must read it after
+    that write, so the all-gather is issued only after it."""
+
+    def bump(b: _Builder, shards: list[fx.Node]) -> None:
+        b(aten.add_.Tensor, shards[2], 1.0)
+
+    gm, inputs = _chain(2, between=bump)
+    ref = _run_spmd(gm, _copies(inputs))
+    assert overlap(gm) == 2
+    p = _pos(gm)
+    ag1, ag2 = _of(gm, ALL_GATHER)[1:]
+    (write,) = _of(gm, aten.add_.Tensor)
+    mm0, mm1 = _of(gm, aten.mm.default)[:2]
+    assert p[ag1.name] < p[mm0.name]
+    # After the write (with its flatten), so after unit 1's mm that precedes it.
+    assert p[mm1.name] < p[write.name] < p[ag2.name] == p[write.name] + 2
+    _same(_run_spmd(gm, _copies(inputs)), ref)
+
+
+def test_overlap_stays_after_a_side_effect_its_input_needs() -> None:
+    """Unit 2's shard is first copied into a buffer (a side effect in unit 1's
+    compute): the copy-in and the all-gather move up only to just after it."""
+    b = _Builder()
+    w0, w1, w2, buf = b.input("w0", 2, 4), b.input("w1", 2, 4), b.input("w2", 2, 4), b.input("buf", 2, 4)
+    x = b.input("x", 2, 4)
+    h = x
+    for u, w in enumerate((w0, w1, w2)):
+        if u == 2:
+            w = b(aten.copy_.default, buf, w)  # the shard now lives in buf
+        r = b(WAIT, b(ALL_GATHER, b(aten.reshape.default, w, [-1]), 2, "0"))
+        h = b(aten.mm.default, h, b(aten.view.default, r, [4, 4]))
+        if u == 1:
+            h = b(aten.relu.default, h)
+    gm = b.done(h)
+    # Move the copy_ between unit 1's mm and relu (it is not in the copy-in's place).
+    mm1, relu = _of(gm, aten.mm.default)[1], _of(gm, aten.relu.default)[0]
+    copy = _of(gm, aten.copy_.default)[0]
+    mm1.append(copy)
+    gm.graph.lint()
+    assert overlap(gm) == 2
+    p = _pos(gm)
+    ag2 = _of(gm, ALL_GATHER)[2]
+    assert p[mm1.name] < p[copy.name] < p[ag2.name] < p[relu.name]
+    assert p[ag2.name] == p[copy.name] + 2  # its flatten, then it
+
+
+def test_overlap_keeps_the_order_of_collectives() -> None:
+    """Another collective (a broadcast) in unit 1's compute is not crossed (issued
+    after it, it may pass its wait); an all-gather on another group is part of the
+    chain and keeps its place in it."""
+
+    def broadcast(b: _Builder, shards: list[fx.Node]) -> None:
+        b(WAIT, b(torch.ops._c10d_functional.broadcast.default, shards[0], 0, "0"))
+
+    gm, _ = _chain(2, between=broadcast)
+    collectives = [n.name for n in gm.graph.nodes if n.target in (ALL_GATHER, BROADCAST)]
+    assert overlap(gm) == 2
+    p = _pos(gm)
+    (bc,) = _of(gm, BROADCAST)
+    mm1, ag2 = _of(gm, aten.mm.default)[1], _of(gm, ALL_GATHER)[2]
+    assert p[mm1.name] < p[bc.name] < p[ag2.name] == p[bc.name] + 2  # bc, flatten, ag2
+    assert [n.name for n in gm.graph.nodes if n.target in (ALL_GATHER, BROADCAST)] == collectives
+
+    b = _Builder()
+    w0, w1, w2, x = b.input("w0", 2, 4), b.input("w1", 2, 4), b.input("w2", 2, 4), b.input("x", 2, 4)
+    h = x
+    for w, group in ((w0, "0"), (w1, "1"), (w2, "0")):
+        r = b(WAIT, b(ALL_GATHER, w, 2, group))
+        h = b(aten.relu.default, b(aten.mm.default, h, b(aten.view.default, r, [4, 4])))
+    gm = b.done(h)
+    names = [n.name for n in _of(gm, ALL_GATHER)]
+    assert overlap(gm) == 2
+    assert [n.name for n in _of(gm, ALL_GATHER)] == names
+    assert _in_flight(gm, ALL_GATHER) == 1
+
+
+def _backward_chain(world: int, units: int = 3, hsdp: bool = False, group: str = "0"):
+    """A backward: per unit (last first), the re-gather, the weight's use for the
+    input gradient and the weight gradient, its reduce-scatter (HSDP: then an
+    all-reduce on group "1"), the result viewed as the sharded grad (an output)."""
+    b = _Builder()
+    shards = [b.input(f"w{u}", 4 // world, 4) for u in range(units)]
+    acts = [b.input(f"a{u}", 2, 4) for u in range(units)]
+    dy = b.input("dy", 2, 4)
+    grads = []
+    for u in reversed(range(units)):
+        r = b(WAIT, b(ALL_GATHER, b(aten.reshape.default, shards[u], [-1]), world, group))
+        weight = b(aten.view.default, r, [4, 4])
+        dx = b(aten.mm.default, dy, b(aten.t.default, weight))
+        dw = b(aten.mm.default, b(aten.t.default, dy), acts[u])
+        s = b(WAIT, b(REDUCE_SCATTER, dw, "avg", world, group))
+        if hsdp:
+            s = b(WAIT, b(ALL_REDUCE, s, "avg", "1"))
+        grads.append(b(aten.view.default, b(aten.slice.Tensor, s, 0, 0, 4 // world), [4 // world, 4]))
+        dy = b(aten.relu.default, dx)
+    gm = b.done(dy, *grads)
+    g = torch.Generator().manual_seed(6)
+    inputs = [
+        [torch.randn(4 // world, 4, generator=g) for _ in range(units)]
+        + [torch.randn(2, 4, generator=g) for _ in range(units + 1)]
+        for _ in range(world)
+    ]
+    return gm, inputs
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_overlap_backward_prefetch_and_late_reduce_scatter_waits(hsdp: bool) -> None:
+    gm, inputs = _backward_chain(2, hsdp=hsdp)
+    before = _counts(gm)
+    ref = _run_spmd(gm, _copies(inputs))
+    ags, rss, ars = _of(gm, ALL_GATHER), _of(gm, REDUCE_SCATTER), _of(gm, ALL_REDUCE)
+    rs_waits = [next(iter(rs.users)) for rs in rss]
+    ar_waits = [next(iter(ar.users)) for ar in ars]
+    mms = _of(gm, aten.mm.default)
+    first_mm = mms[0::2]  # each unit's input-gradient mm
+    assert overlap(gm) == 2 + 3  # two re-gathers early, every reduction waited late
+    p = _pos(gm)
+    for k in (1, 2):
+        # The next re-gather is issued before the previous unit's compute, and so
+        # before its reduce-scatter (all ranks move it alike; see [Note: Overlap]).
+        assert p[ags[k].name] < p[first_mm[k - 1].name] < p[rss[k - 1].name]
+    late = ar_waits if hsdp else rs_waits
+    issues = ars if hsdp else rss
+    for k in (0, 1):
+        # Waited after the next unit's compute, just before the next issue.
+        assert p[first_mm[k + 1].name] < p[late[k].name] < p[issues[k + 1].name]
+        assert p[late[k].name] + 3 == p[issues[k + 1].name]  # wait, slice, view
+    output = next(iter(reversed(gm.graph.nodes)))
+    assert p[late[2].name] + 3 == p[output.name]  # the last: past the last compute
+    if hsdp:  # the all-reduce reads the reduce-scatter's result: that wait stays
+        assert all(p[rs.name] + 1 == p[w.name] for rs, w in zip(rss, rs_waits))
+        assert _in_flight(gm, ALL_REDUCE) == 1
+    assert _in_flight(gm, REDUCE_SCATTER) == 1  # the memory bound: one bucket per group
+    assert _in_flight(gm, ALL_GATHER) == 1
+    assert _counts(gm) == before
+    _same(_run_spmd(gm, _copies(inputs)), ref)
+
+
+def test_overlap_late_wait_bounds() -> None:
+    """A reduce-scatter's wait stops before the first use of its result and before a
+    write to its input; a view of the result used late stays where it is."""
+    b = _Builder()
+    g0, g1, x = b.input("g0", 4, 2), b.input("g1", 4, 2), b.input("x", 2, 2)
+    s0 = b(WAIT, b(REDUCE_SCATTER, g0, "sum", 2, "0"))
+    y = b(aten.relu.default, x)
+    y = b(aten.mul.Tensor, y, s0)  # first use
+    s1 = b(WAIT, b(REDUCE_SCATTER, g1, "sum", 2, "0"))
+    y = b(aten.relu.default, y)
+    b(aten.add_.Tensor, g1, 1.0)  # writes to the input of the second
+    y = b(aten.relu.default, y)
+    gm = b.done(y, s1)
+    assert overlap(gm) == 2
+    p = _pos(gm)
+    (mul,), (write,) = _of(gm, aten.mul.Tensor), _of(gm, aten.add_.Tensor)
+    assert p[s0.name] + 1 == p[mul.name] and p[s0.name] > p[_of(gm, aten.relu.default)[0].name]
+    assert p[s1.name] + 1 == p[write.name]
+
+
+def test_overlapped_graphs_run_with_real_collectives(one_rank) -> None:
+    """Overlapped graphs execute with the real functional collectives (1 rank) and
+    give bitwise the same results."""
+    for build in (_chain, _backward_chain):
+        gm, inputs = build(1, group=one_rank)
+        ref = gm(*inputs[0])
+        assert overlap(gm) >= 2
+        for x, y in zip(gm(*inputs[0]), ref):
+            assert torch.equal(x, y)
