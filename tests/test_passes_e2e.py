@@ -4,7 +4,17 @@ Two gloo ranks, a 4-block Llama (width 32) with nested fully_shard (5 units: 4
 blocks and the root), reshard after forward, the whole step (forward, loss,
 backward) compiled by Inductor with compiled autograd. ``fully_shard`` installed
 the passes as Inductor's post-grad pre-pass; a recording pass set as the post-grad
-*post*-pass sees each graph after them and counts what is left.
+*post*-pass sees each graph after them and counts what is left, and checks the
+order the overlap pass gave it (each all-gather issued before the previous unit's
+compute, each reduce-scatter waited for after the next unit's compute).
+
+The generated code of step 1 is checked too: the overlap must survive Inductor's
+scheduler into the wrapper code that runs. It does only with
+``torch._inductor.config.reorder_for_peak_memory = False``, which this test sets
+(as torchtitan's SimpleFSDP does): that reordering picks the topological order of
+least estimated peak memory and so moves every wait back next to its issue (see
+[Note: Overlap and Inductor's scheduler] in ``passes/overlap.py``). So the parity
+checks below also cover collectives really in flight during compute on gloo.
 
 Parity: losses against a single-process AdamW reference on the same global batch,
 rtol 1e-5; final full parameters atol 1e-4. Not bitwise: the sharded run averages
@@ -17,6 +27,7 @@ where their effect is checked bitwise).
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -26,6 +37,94 @@ from _dist import run_ranks
 
 N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 4, 3, 8, 2, 1e-2
 N_UNITS = N_LAYERS + 1
+
+def _overlap_order(graph: torch.fx.Graph) -> dict[str, Any]:
+    """What the overlap pass did to a post-grad graph: for each all-gather but the
+    first, whether it is issued after the previous all-gather's wait and before the
+    first compute node that reads that wait's data (through the bucket's unpack:
+    views and clones); for each reduce-scatter but the last, whether its wait comes
+    after an mm that follows it and before the next reduce-scatter; the most
+    all-gathers in flight at once."""
+    from traceable_hsdp.passes import _predicates as P
+
+    aten = torch.ops.aten
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+
+    def first_compute(wait: torch.fx.Node) -> int:
+        stack, seen, found = [wait], {wait}, []
+        while stack:
+            for u in stack.pop().users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if P.is_view(u) or u.target is aten.clone.default:
+                    stack.append(u)
+                else:
+                    found.append(pos[u])
+        return min(found)
+
+    ags = [n for n in nodes if P.is_all_gather(n)]
+    prefetched = []
+    for prev, ag in zip(ags, ags[1:]):
+        wait = P.single_wait(prev)
+        prefetched.append(wait is not None and pos[wait] < pos[ag] < first_compute(wait))
+    rss = [n for n in nodes if P.is_reduce_scatter(n)]
+    late = []
+    for rs, nxt in zip(rss, rss[1:]):
+        wait = P.single_wait(rs)
+        mms = [n for n in nodes[pos[rs] : pos[nxt]] if n.target is aten.mm.default]
+        late.append(wait is not None and bool(mms) and pos[mms[0]] < pos[wait] < pos[nxt])
+    in_flight, most = set(), 0
+    for n in nodes:
+        if P.is_all_gather(n):
+            in_flight.add(n)
+            most = max(most, len(in_flight))
+        elif P.is_wait(n):
+            in_flight.discard(n.args[0])
+    return dict(ag_prefetched=prefetched, rs_late=late, ag_in_flight=most)
+
+
+_CODE_ISSUE = re.compile(
+    r"(buf\d+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)"
+    r"\.default\("
+)
+_CODE_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+_CODE_KERNEL = re.compile(r"extern_kernels\.|cpp_fused_|torch\.ops\.aten\.")
+
+
+def _code_overlap(code: str) -> dict[str, Any]:
+    """The same facts read from Inductor's generated wrapper code: for each
+    all-gather but the first and each reduce-scatter but the last, how many kernel
+    calls run between its issue and its wait; the most all-gathers in flight."""
+    events: list[tuple[str, str]] = []  # (kind, buffer): "all_gather", "wait", "kernel"
+    for line in code[code.index("def call") :].splitlines():
+        if m := _CODE_ISSUE.search(line):
+            events.append((m.group(2), m.group(1)))
+        elif m := _CODE_WAIT.search(line):
+            events.append(("wait", m.group(1)))
+        elif _CODE_KERNEL.search(line):
+            events.append(("kernel", ""))
+    between: dict[str, list[int]] = {"all_gather_into_tensor": [], "reduce_scatter_tensor": []}
+    open_: dict[str, tuple[str, int]] = {}
+    in_flight = most = 0
+    for i, (kind, buf) in enumerate(events):
+        if kind in between:
+            open_[buf] = (kind, i)
+            if kind == "all_gather_into_tensor":
+                in_flight += 1
+                most = max(most, in_flight)
+        elif kind == "wait" and buf in open_:
+            what, start = open_.pop(buf)
+            between[what].append(sum(1 for k, _ in events[start:i] if k == "kernel"))
+            in_flight -= what == "all_gather_into_tensor"
+    return dict(
+        ag_kernels=between["all_gather_into_tensor"][1:],
+        rs_kernels=between["reduce_scatter_tensor"][:-1],
+        ag_in_flight=most,
+        kind="bwd" if between["reduce_scatter_tensor"] else "fwd" if between["all_gather_into_tensor"] else None,
+    )
+
 
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _predicates as P
@@ -65,16 +164,20 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
     from traceable_hsdp.passes import TraceableHSDPPass
 
-    graphs: list[dict[str, int]] = []
+    from torch._inductor.utils import run_and_get_code
+
+    graphs: list[dict[str, Any]] = []
 
     class Record(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            graphs.append(_counts(graph))
+            graphs.append({**_counts(graph), **_overlap_order(graph)})
 
         def uuid(self) -> None:
             return None  # never served from the FX cache: every graph is seen
 
     torch._inductor.config.post_grad_custom_post_pass = Record()
+    # Keep the overlap in the generated code; see the module docstring.
+    torch._inductor.config.reorder_for_peak_memory = False
     torch.manual_seed(0)
     # vocab 65: the embedding and the output head have padded shards.
     cfg = LlamaConfig(vocab_size=65, dim=32, n_layers=N_LAYERS, n_heads=2, max_seq_len=16)
@@ -98,10 +201,17 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     compiled_step = torch.compile(step)
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses, graphs_after_step, bytes_after_step = [], [], [], []
-    for _ in range(STEPS):
+    codes: list[dict[str, Any]] = []
+    for i in range(STEPS):
         tok = torch.randint(0, cfg.vocab_size, (world * BATCH_PER_RANK, SEQ + 1), generator=gen)
         x, y = tok[:, :-1], tok[:, 1:]
-        loss = compiled_step(x.chunk(world)[rank], y.chunk(world)[rank])
+        if i == 0:  # every graph compiles here: keep the generated code
+            loss, sources = run_and_get_code(
+                compiled_step, x.chunk(world)[rank], y.chunk(world)[rank]
+            )
+            codes = [_code_overlap(c) for c in sources if "def call" in c]
+        else:
+            loss = compiled_step(x.chunk(world)[rank], y.chunk(world)[rank])
         graphs_after_step.append(len(graphs))
         bytes_after_step.append(_placeholder_bytes(model))
         opt.step()
@@ -117,6 +227,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return dict(
         installed=installed,
         graphs=graphs,
+        codes=codes,
         graphs_after_step=graphs_after_step,
         bytes_after_step=bytes_after_step,
         losses=losses,
@@ -145,6 +256,24 @@ def test_passes_in_compiled_fsdp_step() -> None:
         assert fwd[0]["all_gather"] == N_UNITS, fwd[0]
         assert 1 <= bwd[0]["all_gather"] <= N_UNITS, bwd[0]
         assert bwd[0]["reduce_scatter"] == N_UNITS, bwd[0]
+        # Overlap, in the post-grad graph: every all-gather but the first issued
+        # before the previous unit's compute (forward, and the backward's
+        # re-gathers), never two in flight (gloo); every reduce-scatter but the last
+        # waited for after the next unit's compute.
+        f, b = fwd[0], bwd[0]
+        assert f["ag_prefetched"] == [True] * (N_UNITS - 1), f
+        assert b["ag_prefetched"] == [True] * (b["all_gather"] - 1), b
+        assert b["rs_late"] == [True] * (N_UNITS - 1), b
+        assert f["ag_in_flight"] == b["ag_in_flight"] == 1, (f, b)
+        # ... and in the generated code that ran: kernels between each issue and
+        # its wait.
+        code = {c["kind"]: c for c in r["codes"] if c["kind"]}
+        assert set(code) == {"fwd", "bwd"}, r["codes"]
+        assert len(code["fwd"]["ag_kernels"]) == N_UNITS - 1, code["fwd"]
+        assert len(code["bwd"]["rs_kernels"]) == N_UNITS - 1, code["bwd"]
+        for c in code.values():
+            assert all(c["ag_kernels"]) and all(c["rs_kernels"]), c
+            assert c["ag_in_flight"] == 1, c
         # The placeholders never got storage.
         assert r["bytes_after_step"] == [0] * STEPS
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)
