@@ -8,10 +8,11 @@ So nothing overlaps: the compute of a unit waits for its all-gather, and the nex
 unit's all-gather waits for that compute. This pass moves two kinds of nodes.
 
 **Prefetch.** The all-gathers of the graph, in order, form one chain (over every
-group). Each all-gather but the first, with the pure nodes that compute its input
-(the bucket's copy-in ``reshape``/``cat``, a mixed-precision cast, all reading graph
-inputs), is issued right after the *previous* all-gather's wait, i.e. before the
-previous unit's compute; its own wait stays where it was, just before its first use.
+group). Each all-gather but the first, with the nodes that compute its input from
+graph inputs alone (the bucket's copy-in ``reshape``/``cat``, padding, a
+mixed-precision cast of the sharded parameters), is issued right after the
+*previous* all-gather's wait, i.e. before the previous unit's compute; its own wait
+stays where it was, just before its first use.
 Forward (after bucketing), before::
 
     ag1  = all_gather_into_tensor(buf1, 2, "0")
@@ -43,7 +44,10 @@ An all-gather is issued no earlier than the previous one's wait, so at most one
 all-gather is ever in flight (gloo needs that: see the Note cited above), and all-gather
 waits never move. Its new place is pushed later, past any node it must follow:
 
-- a side-effecting node among the nodes computing its input (they move only if pure);
+- a node computing its input that is not copy-in work (a pure function of graph
+  inputs): a side effect (the nodes after it that read its result may move up to it),
+  or compute that reads a collective's result, i.e. activations (an all-gather of
+  activations stays after the compute it gathers: a unit's compute never moves);
 - a node that writes to (or resizes) a tensor that the all-gather or a moved node reads,
   or a view of it (``writes_between`` in ``_predicates.py``): the read would see the
   value before the write;
@@ -129,12 +133,15 @@ from ._predicates import (
     is_all_reduce,
     is_collective,
     is_reduce_scatter,
+    is_wait,
     node_order,
     single_wait,
     writes_between,
 )
 
 __all__ = [
+    "LateWait",
+    "Prefetch",
     "overlap",
     "plan_prefetches",
     "plan_late_waits",
@@ -147,8 +154,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Issue ``gather`` (after ``hoist``, its input's pure producers, in graph order)
-    right after ``after``."""
+    """Issue ``gather`` (after ``hoist``: the copy-in nodes computing its input, in
+    graph order) right after ``after``."""
 
     gather: fx.Node
     after: fx.Node
@@ -218,6 +225,9 @@ def plan_prefetches(graph: fx.Graph) -> list[Prefetch]:
     graph is not changed. All-gathers that would not move are left out."""
     order = node_order(graph)
     gathers = [n for n in graph.nodes if is_all_gather(n)]
+    if len(gathers) < 2:
+        return []
+    from_inputs = _from_inputs(graph)
     plans: list[Prefetch] = []
     for prev, gather in zip(gathers, gathers[1:]):
         prev_wait = single_wait(prev)
@@ -230,27 +240,49 @@ def plan_prefetches(graph: fx.Graph) -> list[Prefetch]:
             continue
         if order[prev_wait] > order[gather]:
             continue  # already issued before the previous one is waited for
-        plan = _plan_prefetch(gather, prev_wait, order)
+        plan = _plan_prefetch(gather, prev_wait, order, from_inputs)
         if plan is not None:
             plans.append(plan)
     return plans
 
 
+def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """The graph inputs and constants, and the pure nodes computed from them (or from
+    what an in-place op left in a buffer) and not from any collective's result: the
+    copy-in work a prefetch may take along. Compute on activations reads, somewhere
+    up its inputs, a gathered parameter (a wait)."""
+    found: set[fx.Node] = set()
+
+    def source(i: fx.Node) -> bool:
+        return i in found or (
+            i.op == "call_function"
+            and has_side_effects(i)
+            and not (is_collective(i) or is_wait(i))
+        )
+
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr") or (
+            n.op == "call_function"
+            and not has_side_effects(n)
+            and all(source(i) for i in n.all_input_nodes)
+        ):
+            found.add(n)
+    return found
+
+
 def _plan_prefetch(
-    gather: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]
+    gather: fx.Node, anchor: fx.Node, order: dict[fx.Node, int], from_inputs: set[fx.Node]
 ) -> Prefetch | None:
     """``gather`` issued as early after ``anchor`` as allowed: each node that must
     precede it (a barrier) moves the anchor down to that node, until none is left."""
     while True:
         hoist = _producers_after(gather, anchor, order)
-        barrier = _last_barrier(gather, hoist, anchor, order)
+        barrier = _last_barrier(gather, hoist, anchor, order, from_inputs)
         if barrier is None:
             break
         anchor = barrier
     moving = {*hoist, gather}
-    crossed = sum(
-        1 for n in _between(anchor, gather) if n not in moving
-    )
+    crossed = sum(1 for n in _between(anchor, gather) if n not in moving)
     if crossed == 0:
         return None
     return Prefetch(gather, anchor, tuple(sorted(hoist, key=order.__getitem__)), crossed)
@@ -272,10 +304,14 @@ def _producers_after(
 
 
 def _last_barrier(
-    gather: fx.Node, hoist: set[fx.Node], anchor: fx.Node, order: dict[fx.Node, int]
+    gather: fx.Node,
+    hoist: set[fx.Node],
+    anchor: fx.Node,
+    order: dict[fx.Node, int],
+    from_inputs: set[fx.Node],
 ) -> fx.Node | None:
     """The last node after ``anchor`` that the moved nodes must stay after, if any."""
-    barriers: list[fx.Node] = [n for n in hoist if has_side_effects(n)]
+    barriers: list[fx.Node] = [n for n in hoist if n not in from_inputs]
     for n in (*hoist, gather):
         for x in n.all_input_nodes:
             barriers.extend(w for w in writes_between(x, anchor, n, order) if w is not n)
@@ -330,8 +366,10 @@ def plan_late_waits(graph: fx.Graph) -> list[LateWait]:
     Overlap]); the graph is not changed. Waits that would not move are left out."""
     order = node_order(graph)
     nodes = list(graph.nodes)
+    # Issues a wait must not pass: every collective but the all-gathers.
+    issues = [n for n in nodes if is_collective(n) and not is_all_gather(n)]
     plans: list[LateWait] = []
-    for c in nodes:
+    for c in issues:
         if not (is_reduce_scatter(c) or is_all_reduce(c)):
             continue
         wait = single_wait(c)
@@ -341,12 +379,11 @@ def plan_late_waits(graph: fx.Graph) -> list[LateWait]:
         tail_set = set(tail)
         bounds = [u for t in tail for u in t.users if u not in tail_set]
         group = collective_group_name(c)
-        for n in nodes[order[wait] + 1 :]:
-            if is_collective(n) and not is_all_gather(n):
-                other = collective_group_name(n)
-                if group is None or other is None or other == group:
-                    bounds.append(n)
-                    break
+        for n in issues:
+            other = collective_group_name(n)
+            if order[n] > order[wait] and (group is None or other is None or other == group):
+                bounds.append(n)
+                break
         bounds.extend(writes_between(c.args[0], wait, nodes[-1], order))
         if not bounds:
             continue  # no output node: nothing to bound by (not a real graph)

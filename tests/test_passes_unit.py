@@ -894,6 +894,23 @@ def test_overlap_stays_after_a_side_effect_its_input_needs() -> None:
     assert p[ag2.name] == p[copy.name] + 2  # its flatten, then it
 
 
+def test_overlap_never_moves_compute_an_all_gather_reads() -> None:
+    """An all-gather of an activation (unit 1's output) is not a prefetch: its input
+    is compute, not copy-in from graph inputs, so it stays after that compute."""
+    b = _Builder()
+    w0, w1, x = b.input("w0", 2, 4), b.input("w1", 2, 4), b.input("x", 2, 4)
+    h = x
+    for w in (w0, w1):
+        r = b(WAIT, b(ALL_GATHER, w, 2, "0"))
+        h = b(aten.relu.default, b(aten.mm.default, h, b(aten.view.default, r, [4, 4])))
+    act = b(WAIT, b(ALL_GATHER, b(aten.reshape.default, h, [-1]), 2, "0"))
+    gm = b.done(b(aten.sum.default, act))
+    last = _of(gm, ALL_GATHER)[2]
+    assert overlap(gm) == 1  # w1's all-gather only
+    p = _pos(gm)
+    assert p[last.name] == p[_of(gm, aten.relu.default)[1].name] + 2  # relu, reshape, it
+
+
 def test_overlap_keeps_the_order_of_collectives() -> None:
     """Another collective (a broadcast) in unit 1's compute is not crossed (issued
     after it, it may pass its wait); an all-gather on another group is part of the
