@@ -14,6 +14,7 @@ it in place and does nothing when nothing matches:
 compiles, configured by ``traceable_hsdp.passes.config`` (a :class:`PassConfig`, from
 the environment variables ``TRACEABLE_HSDP_PASSES`` and
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``; see [Note: Pass configuration] in ``_install.py``).
+``docs/passes.md`` describes all four, their order, switches and memory cost.
 """
 
 from __future__ import annotations
