@@ -58,9 +58,11 @@ waits never move. Its new place is pushed later, past any node it must follow:
 all-gather may be issued before reduce-scatters (and HSDP's all-reduces) that precede
 it in the graph, which it does not read: in the backward, unit k's reduce-scatter is
 issued after unit k's compute, so a re-gather issued before that compute must pass it.
-Every rank compiles the same graph and this pass is a deterministic function of it, so
-every rank issues the same collectives in the same (new) order, which is what matching
-collectives need.
+Every rank compiles the same graph and this pass is a deterministic function of its
+structure (ops, edges, order, and which collectives share a group: the same on every
+rank even where a group name or an offset differs by rank, as with an int
+``reshard_after_forward``), so every rank issues the same collectives in the same
+(new) order, which is what matching collectives need.
 
 **Late waits.** The wait of each reduce-scatter and all-reduce, with the views of its
 result (the bucket's ``slice``/``view`` into per-parameter gradients), moves down to
