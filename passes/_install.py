@@ -288,6 +288,11 @@ def install(config: PassConfig | None = None) -> None:
     """
     if config is not None:
         set_config(config)
+    if get_config().overlap and inductor_config.reorder_for_peak_memory:
+        # See [Note: Overlap and Inductor's scheduler] (overlap.py): with it on,
+        # Inductor puts every wait back next to its collective.
+        inductor_config.reorder_for_peak_memory = False
+        log.info("traceable_hsdp: torch._inductor.config.reorder_for_peak_memory = False (overlap)")
     current = inductor_config.post_grad_custom_pre_pass
     if _is_ours(current):
         return

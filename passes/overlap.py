@@ -115,9 +115,10 @@ the generated code overlaps nothing (seen on the e2e Llama and on a 5-unit MLP; 
 post-grad graph was overlapped in both). With it off, the generated code keeps this
 pass's order (``tests/test_passes_e2e.py`` checks the wrapper code). torchtitan's
 SimpleFSDP turns it off for the same reason. This module does not change Inductor's
-configuration; set ``torch._inductor.config.reorder_for_peak_memory = False``
-before compiling to get the overlap (the bound in [Note: Overlap memory bound] is
-then the cost over this graph's order).
+configuration; :func:`traceable_hsdp.passes.install` (called by ``fully_shard``)
+sets ``torch._inductor.config.reorder_for_peak_memory = False`` when the overlap
+pass is on (the bound in [Note: Overlap memory bound] is then the cost over this
+graph's order).
 """
 
 from __future__ import annotations
