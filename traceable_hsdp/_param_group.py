@@ -103,22 +103,22 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Frees every placeholder and puts the sharded parameters back. Idempotent.
         An all-gather still in flight is waited for and dropped."""
+        self._drop_pending()
+        for p in self.fsdp_params:
+            p.reshard()
+        self.sharded_state = ShardedState.SHARDED
+
+    def _drop_pending(self) -> None:
         if self._pending is not None:
             for p, t in zip(self.fsdp_params, self._pending):
                 p.wait_gathered(t)
             self._pending = None
-        for p in self.fsdp_params:
-            p.reshard()
-        self.sharded_state = ShardedState.SHARDED
 
     def post_forward_reshard(self) -> None:
         """Frees every placeholder, keeping each parameter's post-forward block (an int
         ``reshard_after_forward``; see [Note: Reshard to a smaller world] in
         ``_param.py``)."""
-        if self._pending is not None:
-            for p, t in zip(self.fsdp_params, self._pending):
-                p.wait_gathered(t)
-            self._pending = None
+        self._drop_pending()
         for p in self.fsdp_params:
             p.post_forward_reshard()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
