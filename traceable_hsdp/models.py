@@ -1,8 +1,8 @@
 """A small Llama-style transformer for the demo, the tests and the benchmarks.
 
 Pre-norm blocks (RMSNorm, causal self-attention with rotary embeddings, SwiGLU MLP),
-a token embedding and an untied output head. Everything traces with
-``fullgraph=True``.
+a token embedding and an output head, untied unless ``LlamaConfig.tie_embeddings``.
+Everything traces with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ class LlamaConfig:
         n_heads: attention heads; must divide ``dim`` (default 4).
         ffn_mult: MLP hidden width as a multiple of ``dim`` (default 4).
         max_seq_len: longest sequence for the rotary table (default 256).
+        tie_embeddings: the output head reuses the token embedding's weight, one
+            parameter used twice (default ``False``).
+
+    Raises:
+        ValueError: a size that is not a positive int, a width that does not split
+            into heads of even size.
+        TypeError: ``tie_embeddings`` is not a bool.
     """
 
     vocab_size: int = 256
@@ -35,6 +42,7 @@ class LlamaConfig:
     n_heads: int = 4
     ffn_mult: int = 4
     max_seq_len: int = 256
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_mult", "max_seq_len"):
@@ -45,6 +53,11 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig.dim={self.dim} must split into n_heads={self.n_heads} heads "
                 "of even size."
+            )
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(
+                f"LlamaConfig.tie_embeddings must be a bool, got "
+                f"{type(self.tie_embeddings).__name__} {self.tie_embeddings!r}."
             )
 
 
@@ -129,6 +142,10 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            # One parameter, registered as tok_embeddings.weight and output.weight:
+            # its gradient is the sum of both uses.
+            self.output.weight = self.tok_embeddings.weight
         cos, sin = _rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
