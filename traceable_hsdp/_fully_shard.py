@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, overload
 
 import torch
@@ -281,25 +281,95 @@ def _managed_params(
     module: nn.Module, ignored: set[nn.Parameter]
 ) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]]:
     """Parameters of ``module``'s subtree not owned by a nested unit nor ignored, in
-    registration order, with every place each is registered."""
-    owned_elsewhere: set[int] = set()
+    registration order, with every place each is registered.
+
+    Raises:
+        ValueError: a parameter is split between units. See [Note: One unit per
+            parameter].
+    """
+    owned_elsewhere: set[int] = set()  # every parameter in a nested unit's subtree
+    nested_managed: dict[int, str] = {}  # a nested unit's managed tensors -> its FQN
     for sub in module.modules():
-        if sub is not module and _get_state(sub) is not None:
-            for p in sub.parameters():
-                owned_elsewhere.add(id(p))
+        state = _get_state(sub)
+        if sub is module or state is None:
+            continue
+        for p in sub.parameters():
+            owned_elsewhere.add(id(p))
+        if state.param_group is not None:
+            for fp in state.param_group.fsdp_params:
+                desc = f"{fp.fqn!r} of the fully_shard unit {state.param_group.label}"
+                nested_managed[id(fp.sharded_param)] = desc
+                nested_managed[id(fp.unsharded_param)] = desc
     order: list[nn.Parameter] = []
     where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]] = {}
-    for mod_name, sub in module.named_modules(remove_duplicate=False):
+    for mod_name, sub in _own_modules(module):
         for pname, p in list(sub._parameters.items()):
-            if p is None or id(p) in owned_elsewhere or p in ignored:
+            if p is None or p in ignored:
                 continue
             fqn = f"{mod_name}.{pname}" if mod_name else pname
+            if id(p) in nested_managed:
+                raise ValueError(
+                    f"Parameter {fqn!r} of {type(module).__name__} is "
+                    f"{nested_managed[id(p)]}, nested inside it: its module is also "
+                    "reachable outside that unit, whose forward alone gathers it. A "
+                    f"parameter can belong to one fully_shard unit only. {_SHARED_FIX}"
+                )
+            if id(p) in owned_elsewhere:
+                continue
+            prior = getattr(p, _SHARDED_AS_ATTR, None)
+            if prior is not None:
+                raise ValueError(
+                    f"Parameter {fqn!r} of {type(module).__name__} is shared with "
+                    f"{prior}, which an earlier fully_shard call already sharded; "
+                    "sharding it again here would make an independent copy (silently "
+                    "untied). A parameter can belong to one fully_shard unit only. "
+                    f"{_SHARED_FIX}"
+                )
             if p not in where:
                 order.append(p)
                 where[p] = []
             if all(info.module is not sub or info.param_name != pname for _, info in where[p]):
                 where[p].append((fqn, ParamModuleInfo(sub, pname)))
     return order, where
+
+
+_SHARED_FIX = (
+    "Fix: shard every module that uses it in one unit: do not call fully_shard on those "
+    "modules separately and let their common parent's fully_shard manage the parameter "
+    "(for a tied embedding and output head: fully_shard each block, then the root), or "
+    "pass them together as one unit, fully_shard([module_a, module_b]). See "
+    "docs/state_dict.md."
+)
+
+# Set on an original parameter once fully_shard replaced it with its sharded DTensor:
+# "'<fqn>' of the fully_shard unit <Class>". See [Note: One unit per parameter].
+_SHARDED_AS_ATTR = "_traceable_hsdp_sharded_as"
+
+
+# [Note: One unit per parameter]
+# A parameter registered on several modules (a tied embedding and output head) is
+# managed once, by the unit whose own modules hold all its registrations: it is
+# gathered once per forward into one placeholder that every one of them holds, and
+# autograd sums the gradients of all uses into that placeholder's gradient before its
+# post-accumulate-grad hook reduces it. A unit gathers only for its own forward, so a
+# parameter cannot be split between units. The two ways to split it are refused when
+# the second unit is built (neither fails clearly by itself):
+# - the original parameter is still registered outside an earlier unit: fully_shard
+#   swapped it for a DTensor only on that unit's modules, so a later unit would shard
+#   the original again into an independent copy: silently untied;
+# - a module inside a nested unit is also reachable from the parent outside it: the
+#   parent's forward would read the nested unit's sharded DTensor ("got mixed
+#   torch.Tensor and DTensor" deep in the forward).
+
+
+def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``module`` and its submodules, pre-order, every path (duplicates included),
+    without descending into nested fully_shard units."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is None or _get_state(child) is not None:
+            continue
+        yield from _own_modules(child, f"{prefix}.{name}" if prefix else name)
 
 
 @overload
@@ -445,6 +515,9 @@ def _fully_shard_impl(
         fp.keep_storage = keep_storage
         fp.post_forward = post_forward
     label = type(owner).__name__
+    for p, fp in zip(order, fsdp_params):
+        # See [Note: One unit per parameter].
+        setattr(p, _SHARDED_AS_ATTR, f"{fp.fqn!r} of the fully_shard unit {label}")
     group = FSDPParamGroup(fsdp_params, mesh_info, label) if fsdp_params else None
     state = FSDPState(modules, group, raf, mp_policy)
     owner.__dict__[_STATE_ATTR] = state
