@@ -31,6 +31,7 @@ trace a forward that needs a backward unless compiled autograd is on.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,11 +39,13 @@ import torch
 from torch import nn
 from torch._dynamo import compiled_autograd
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._api import MixedPrecisionPolicy
 
 from ._common import TrainingState
+from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
 
 COMPILE_FIX = (
@@ -116,6 +119,16 @@ class FSDPState:
                 )
             for m in modules:
                 m.register_load_state_dict_post_hook(self._after_load_state_dict)
+            # See [Note: state_dict and load_state_dict].
+            by_module: dict[nn.Module, list[tuple[str, FSDPParam]]] = {}
+            for fp in param_group.fsdp_params:
+                for info in fp.module_infos:
+                    by_module.setdefault(info.module, []).append((info.param_name, fp))
+            for m, params in by_module.items():
+                m.register_state_dict_pre_hook(self._before_state_dict)
+                m.register_load_state_dict_pre_hook(
+                    functools.partial(self._before_load_state_dict, params)
+                )
 
     # ------------------------------------------------------------------ forward
     def forward(self, orig_forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -239,10 +252,101 @@ class FSDPState:
         self._final_callback_queued = False
 
     # -------------------------------------------------------------- state dict
+    # See [Note: state_dict and load_state_dict].
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.param_group is not None:
+            self.param_group.register_sharded()
+
+    def _before_load_state_dict(
+        self,
+        params: list[tuple[str, FSDPParam]],
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        *args: Any,
+    ) -> None:
+        pg = self.param_group
+        if pg is None:
+            return
+        # Drops gathered copies (and all-gathers in flight) of the old values.
+        pg.reshard()
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
+        for name, fp in params:
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue  # missing (torch reports it) or not a tensor (torch raises)
+            sharded = fp.sharded_param
+            if not isinstance(value, DTensor):
+                if value.shape != sharded.shape:
+                    continue  # torch reports the size mismatch with the key
+                # Each rank keeps its own shard of its own full tensor: no
+                # communication, so every rank must load the same full values.
+                value = distribute_tensor(
+                    value.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
+                )
+                state_dict[key] = value
+            if assign:
+                _check_assignable(key, value, sharded)
+
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.param_group is not None:
             for fp in self.param_group.fsdp_params:
                 fp.sync_from_module()
+
+
+# [Note: state_dict and load_state_dict]
+# Outside a unit's forward its modules hold the sharded DTensors under the original
+# names, so ``state_dict()`` returns DTensors keyed by the original FQNs and
+# ``load_state_dict()`` copies into the sharded parameters (DTensor.copy_). The
+# pre-hooks, registered on every module that holds a managed parameter, make three
+# cases work that would otherwise be wrong or fail:
+#
+# - state_dict() between unshard() and reshard(): the modules hold the unsharded
+#   placeholders (plain full tensors). The pre-hook registers the sharded parameters
+#   again (the gathered data stays, so a later forward or reshard() is unaffected),
+#   and the state dict holds DTensors as always.
+# - load_state_dict() while the unit holds gathered data (between unshard() and
+#   reshard(), after a forward with reshard_after_forward=False, after a backward
+#   with reshard_after_backward=False, or with an async unshard in flight): the new
+#   values go to the sharded parameters, and the gathered copy would be stale, so
+#   the pre-hook reshards first (frees it; an all-gather in flight is waited for
+#   and dropped). The next forward, or unshard(), gathers the loaded values.
+#   torch's FSDP2 does the same (its pre-hooks move the group to sharded).
+# - a plain tensor of the parameter's full shape (a full, consolidated state dict):
+#   DTensor.copy_ refuses to mix tensor types, so the pre-hook turns it into a
+#   DTensor with distribute_tensor(..., src_data_rank=None): each rank keeps its
+#   own shard of its own full tensor, without communication (as torch's
+#   set_model_state_dict does for a full state dict). Every rank must pass the same
+#   full values. A plain tensor of another shape is left for torch's size-mismatch
+#   error.
+#
+# With assign=True the loaded DTensor becomes the sharded parameter (the post-hook,
+# FSDPParam.sync_from_module, swaps it in); the pre-hook checks, before anything is
+# assigned, that it has the mesh, placements and dtype of the parameter it replaces.
+
+
+def _check_assignable(key: str, value: DTensor, sharded: DTensor) -> None:
+    """Raises ValueError unless ``value`` can replace ``sharded`` under assign=True."""
+    if value.device_mesh != sharded.device_mesh or tuple(value.placements) != tuple(
+        sharded.placements
+    ):
+        raise ValueError(
+            f"load_state_dict(assign=True): {key!r} is a DTensor with placements "
+            f"{tuple(value.placements)} on {value.device_mesh}; the fully_shard parameter "
+            f"it would replace has placements {tuple(sharded.placements)} on "
+            f"{sharded.device_mesh}. Redistribute it first "
+            "(value.redistribute(param.device_mesh, param.placements)), or load with "
+            "assign=False, which copies."
+        )
+    if value.dtype != sharded.dtype:
+        raise ValueError(
+            f"load_state_dict(assign=True): {key!r} has dtype {value.dtype}; the "
+            f"fully_shard parameter it would replace has {sharded.dtype}, and the "
+            "unit's gradients and mixed precision are set up for that dtype. Cast it "
+            "first (value.to(param.dtype)), or load with assign=False, which casts."
+        )
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
