@@ -1,0 +1,351 @@
+"""Per-rank bodies of the state-dict, checkpoint and tied-weight tests (importable by
+spawned ranks). Checks that raise are made here with ``pytest.raises``; the numbers
+the tests compare are returned."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import traceable_hsdp as th
+from _workers import CFG, LR, GraphRecorder, _data, _loss, _placeholder_bytes
+from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+
+TIED_CFG = dataclasses.replace(CFG, tie_embeddings=True)
+N_PARAMS = 2 + 9 * CFG.n_layers + 1  # embedding, norm, output + 9 per block
+N_SAVE, N_RESUME = 3, 3  # DCP test: steps before the checkpoint, steps after it
+TIED_STEPS = N_SAVE + N_RESUME  # the compiled DCP run doubles as tied parity
+
+
+def _mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _sharded(cfg: LlamaConfig, seed: int, mesh: DeviceMesh) -> Llama:
+    torch.manual_seed(seed)
+    return shard_llama(Llama(cfg), th.fully_shard, mesh=mesh)
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _batch(step: int, rank: int, world: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _data(world, steps)[step]
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _eval_loss(model: torch.nn.Module, rank: int, world: int) -> float:
+    """Mean loss of the first batch over the ranks, no gradient."""
+    x, y = _batch(0, rank, world, 1)
+    with torch.no_grad():
+        return _mean_over_ranks(_loss(model(x), y))
+
+
+def _train(
+    fwd: Any,
+    opt: torch.optim.Optimizer,
+    batches: list[Any],
+    rank: int,
+    world: int,
+    first_grad_of: torch.nn.Parameter | None = None,
+) -> tuple[list[float], torch.Tensor | None]:
+    """Trains on this rank's share of ``batches``; returns the mean losses and the full
+    gradient of ``first_grad_of`` after the first backward."""
+    losses, first_grad = [], None
+    for x, y in batches:
+        loss = _loss(fwd(x.chunk(world)[rank]), y.chunk(world)[rank])
+        loss.backward()
+        if first_grad_of is not None and first_grad is None:
+            first_grad = first_grad_of.grad.full_tensor()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_mean_over_ranks(loss))
+    return losses, first_grad
+
+
+# ------------------------------------------------------------ load_state_dict rules
+def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
+    """Eager, 1-D mesh: keys, strictness, the three value kinds (DTensor, plain full
+    tensor, assign=True), loading before the first forward, and loading while units
+    hold gathered data. Returns what the test compares with a reference."""
+    mesh = _mesh((world,))
+    torch.manual_seed(0)
+    plain = Llama(CFG)  # the values every load below brings in
+    plain_sd = plain.state_dict()
+    src = _sharded(CFG, 0, mesh)  # the same values, sharded
+    src_loss = _eval_loss(src, rank, world)
+    src_sd = src.state_dict()
+    out: dict[str, Any] = {"src_loss": src_loss}
+
+    # Keys: the original FQNs in the original order; values: Shard(0) DTensors whose
+    # local part is this rank's torch.chunk row block (vocab 65 over 2: 33 and 32 rows).
+    out["keys"] = list(src_sd)
+    out["plain_keys"] = list(plain_sd)
+    assert all(isinstance(v, DTensor) and v.placements == (Shard(0),) for v in src_sd.values())
+    emb = src_sd["tok_embeddings.weight"].to_local()
+    rows = plain_sd["tok_embeddings.weight"].chunk(world)[rank]
+    assert torch.equal(emb, rows), (emb.shape, rows.shape)
+
+    def fresh() -> Llama:
+        return _sharded(CFG, 1, mesh)  # other values than src
+
+    def loaded_ok(model: Llama) -> None:
+        for k, v in _full(model).items():
+            assert torch.equal(v, plain_sd[k]), k
+        # Loaded before the first forward, the values are the ones it uses: the same
+        # loss as src, bitwise (same sharded values, same ops).
+        assert _eval_loss(model, rank, world) == src_loss
+
+    # strict=True: a missing and an unexpected key raise as torch does; nothing of
+    # the structure changes. strict=False reports them and loads the rest.
+    m = fresh()
+    missing = {k: v for k, v in src_sd.items() if k != "norm.weight"}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "norm.weight"'):
+        m.load_state_dict(missing)
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "extra.weight"'):
+        m.load_state_dict({**src_sd, "extra.weight": src_sd["norm.weight"]})
+    res = m.load_state_dict({**missing, "extra.weight": src_sd["norm.weight"]}, strict=False)
+    assert res.missing_keys == ["norm.weight"] and res.unexpected_keys == ["extra.weight"]
+    assert torch.equal(m.output.weight.full_tensor(), plain_sd["output.weight"])
+
+    # DTensors (another sharded model's state_dict()), before the first forward.
+    m = fresh()
+    m.load_state_dict(src_sd)
+    loaded_ok(m)
+
+    # Plain full tensors: each rank keeps its own shard of them.
+    m = fresh()
+    m.load_state_dict(plain_sd)
+    assert isinstance(m.tok_embeddings.weight, DTensor)
+    loaded_ok(m)
+    # A wrong full shape is torch's size-mismatch error, with the key.
+    bad = {**plain_sd, "norm.weight": torch.ones(CFG.dim + 1)}
+    with pytest.raises(RuntimeError, match=r"size mismatch for norm.weight"):
+        fresh().load_state_dict(bad)
+    # A DTensor with other placements is redistributed by DTensor.copy_.
+    m = fresh()
+    replicated = {k: v.redistribute(mesh, (Replicate(),)) for k, v in src_sd.items()}
+    m.load_state_dict(replicated)
+    loaded_ok(m)
+
+    # assign=True: the loaded DTensors become the parameters, and training uses them
+    # (gathers read them, gradients land on them): the test compares two steps with
+    # the single-process reference.
+    for sd in (src_sd, plain_sd):
+        m = fresh()
+        m.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
+        new = m.layers[0].attn.wq.weight
+        assert isinstance(new, torch.nn.Parameter) and isinstance(new, DTensor)
+        state = m.layers[0]._traceable_hsdp_state
+        assert state.param_group.fsdp_params[1].sharded_param is new
+        # A parameter made from a plain full tensor keeps only its shard's storage
+        # (distribute_tensor copies the shard out of the full tensor).
+        local = m.tok_embeddings.weight.to_local()
+        assert local.untyped_storage().nbytes() == local.numel() * local.element_size()
+        loaded_ok(m)
+    out["assign_losses"], _ = _train(m, torch.optim.AdamW(m.parameters(), lr=LR), _data(world, 2), rank, world)
+    # assign=True refuses, before assigning anything, what cannot replace a parameter.
+    m = fresh()
+    before = m.norm.weight
+    with pytest.raises(ValueError, match=r"'tok_embeddings.weight' has dtype torch.bfloat16"):
+        m.load_state_dict({k: v.to(torch.bfloat16) for k, v in src_sd.items()}, assign=True)
+    with pytest.raises(ValueError, match=r"'tok_embeddings.weight' is a DTensor with placements \(Replicate\(\),\)"):
+        m.load_state_dict(replicated, assign=True)
+    assert m.norm.weight is before
+
+    # state_dict() and load_state_dict() while units hold gathered data.
+    m = fresh()
+    m.unshard()  # root unit: embedding, norm, output
+    m.layers[0].unshard()
+    assert not isinstance(m.layers[0].attn.wq.weight, DTensor)  # holds the placeholder
+    sd = m.state_dict()
+    assert list(sd) == out["keys"] and all(isinstance(v, DTensor) for v in sd.values())
+    m.layers[1].unshard(async_op=True)  # an all-gather in flight, of the old values
+    m.load_state_dict(src_sd)
+    assert all(isinstance(p, DTensor) for p in m.parameters())
+    assert _placeholder_bytes(m) == 0  # the stale gathered copies were freed
+    m.reshard()  # a no-op now
+    m.layers[0].reshard()
+    loaded_ok(m)
+    # Left gathered by a backward with reshard_after_backward=False: the load drops
+    # the stale copy and the next forward gathers the loaded values.
+    m = fresh()
+    m.set_reshard_after_backward(False)
+    x, y = _batch(0, rank, world, 1)
+    _loss(m(x), y).backward()
+    assert _placeholder_bytes(m) > 0
+    m.zero_grad()
+    m.load_state_dict(plain_sd)
+    assert _placeholder_bytes(m) == 0
+    m.set_reshard_after_backward(True)
+    loaded_ok(m)
+    return out
+
+
+# ------------------------------------------------------------------- DCP round trip
+def _dcp_save(model: Llama, opt: torch.optim.Optimizer, path: str) -> None:
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _dcp_load(model: Llama, opt: torch.optim.Optimizer, path: str) -> None:
+    # get_state_dict gives the structure (and initializes a fresh optimizer's state
+    # with a zero-lr step); dcp.load fills it in place; set_state_dict applies it.
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def dcp_worker(
+    rank: int, world: int, mesh_shape: tuple[int, ...], mode: str, path: str, tied: bool = False
+) -> dict[str, Any]:
+    """Trains N_SAVE steps, saves model + AdamW state with DCP, trains N_RESUME more;
+    then a fresh model (other init seed) and optimizer (other lr) load the checkpoint
+    and train the same N_RESUME steps; then they load it again, warm, and repeat.
+    ``mode`` is "eager" or "compiled" (aot_eager, compiled autograd); ``tied`` uses
+    the Llama with tied embedding and output head."""
+    mesh = _mesh(mesh_shape)
+    cfg = TIED_CFG if tied else CFG
+    batches = _data(world, N_SAVE + N_RESUME)
+    compiled = mode == "compiled"
+
+    def compile_(model: Llama) -> tuple[Any, GraphRecorder]:
+        rec = GraphRecorder()
+        if not compiled:
+            return model, rec
+        th.enable_compiled_autograd(backend=rec)
+        return torch.compile(model, backend=rec, fullgraph=True), rec
+
+    a = _sharded(cfg, 0, mesh)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=LR)
+    fwd_a, rec_a = compile_(a)
+    first, grad0 = _train(fwd_a, opt_a, batches[:N_SAVE], rank, world, a.tok_embeddings.weight)
+    saved = _full(a)
+    _dcp_save(a, opt_a, f"{path}/dsd")
+    graphs_at_save = (len(rec_a.forward), len(rec_a.backward))
+    continued, _ = _train(fwd_a, opt_a, batches[N_SAVE:], rank, world)
+    graphs_a = (len(rec_a.forward), len(rec_a.backward))
+    if compiled:
+        # A fresh start, as a new process would have: no cached graphs.
+        th.disable_compiled_autograd()
+        torch._dynamo.reset()
+
+    b = _sharded(cfg, 1, mesh)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=LR * 10)  # the checkpoint's lr wins
+    _dcp_load(b, opt_b, f"{path}/dsd")
+    loaded = _full(b)
+    assert opt_b.param_groups[0]["lr"] == LR
+    fwd_b, rec_b = compile_(b)
+    resumed, _ = _train(fwd_b, opt_b, batches[N_SAVE:], rank, world)
+    graphs_b = (len(rec_b.forward), len(rec_b.backward))
+    # Load again into the warm (compiled, stepped) model and optimizer: the same
+    # steps again, and no recompile.
+    _dcp_load(b, opt_b, f"{path}/dsd")
+    again, _ = _train(fwd_b, opt_b, batches[N_SAVE:], rank, world)
+    graphs_b_again = (len(rec_b.forward), len(rec_b.backward))
+    if compiled:
+        th.disable_compiled_autograd()
+    if tied:
+        assert b.output.weight is b.tok_embeddings.weight
+
+    out = dict(
+        first=first, continued=continued, resumed=resumed, again=again, grad0=grad0,
+        saved=saved, loaded=loaded, params_a=_full(a), graphs_at_save=graphs_at_save,
+        graphs_a=graphs_a, graphs_b=graphs_b, graphs_b_again=graphs_b_again,
+        fwd_counts=rec_b.forward, bwd_counts=rec_b.backward, bytes_after=_placeholder_bytes(b),
+    )
+    if mode == "eager" and len(mesh_shape) == 1:
+        # The plain path of torch's FSDP2 docs: dcp.save/load of model.state_dict(),
+        # then load_state_dict.
+        dcp.save({"model": a.state_dict()}, checkpoint_id=f"{path}/plain")
+        c = _sharded(CFG, 2, mesh)
+        state = {"model": c.state_dict()}
+        dcp.load(state, checkpoint_id=f"{path}/plain")
+        c.load_state_dict(state["model"])
+        out["plain_loaded"], out["plain_saved"] = _full(c), _full(a)
+    return out
+
+
+# ------------------------------------------------------------------- tied weights
+def tied_reference(world: int) -> dict[str, Any]:
+    """Single-process tied Llama on the global batches, and the tied gradient of the
+    first step computed two ways: tied, and as the sum of an untied twin's two."""
+    torch.manual_seed(0)
+    model = Llama(TIED_CFG)
+    twin = Llama(CFG)  # untied, the same values
+    twin.load_state_dict(model.state_dict())
+    assert twin.output.weight is not twin.tok_embeddings.weight
+    x, y = _data(world, 1)[0]
+    _loss(twin(x), y).backward()
+    twin_sum = twin.tok_embeddings.weight.grad + twin.output.weight.grad
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grad0 = [], None
+    for x, y in _data(world, TIED_STEPS):
+        loss = _loss(model(x), y)
+        loss.backward()
+        if grad0 is None:
+            grad0 = model.tok_embeddings.weight.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(
+        losses=losses, params={k: v.detach().clone() for k, v in model.state_dict().items()},
+        grad0=grad0, twin_sum=twin_sum,
+    )
+
+
+def tied_worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """Runs :func:`tied_run` for both layouts, in one process group."""
+    return {layout: tied_run(rank, world, layout) for layout in ("root", "list_unit")}
+
+
+def tied_run(rank: int, world: int, layout: str) -> dict[str, Any]:
+    """Tied Llama, eager: fully_shard per block then the root (``layout`` "root"), or
+    with embedding and head as one list unit first ("list_unit")."""
+    mesh = _mesh((world,))
+    torch.manual_seed(0)
+    model = Llama(TIED_CFG)
+    init_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    if layout == "list_unit":
+        th.fully_shard([model.tok_embeddings, model.output], mesh=mesh)
+    shard_llama(model, th.fully_shard, mesh=mesh)
+    owner = model.tok_embeddings if layout == "list_unit" else model
+    unit = owner._traceable_hsdp_state
+    tied = [
+        fp for s in model._traceable_hsdp_state.states if s.param_group is not None
+        for fp in s.param_group.fsdp_params if fp.sharded_param is model.tok_embeddings.weight
+    ]
+    # Managed once, by one unit, registered on both modules.
+    assert len(tied) == 1 and len(tied[0].module_infos) == 2, tied
+    assert tied[0] in unit.param_group.fsdp_params
+    assert model.output.weight is model.tok_embeddings.weight
+    assert len(list(model.parameters())) == N_PARAMS - 1  # listed once
+
+    # Both keys in the state dict, the same sharded values; a full plain state dict
+    # with both keys loads, and the weight stays tied.
+    sd = model.state_dict()
+    assert "output.weight" in sd and "tok_embeddings.weight" in sd
+    assert sd["output.weight"].to_local().data_ptr() == sd["tok_embeddings.weight"].to_local().data_ptr()
+    model.load_state_dict(init_sd)
+    assert model.output.weight is model.tok_embeddings.weight
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grad0 = _train(model, opt, _data(world, TIED_STEPS), rank, world, model.tok_embeddings.weight)
+    return dict(losses=losses, params=_full(model), grad0=grad0, bytes_after=_placeholder_bytes(model))
