@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ._api import MixedPrecisionPolicy
 
 from ._common import TrainingState
-from ._param import FSDPParam
+from ._param import FSDPParam, _set_param
 from ._param_group import FSDPParamGroup
 
 COMPILE_FIX = (
@@ -127,8 +127,10 @@ class FSDPState:
             for m, params in by_module.items():
                 m.register_state_dict_pre_hook(self._before_state_dict)
                 m.register_load_state_dict_pre_hook(
-                    functools.partial(self._before_load_state_dict, params)
+                    functools.partial(self._before_load_own_params, params)
                 )
+        for m in modules:
+            m.register_load_state_dict_pre_hook(self._before_load_subtree)
 
     # ------------------------------------------------------------------ forward
     def forward(self, orig_forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -257,7 +259,36 @@ class FSDPState:
         if self.param_group is not None:
             self.param_group.register_sharded()
 
-    def _before_load_state_dict(
+    def _before_load_subtree(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        *args: Any,
+    ) -> None:
+        # On the unit's module, before any module under it loads: prepares every
+        # value for this unit and the units nested in it, so a refused value raises
+        # before anything is loaded.
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
+        paths: dict[int, list[str]] = {}
+        for path, sub in module.named_modules(remove_duplicate=False):
+            paths.setdefault(id(sub), []).append(f"{path}." if path else "")
+        for state in self.states:
+            pg = state.param_group
+            if pg is None:
+                continue
+            reached = False
+            for fp in pg.fsdp_params:
+                for info in fp.module_infos:
+                    for path in paths.get(id(info.module), ()):
+                        key = prefix + path + info.param_name
+                        _prepare_loaded_value(state_dict, key, fp, assign)
+                        reached = True
+            if reached:
+                pg.reshard()  # See [Note: state_dict and load_state_dict].
+
+    def _before_load_own_params(
         self,
         params: list[tuple[str, FSDPParam]],
         module: nn.Module,
@@ -266,56 +297,45 @@ class FSDPState:
         local_metadata: dict[str, Any],
         *args: Any,
     ) -> None:
-        pg = self.param_group
-        if pg is None:
-            return
-        # Drops gathered copies (and all-gathers in flight) of the old values.
-        pg.reshard()
+        # On a module holding managed parameters: the same for its own parameters,
+        # for a load_state_dict() called on this module (or a parent that is no unit).
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
         for name, fp in params:
-            key = prefix + name
-            value = state_dict.get(key)
-            if not isinstance(value, torch.Tensor):
-                continue  # missing (torch reports it) or not a tensor (torch raises)
-            sharded = fp.sharded_param
-            if not isinstance(value, DTensor):
-                if value.shape != sharded.shape:
-                    continue  # torch reports the size mismatch with the key
-                # Each rank keeps its own shard of its own full tensor: no
-                # communication, so every rank must load the same full values.
-                value = distribute_tensor(
-                    value.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
-                )
-                state_dict[key] = value
-            if assign:
-                _check_assignable(key, value, sharded)
+            _prepare_loaded_value(state_dict, prefix + name, fp, assign)
+        if self.param_group is not None:
+            self.param_group.reshard()  # See [Note: state_dict and load_state_dict].
 
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.param_group is not None:
             for fp in self.param_group.fsdp_params:
                 fp.sync_from_module()
+                # assign=True gives each registration of a shared parameter its own
+                # tensor; the unit keeps the first one (sync_from_module) and every
+                # registration gets it back, so the parameter stays shared.
+                if not fp.module_holds_unsharded:
+                    for info in fp.module_infos:
+                        _set_param(info, fp.sharded_param)
 
 
 # [Note: state_dict and load_state_dict]
 # Outside a unit's forward its modules hold the sharded DTensors under the original
 # names, so ``state_dict()`` returns DTensors keyed by the original FQNs and
-# ``load_state_dict()`` copies into the sharded parameters (DTensor.copy_). The
-# pre-hooks, registered on every module that holds a managed parameter, make three
-# cases work that would otherwise be wrong or fail:
+# ``load_state_dict()`` copies into the sharded parameters (DTensor.copy_). Pre-hooks
+# make three cases work that would otherwise be wrong or fail:
 #
 # - state_dict() between unshard() and reshard(): the modules hold the unsharded
-#   placeholders (plain full tensors). The pre-hook registers the sharded parameters
+#   placeholders (plain full tensors). A pre-hook registers the sharded parameters
 #   again (the gathered data stays, so a later forward or reshard() is unaffected),
 #   and the state dict holds DTensors as always.
 # - load_state_dict() while the unit holds gathered data (between unshard() and
 #   reshard(), after a forward with reshard_after_forward=False, after a backward
 #   with reshard_after_backward=False, or with an async unshard in flight): the new
 #   values go to the sharded parameters, and the gathered copy would be stale, so
-#   the pre-hook reshards first (frees it; an all-gather in flight is waited for
+#   the pre-hooks reshard first (frees it; an all-gather in flight is waited for
 #   and dropped). The next forward, or unshard(), gathers the loaded values.
 #   torch's FSDP2 does the same (its pre-hooks move the group to sharded).
 # - a plain tensor of the parameter's full shape (a full, consolidated state dict):
-#   DTensor.copy_ refuses to mix tensor types, so the pre-hook turns it into a
+#   DTensor.copy_ refuses to mix tensor types, so the pre-hooks turn it into a
 #   DTensor with distribute_tensor(..., src_data_rank=None): each rank keeps its
 #   own shard of its own full tensor, without communication (as torch's
 #   set_model_state_dict does for a full state dict). Every rank must pass the same
@@ -323,8 +343,39 @@ class FSDPState:
 #   error.
 #
 # With assign=True the loaded DTensor becomes the sharded parameter (the post-hook,
-# FSDPParam.sync_from_module, swaps it in); the pre-hook checks, before anything is
-# assigned, that it has the mesh, placements and dtype of the parameter it replaces.
+# FSDPParam.sync_from_module, swaps it in); the pre-hook checks that it has the mesh,
+# placements and dtype of the parameter it replaces.
+#
+# Two pre-hooks do this. One on each unit's module prepares every value of the unit
+# and of the units nested in it, before any module under it loads, so a refused value
+# raises before anything is copied or assigned (load_state_dict visits a module
+# before its children). One on each module that holds managed parameters prepares
+# its own: it covers load_state_dict() called on a module inside a unit, and is a
+# no-op check when the unit's hook already ran.
+
+
+def _prepare_loaded_value(
+    state_dict: dict[str, Any], key: str, fp: FSDPParam, assign: bool
+) -> None:
+    """Turns a plain full tensor at ``key`` into a DTensor laid out like ``fp``'s
+    sharded parameter, and with ``assign`` checks that it can replace it. See
+    [Note: state_dict and load_state_dict]."""
+    value = state_dict.get(key)
+    if not isinstance(value, torch.Tensor):
+        return  # missing (torch reports it) or not a tensor (torch raises)
+    sharded = fp.sharded_param
+    if not isinstance(value, DTensor):
+        if value.shape != sharded.shape:
+            return  # torch reports the size mismatch with the key
+        # Each rank keeps its own shard of its own full tensor: no communication, so
+        # every rank must load the same full values. distribute_tensor copies the
+        # shard out, so an assigned parameter does not keep the full tensor alive.
+        value = distribute_tensor(
+            value.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
+        )
+        state_dict[key] = value
+    if assign:
+        _check_assignable(key, value, sharded)
 
 
 def _check_assignable(key: str, value: DTensor, sharded: DTensor) -> None:
