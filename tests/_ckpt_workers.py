@@ -5,15 +5,20 @@ the tests compare are returned."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import traceable_hsdp as th
 from _workers import CFG, LR, GraphRecorder, _data, _loss, _placeholder_bytes
@@ -45,14 +50,15 @@ def _mean_over_ranks(loss: torch.Tensor) -> float:
     return t.item() / dist.get_world_size()
 
 
-def _batch(step: int, rank: int, world: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = _data(world, steps)[step]
+def _first_batch(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the first global batch (the first step's data)."""
+    x, y = _data(world, 1)[0]
     return x.chunk(world)[rank], y.chunk(world)[rank]
 
 
 def _eval_loss(model: torch.nn.Module, rank: int, world: int) -> float:
     """Mean loss of the first batch over the ranks, no gradient."""
-    x, y = _batch(0, rank, world, 1)
+    x, y = _first_batch(rank, world)
     with torch.no_grad():
         return _mean_over_ranks(_loss(model(x), y))
 
@@ -112,8 +118,8 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
         # loss as src, bitwise (same sharded values, same ops).
         assert _eval_loss(model, rank, world) == src_loss
 
-    # strict=True: a missing and an unexpected key raise as torch does; nothing of
-    # the structure changes. strict=False reports them and loads the rest.
+    # strict=True: a missing and an unexpected key raise as torch does.
+    # strict=False reports them and loads the rest.
     m = fresh()
     missing = {k: v for k, v in src_sd.items() if k != "norm.weight"}
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "norm.weight"'):
@@ -138,6 +144,20 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
     bad = {**plain_sd, "norm.weight": torch.ones(CFG.dim + 1)}
     with pytest.raises(RuntimeError, match=r"size mismatch for norm.weight"):
         fresh().load_state_dict(bad)
+    # Full state dicts through torch's distributed state-dict API: gathered full on
+    # save; on load either every rank passes the full values, or rank 0 alone does
+    # and they are broadcast.
+    full = get_model_state_dict(src, options=StateDictOptions(full_state_dict=True))
+    assert full.keys() == plain_sd.keys()
+    assert all(torch.equal(full[k], v) for k, v in plain_sd.items())
+    m = fresh()
+    # (set_model_state_dict replaces the values of the dict it is given: pass a copy.)
+    set_model_state_dict(m, dict(plain_sd), options=StateDictOptions(full_state_dict=True))
+    loaded_ok(m)
+    m = fresh()
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(m, dict(plain_sd) if rank == 0 else {}, options=opts)
+    loaded_ok(m)
     # A DTensor with other placements is redistributed by DTensor.copy_.
     m = fresh()
     replicated = {k: v.redistribute(mesh, (Replicate(),)) for k, v in src_sd.items()}
@@ -159,15 +179,27 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
         local = m.tok_embeddings.weight.to_local()
         assert local.untyped_storage().nbytes() == local.numel() * local.element_size()
         loaded_ok(m)
-    out["assign_losses"], _ = _train(m, torch.optim.AdamW(m.parameters(), lr=LR), _data(world, 2), rank, world)
-    # assign=True refuses, before assigning anything, what cannot replace a parameter.
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    out["assign_losses"], _ = _train(m, opt, _data(world, 2), rank, world)
+    # assign=True refuses what cannot replace a parameter, before assigning anything:
+    # one bad value, on the last module load_state_dict visits, leaves every
+    # parameter as it was.
     m = fresh()
-    before = m.norm.weight
-    with pytest.raises(ValueError, match=r"'tok_embeddings.weight' has dtype torch.bfloat16"):
-        m.load_state_dict({k: v.to(torch.bfloat16) for k, v in src_sd.items()}, assign=True)
-    with pytest.raises(ValueError, match=r"'tok_embeddings.weight' is a DTensor with placements \(Replicate\(\),\)"):
-        m.load_state_dict(replicated, assign=True)
-    assert m.norm.weight is before
+    before = list(m.parameters())
+    bad_dtype = {**src_sd, "output.weight": src_sd["output.weight"].to(torch.bfloat16)}
+    with pytest.raises(ValueError, match=r"'output.weight' has dtype torch.bfloat16"):
+        m.load_state_dict(bad_dtype, assign=True)
+    bad_placement = {**src_sd, "output.weight": replicated["output.weight"]}
+    placements_msg = r"'output.weight' is a DTensor with placements \(Replicate\(\),\)"
+    with pytest.raises(ValueError, match=placements_msg):
+        m.load_state_dict(bad_placement, assign=True)
+    assert all(p is q for p, q in zip(m.parameters(), before))
+    # Loaded on a module inside a unit (no unit's module above it), a plain full
+    # tensor is still sharded.
+    m.layers[0].attn.wq.load_state_dict({"weight": plain_sd["layers.0.attn.wq.weight"]})
+    wq = m.layers[0].attn.wq.weight
+    assert isinstance(wq, DTensor)
+    assert torch.equal(wq.full_tensor(), plain_sd["layers.0.attn.wq.weight"])
 
     # state_dict() and load_state_dict() while units hold gathered data.
     m = fresh()
@@ -187,7 +219,7 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
     # the stale copy and the next forward gathers the loaded values.
     m = fresh()
     m.set_reshard_after_backward(False)
-    x, y = _batch(0, rank, world, 1)
+    x, y = _first_batch(rank, world)
     _loss(m(x), y).backward()
     assert _placeholder_bytes(m) > 0
     m.zero_grad()
@@ -199,18 +231,21 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------- DCP round trip
-def _dcp_save(model: Llama, opt: torch.optim.Optimizer, path: str) -> None:
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+DOC = Path(__file__).resolve().parent.parent / "docs" / "state_dict.md"
+DOC_MARKER = "<!-- tested: tests/_ckpt_workers.py executes the next python block -->"
 
 
-def _dcp_load(model: Llama, opt: torch.optim.Optimizer, path: str) -> None:
-    # get_state_dict gives the structure (and initializes a fresh optimizer's state
-    # with a zero-lr step); dcp.load fills it in place; set_state_dict applies it.
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+def _doc_example() -> dict[str, Any]:
+    """Executes the DCP example of docs/state_dict.md (the python block after
+    DOC_MARKER) and returns what it defines: the DCP tests save and load with it, so
+    the documented code is the tested code."""
+    text = DOC.read_text()
+    if DOC_MARKER not in text:
+        raise AssertionError(f"{DOC} lost its marker {DOC_MARKER!r}")
+    block = text.split(DOC_MARKER, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(block, str(DOC), "exec"), namespace)
+    return namespace
 
 
 def dcp_worker(
@@ -223,6 +258,8 @@ def dcp_worker(
     the Llama with tied embedding and output head."""
     mesh = _mesh(mesh_shape)
     cfg = TIED_CFG if tied else CFG
+    doc = _doc_example()
+    save, load = doc["save_checkpoint"], doc["load_checkpoint"]
     batches = _data(world, N_SAVE + N_RESUME)
     compiled = mode == "compiled"
 
@@ -238,7 +275,7 @@ def dcp_worker(
     fwd_a, rec_a = compile_(a)
     first, grad0 = _train(fwd_a, opt_a, batches[:N_SAVE], rank, world, a.tok_embeddings.weight)
     saved = _full(a)
-    _dcp_save(a, opt_a, f"{path}/dsd")
+    save(a, opt_a, f"{path}/dsd")
     graphs_at_save = (len(rec_a.forward), len(rec_a.backward))
     continued, _ = _train(fwd_a, opt_a, batches[N_SAVE:], rank, world)
     graphs_a = (len(rec_a.forward), len(rec_a.backward))
@@ -249,7 +286,7 @@ def dcp_worker(
 
     b = _sharded(cfg, 1, mesh)
     opt_b = torch.optim.AdamW(b.parameters(), lr=LR * 10)  # the checkpoint's lr wins
-    _dcp_load(b, opt_b, f"{path}/dsd")
+    load(b, opt_b, f"{path}/dsd")
     loaded = _full(b)
     assert opt_b.param_groups[0]["lr"] == LR
     fwd_b, rec_b = compile_(b)
@@ -257,7 +294,7 @@ def dcp_worker(
     graphs_b = (len(rec_b.forward), len(rec_b.backward))
     # Load again into the warm (compiled, stepped) model and optimizer: the same
     # steps again, and no recompile.
-    _dcp_load(b, opt_b, f"{path}/dsd")
+    load(b, opt_b, f"{path}/dsd")
     again, _ = _train(fwd_b, opt_b, batches[N_SAVE:], rank, world)
     graphs_b_again = (len(rec_b.forward), len(rec_b.backward))
     if compiled:
@@ -342,10 +379,20 @@ def tied_run(rank: int, world: int, layout: str) -> dict[str, Any]:
     # with both keys loads, and the weight stays tied.
     sd = model.state_dict()
     assert "output.weight" in sd and "tok_embeddings.weight" in sd
-    assert sd["output.weight"].to_local().data_ptr() == sd["tok_embeddings.weight"].to_local().data_ptr()
+    local_ptr = sd["tok_embeddings.weight"].to_local().data_ptr()
+    assert sd["output.weight"].to_local().data_ptr() == local_ptr
     model.load_state_dict(init_sd)
     assert model.output.weight is model.tok_embeddings.weight
+    # assign=True: the two keys bring two tensors; the weight is tied again, to the
+    # first key's, and the unit manages that one.
+    model.load_state_dict(init_sd, assign=True)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert tied[0].sharded_param is model.tok_embeddings.weight
+    assert len(list(model.parameters())) == N_PARAMS - 1
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grad0 = _train(model, opt, _data(world, TIED_STEPS), rank, world, model.tok_embeddings.weight)
-    return dict(losses=losses, params=_full(model), grad0=grad0, bytes_after=_placeholder_bytes(model))
+    batches = _data(world, TIED_STEPS)
+    losses, grad0 = _train(model, opt, batches, rank, world, model.tok_embeddings.weight)
+    return dict(
+        losses=losses, params=_full(model), grad0=grad0, bytes_after=_placeholder_bytes(model)
+    )

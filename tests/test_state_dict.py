@@ -11,7 +11,8 @@ Bitwise or tolerant:
   gradients with reduce-scatter, another summation order than one process's
   backward, and AdamW turns ~1e-7 gradient differences into ~1e-6 parameter
   differences over a few steps. The tied gradient of the first step is compared
-  with atol 1e-6 (one backward, no optimizer in between).
+  with atol 1e-6 (one backward, no optimizer in between). Seen: gradient 3e-8,
+  losses 9e-8 relative, parameters 4e-7 after 6 steps.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def test_dcp_round_trip_fsdp_eager() -> None:
     _check_resume(results)
     # The losses before and after the checkpoint are the reference's (training works).
     ref_losses, _ = reference_run(2, steps=N_SAVE + N_RESUME)
-    torch.testing.assert_close(results[0]["first"] + results[0]["continued"], ref_losses, rtol=1e-5, atol=0)
+    losses = results[0]["first"] + results[0]["continued"]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     for r in results:  # plain dcp.save/load of model.state_dict()
         for k, v in r["plain_saved"].items():
             assert torch.equal(r["plain_loaded"][k], v), k
@@ -88,7 +90,8 @@ def test_dcp_round_trip_hsdp_2x2_eager() -> None:
         results = run_ranks(dcp_worker, 4, (2, 2), "eager", path)
     _check_resume(results)
     ref_losses, _ = reference_run(4, steps=N_SAVE + N_RESUME)
-    torch.testing.assert_close(results[0]["first"] + results[0]["continued"], ref_losses, rtol=1e-5, atol=0)
+    losses = results[0]["first"] + results[0]["continued"]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow
@@ -119,8 +122,9 @@ def test_dcp_round_trip_and_tied_weights_fsdp_compiled() -> None:
 def _check_tied(results: list[dict]) -> None:
     ref = tied_reference(2)
     # The tied gradient is the sum of both uses: the untied twin's two gradients add
-    # up to the tied one (same backward up to summation order).
-    torch.testing.assert_close(ref["grad0"], ref["twin_sum"], rtol=0, atol=1e-6)
+    # up to the tied one bitwise (autograd adds the same two gradients once; IEEE
+    # addition commutes).
+    torch.testing.assert_close(ref["grad0"], ref["twin_sum"], rtol=0, atol=0)
     for r in results:
         torch.testing.assert_close(r["grad0"], ref["grad0"], rtol=0, atol=1e-6)
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0)
@@ -194,7 +198,8 @@ def test_error_module_in_nested_unit_and_parent(one_rank) -> None:
 
 
 def test_llama_config_tie_embeddings() -> None:
-    assert not CFG.tie_embeddings and Llama(CFG).output.weight is not Llama(CFG).tok_embeddings.weight
+    untied = Llama(CFG)
+    assert not CFG.tie_embeddings and untied.output.weight is not untied.tok_embeddings.weight
     m = Llama(TIED_CFG)
     assert m.output.weight is m.tok_embeddings.weight
     assert len(list(m.parameters())) == N_PARAMS - 1
