@@ -201,6 +201,18 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
     assert isinstance(wq, DTensor)
     assert torch.equal(wq.full_tensor(), plain_sd["layers.0.attn.wq.weight"])
 
+    # Other layouts load the same way: parameters sharded on dim 1
+    # (shard_placement_fn) and kept on the CPU (CPUOffloadPolicy), copied or assigned.
+    for assign in (False, True):
+        torch.manual_seed(1)
+        m = shard_llama(
+            Llama(CFG), th.fully_shard, mesh=mesh, offload_policy=th.CPUOffloadPolicy(),
+            shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None,
+        )
+        m.load_state_dict(plain_sd, assign=assign)
+        assert m.layers[0].attn.wq.weight.placements == (Shard(1),)
+        loaded_ok(m)
+
     # state_dict() and load_state_dict() while units hold gathered data.
     m = fresh()
     m.unshard()  # root unit: embedding, norm, output

@@ -373,6 +373,18 @@ def _prepare_loaded_value(
         value = distribute_tensor(
             value.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
         )
+        local_device = sharded.to_local().device
+        if value.to_local().device != local_device:
+            # CPUOffloadPolicy keeps the shards on the CPU (distribute_tensor puts
+            # them on the mesh's device).
+            value = DTensor.from_local(
+                value.to_local().to(local_device),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
         state_dict[key] = value
     if assign:
         _check_assignable(key, value, sharded)
@@ -390,6 +402,13 @@ def _check_assignable(key: str, value: DTensor, sharded: DTensor) -> None:
             f"{sharded.device_mesh}. Redistribute it first "
             "(value.redistribute(param.device_mesh, param.placements)), or load with "
             "assign=False, which copies."
+        )
+    if value.to_local().device != sharded.to_local().device:
+        raise ValueError(
+            f"load_state_dict(assign=True): {key!r} holds its shard on "
+            f"{value.to_local().device}; the fully_shard parameter it would replace holds "
+            f"it on {sharded.to_local().device} (CPUOffloadPolicy keeps shards on the "
+            "CPU). Move the shards there first, or load with assign=False, which copies."
         )
     if value.dtype != sharded.dtype:
         raise ValueError(
