@@ -23,14 +23,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -331,19 +329,11 @@ def test_dump_arguments(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ------------------------------------------------------------ tier 2: Inductor
-@pytest.fixture
-def one_rank():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD.group_name
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_dump_inductor_post_grad_before_and_after_passes(one_rank: str, tmp_path: Path) -> None:
-    group = one_rank
+def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tmp_path: Path) -> None:
+    group = one_rank_group
 
     def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         with collective_annotation("Block", ["w0"]):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from _feature_workers import STEPS, features_vs_torch
+from _feature_workers import features_vs_torch
 from _workers import CFG
 
 N_PARAMS = 2 + 9 * CFG.n_layers + 1

@@ -8,13 +8,10 @@ all-reduced instead of reduce-scattered, which is one more order).
 
 from __future__ import annotations
 
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp as th
 from _dist import run_ranks
@@ -82,14 +79,6 @@ def test_hsdp_reduce_op_and_divide_factor() -> None:
             assert d_sum < 1e-5 and d_div < 1e-5, (k, d_sum, d_div)
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-        try:
-            yield init_device_mesh("cpu", (1,))
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

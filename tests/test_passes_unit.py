@@ -13,13 +13,11 @@ same elements in the same rank order).
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -672,17 +670,9 @@ def test_install_is_idempotent_and_composes(restore_passes) -> None:
         passes.set_config({"remove_resize_copy": True})  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def one_rank():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD.group_name
-        finally:
-            dist.destroy_process_group()
 
 
-def test_fully_shard_installs_the_passes(restore_passes, one_rank) -> None:
+def test_fully_shard_installs_the_passes(restore_passes, one_rank_group) -> None:
     ic = restore_passes
     user = _UserPass()
     ic.post_grad_custom_pre_pass = user
@@ -693,14 +683,14 @@ def test_fully_shard_installs_the_passes(restore_passes, one_rank) -> None:
     assert ic.post_grad_custom_pre_pass is installed
 
 
-def test_bucketed_graphs_run_with_real_collectives(one_rank) -> None:
+def test_bucketed_graphs_run_with_real_collectives(one_rank_group) -> None:
     """The rewritten graphs execute with the real functional collectives (1 rank)."""
     b = _Builder()
     a, c, g0, g1 = b.input("a", 2, 3), b.input("c", 4), b.input("g0", 2, 3), b.input("g1", 4)
-    ra = b(WAIT, b(ALL_GATHER, a, 1, one_rank))
-    rc = b(WAIT, b(ALL_GATHER, c, 1, one_rank))
-    s0 = b(WAIT, b(REDUCE_SCATTER, g0, "avg", 1, one_rank))
-    s1 = b(WAIT, b(REDUCE_SCATTER, g1, "avg", 1, one_rank))
+    ra = b(WAIT, b(ALL_GATHER, a, 1, one_rank_group))
+    rc = b(WAIT, b(ALL_GATHER, c, 1, one_rank_group))
+    s0 = b(WAIT, b(REDUCE_SCATTER, g0, "avg", 1, one_rank_group))
+    s1 = b(WAIT, b(REDUCE_SCATTER, g1, "avg", 1, one_rank_group))
     gm = b.done(ra, rc, s0, s1)
     inputs = [torch.randn(2, 3), torch.randn(4), torch.randn(2, 3), torch.randn(4)]
     ref = gm(*inputs)
@@ -1023,11 +1013,11 @@ def test_overlap_late_wait_bounds() -> None:
     assert p[s1.name] + 1 == p[write.name]
 
 
-def test_overlapped_graphs_run_with_real_collectives(one_rank) -> None:
+def test_overlapped_graphs_run_with_real_collectives(one_rank_group) -> None:
     """Overlapped graphs execute with the real functional collectives (1 rank) and
     give bitwise the same results."""
     for build in (_chain, _backward_chain):
-        gm, inputs = build(1, group=one_rank)
+        gm, inputs = build(1, group=one_rank_group)
         ref = gm(*inputs[0])
         assert overlap(gm) >= 2
         for x, y in zip(gm(*inputs[0]), ref):

@@ -11,13 +11,12 @@ tolerantly, since the compiled graph may reorder reductions.
 
 from __future__ import annotations
 
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 import traceable_hsdp as th
 from _dist import run_ranks
@@ -103,14 +102,6 @@ def test_reshard_after_forward_int_4_ranks(mode: str) -> None:
 
 
 # --------------------------------------------------------------------- errors
-@pytest.fixture(scope="module")
-def one_rank():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-        try:
-            yield init_device_mesh("cpu", (1,))
-        finally:
-            dist.destroy_process_group()
 
 
 def test_error_not_a_module(one_rank) -> None:

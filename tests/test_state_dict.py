@@ -21,9 +21,7 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp as th
 from _ckpt_workers import (
@@ -144,14 +142,6 @@ def test_tied_embeddings_parity_eager() -> None:
 
 
 # ---------------------------------------------------- a parameter split across units
-@pytest.fixture(scope="module")
-def one_rank():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-        try:
-            yield init_device_mesh("cpu", (1,))
-        finally:
-            dist.destroy_process_group()
 
 
 def test_error_tied_weight_split_across_units(one_rank) -> None:
