@@ -174,6 +174,13 @@ def pass_variants() -> tuple[list[Variant], str]:
                     passes=",".join(m for m in switches if m != n), passes_config=cfg,
                 )
             )
+    if any(f.name == "bucket_cap_mb" for f in dataclasses.fields(PassConfig)):
+        # Every pass, and buckets merging adjacent units up to 1 MiB (XLA-combiner
+        # style): fewer, larger collectives, more gathered memory at once.
+        out.append(
+            Variant("ours_compiled_cap1mb", "ours", "whole", passes="all",
+                    passes_config=(*on, ("bucket_cap_mb", 1.0)))
+        )
     return out, f"passes (traceable_hsdp.passes.PassConfig switches): {', '.join(switches)}"
 
 

@@ -13,6 +13,8 @@ same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same 
 - ``ours_compiled``: the same under ``torch.compile(model, fullgraph=True)`` with
   ``traceable_hsdp.enable_compiled_autograd()``, all passes on;
 - ``ours_compiled_nopasses`` (and ``ours_compiled_no_<pass>`` per switchable pass);
+- ``ours_compiled_cap1mb``: every pass, with ``bucket_cap_mb=1`` (adjacent units'
+  collectives merged up to 1 MiB);
 - ``torch_eager``: ``torch.distributed.fsdp.fully_shard`` per block then root, eager;
 - ``torch_block_compiled``: torchtitan's recipe, every block
   ``torch.compile(block, fullgraph=True)`` then torch's fully_shard; eager backward;
