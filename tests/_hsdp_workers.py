@@ -146,3 +146,33 @@ def comm_options_worker(rank: int, world: int) -> dict[str, Any]:
     except RuntimeError as e:
         out["linear_error"] = str(e)
     return out
+
+
+def ignored_params_worker(rank: int, world: int) -> dict[str, Any]:
+    """ignored_params against torch's fully_shard with the same setting, eagerly, 2
+    steps of AdamW: the ignored parameter (the final norm) stays a plain tensor that
+    each rank steps with its own, unreduced gradient, in both libraries."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    out = {}
+    for lib, fs in (("ours", th.fully_shard), ("torch", torch_fsdp.fully_shard)):
+        torch.manual_seed(0)
+        model = Llama(CFG)
+        for layer in model.layers:
+            fs(layer)
+        fs(model, ignored_params={model.norm.weight})
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for xs, ys in _data(world, 2):
+            loss = _loss(model(xs.chunk(world)[rank]), ys.chunk(world)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[lib] = dict(
+            losses=losses,
+            params={k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+                    for k, v in model.state_dict().items()},
+            norm_type=type(model.norm.weight).__name__,
+        )
+    return out

@@ -132,3 +132,15 @@ def test_fsdp_module_comm_options_2x2_eager() -> None:
         assert r["no_all_reduce"] > 1e-4, r
         assert r["embedding_no_unshard"] < 1e-6, r
         assert r["linear_error"] and "storage of size 0" in r["linear_error"], r
+
+
+def test_ignored_params_match_torch_fully_shard() -> None:
+    """Bitwise: the same ops in the same order as torch's fully_shard (eager)."""
+    from _hsdp_workers import ignored_params_worker
+
+    for r in run_ranks(ignored_params_worker, 2):
+        ours, ref = r["ours"], r["torch"]
+        assert ours["norm_type"] == "Parameter" and ref["norm_type"] == "Parameter"
+        assert ours["losses"] == ref["losses"]
+        for k, v in ref["params"].items():
+            torch.testing.assert_close(ours["params"][k], v, rtol=0, atol=0, msg=k)
