@@ -99,13 +99,13 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
 
     # torch's fully_shard first: compiled autograd must be off for it.
     ref = _build("torch", mesh, tmp)
-    keep = mode == "eager"
+    keep = mode in ("eager", "compiled_keep")
     ref_losses, _, _ = _train(ref, rank, world, eager_step(ref), keep)
     ref_params = {k: v.full_tensor() for k, v in ref.state_dict().items()}
 
     ours = _build("ours", mesh, mp)
     rec = GraphRecorder()
-    if mode == "compiled":
+    if mode.startswith("compiled"):
         th.enable_compiled_autograd(backend=rec)
         compiled = torch.compile(ours, backend=rec, fullgraph=True)
 
@@ -116,7 +116,7 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
     else:
         step = eager_step(ours)
     losses, nosync, kept_bytes = _train(ours, rank, world, step, keep)
-    if mode == "compiled":
+    if mode.startswith("compiled"):
         th.disable_compiled_autograd()
     return dict(
         losses=losses,

@@ -7,7 +7,8 @@ accumulation over 2 micro-batches with set_requires_gradient_sync(False) on the
 first, shard_placement_fn (the MLP down projections and the output head on dim 1)
 and CPUOffloadPolicy on the blocks. Eager also keeps the units gathered between
 micro-batches (set_reshard_after_backward / set_is_last_backward False on the
-first). The comparison is bitwise (atol=rtol=0): both libraries cast, gather,
+first); ``compiled_keep`` does that compiled. The comparison is bitwise
+(atol=rtol=0): both libraries cast, gather,
 compute and reduce in the same dtypes and orders, and so produced identical
 numbers in our runs; any drift means a semantic difference.
 """
@@ -26,7 +27,7 @@ N_FROZEN = CFG.n_layers + 1  # attn_norm of every block + layers[0].attn.wq
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "compiled_keep"])
 def test_features_match_torch_fully_shard(mode: str) -> None:
     results = run_ranks(features_vs_torch, 2, (2,), mode)
     for r in results:
@@ -42,11 +43,21 @@ def test_features_match_torch_fully_shard(mode: str) -> None:
         assert r["placements"]["layers.0.ffn.w2.weight"] == "(Shard(dim=1),)"
         assert r["placements"]["layers.0.ffn.w1.weight"] == "(Shard(dim=0),)"
         assert r["devices"] == {"cpu"}
-    if mode == "eager":
+    if mode in ("eager", "compiled_keep"):
         # set_reshard_after_backward(False) + set_is_last_backward(False) on the
         # no-sync micro-batch: the units stay gathered until the last micro-batch
         # (then every placeholder is freed: bytes_after above).
         assert all(b > 0 for b in results[0]["kept_bytes"]), results[0]["kept_bytes"]
+    if mode == "compiled_keep":
+        # Units kept gathered into the next micro-batch: that forward has no
+        # all-gather (a second forward graph); two backward graphs (no-sync, with
+        # re-gathers only; syncing, with the reduce-scatters). All compiled in the
+        # first step: no recompiles after.
+        r = results[0]
+        assert len(r["fwd_counts"]) == 2 and len(r["bwd_counts"]) == 2, (r["fwd_counts"], r["bwd_counts"])
+        assert "all_gather_into_tensor" not in r["fwd_counts"][1], r["fwd_counts"]
+        assert "reduce_scatter_tensor" not in r["bwd_counts"][0], r["bwd_counts"]
+        assert r["bwd_counts"][1]["reduce_scatter_tensor"] == N_PARAMS - N_FROZEN
     if mode == "compiled":
         r = results[0]
         assert len(r["fwd_counts"]) == 1, r["fwd_counts"]  # zero recompiles
