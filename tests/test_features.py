@@ -68,3 +68,17 @@ def test_features_match_torch_fully_shard(mode: str) -> None:
         assert "reduce_scatter_tensor" not in nosync
         assert sync["reduce_scatter_tensor"] == N_PARAMS - N_FROZEN
         assert nosync["all_gather_into_tensor"] == sync["all_gather_into_tensor"] == N_PARAMS
+
+
+@pytest.mark.slow
+def test_features_match_torch_fully_shard_hsdp_2x2_eager() -> None:
+    """The same features on a 2x2 (replicate, shard) mesh, 4 ranks, eager: bitwise."""
+    results = run_ranks(features_vs_torch, 4, (2, 2), "eager")
+    for r in results:
+        assert r["losses"] == r["ref_losses"], (r["losses"], r["ref_losses"])
+        for k, v in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][k], v, rtol=0, atol=0, msg=k)
+        assert all(all(none) for none in r["nosync_grads_none"])
+        assert r["placements"]["output.weight"] == "(Replicate(), Shard(dim=1))"
+        assert r["placements"]["layers.0.ffn.w1.weight"] == "(Replicate(), Shard(dim=0))"
+        assert r["bytes_after"] == 0 and all(b > 0 for b in r["kept_bytes"])
