@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import traceable_hsdp as th
-from _workers import CFG, GraphRecorder, _data, _loss, _placeholder_bytes
+from _workers import CFG, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes
 from traceable_hsdp.models import Llama
 
 MICRO = 2  # micro-batches per optimizer step
@@ -78,9 +78,7 @@ def _train(
                     kept_bytes.append(_placeholder_bytes(model))
         opt.step()
         opt.zero_grad()
-        t = torch.tensor(total)
-        torch.distributed.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(_mean_over_ranks(torch.tensor(total), world))
     return losses, grads_after_nosync, kept_bytes
 
 

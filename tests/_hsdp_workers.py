@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
-from _workers import CFG, LR, GraphRecorder, _data, _loss, _placeholder_bytes
+from _workers import CFG, LR, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes
 from traceable_hsdp.models import Llama, shard_llama
 
 STEPS = 3
@@ -40,9 +40,7 @@ def hsdp_worker(rank: int, world: int, shard_size: int, levels: list[str], mode:
             assert all(isinstance(p.grad, DTensor) for p in model.parameters())
             opt.step()
             opt.zero_grad()
-            t = loss.detach().clone()
-            torch.distributed.all_reduce(t)
-            losses.append(t.item() / world)
+            losses.append(_mean_over_ranks(loss, world))
         if mode == "compiled":
             th.disable_compiled_autograd()
         out[level] = dict(

@@ -67,22 +67,33 @@ class GraphRecorder:
         return aot_eager(gm, example_inputs)
 
 
-def _placeholder_bytes(model: torch.nn.Module) -> int:
-    total = 0
+def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
+    """``value`` (a scalar tensor, e.g. this rank's loss) averaged over every rank."""
+    t = value.detach().clone()
+    torch.distributed.all_reduce(t)
+    return t.item() / world
+
+
+def _managed(model: torch.nn.Module) -> list[Any]:
+    """The FSDPParams of every fully_shard unit in ``model``, each unit once."""
+    states = {}
     for m in model.modules():
         state = m.__dict__.get("_traceable_hsdp_state")
-        if state is not None and state.param_group is not None and state.modules[0] is m:
-            for fp in state.param_group.fsdp_params:
-                total += fp.unsharded_param.untyped_storage().nbytes()
-    return total
+        if state is not None and state.param_group is not None:
+            states[id(state)] = state
+    return [fp for s in states.values() for fp in s.param_group.fsdp_params]
+
+
+def _placeholder_bytes(model: torch.nn.Module) -> int:
+    """Storage bytes of every unsharded placeholder."""
+    return sum(fp.unsharded_param.untyped_storage().nbytes() for fp in _managed(model))
 
 
 def _post_forward_bytes(model: torch.nn.Module) -> int:
-    states = {id(s): s for m in model.modules()
-              if (s := m.__dict__.get("_traceable_hsdp_state")) is not None and s.param_group}
+    """Storage bytes of every post-forward shard (an int reshard_after_forward)."""
     return sum(
         fp.post_forward_shard.untyped_storage().nbytes()
-        for s in states.values() for fp in s.param_group.fsdp_params
+        for fp in _managed(model)
         if fp.post_forward_shard is not None
     )
 
@@ -136,9 +147,7 @@ def parity_worker(
         assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters())
         opt.step()
         opt.zero_grad()
-        t = loss.detach().clone()
-        torch.distributed.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(_mean_over_ranks(loss, world))
     if mode == "compiled":
         th.disable_compiled_autograd()
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}

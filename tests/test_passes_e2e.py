@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
+from _workers import _placeholder_bytes
 
 N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 4, 3, 8, 2, 1e-2
 N_UNITS = N_LAYERS + 1
@@ -140,20 +141,6 @@ def _counts(graph: torch.fx.Graph) -> dict[str, int]:
         elif P.is_resize(n):
             c["resize_0" if P.resize_nbytes(n) == 0 else "resize_full"] += 1
     return c
-
-
-def _placeholder_bytes(model: torch.nn.Module) -> int:
-    """Storage bytes of every unsharded placeholder (each unit's state counted once)."""
-    states = {}
-    for m in model.modules():
-        state = m.__dict__.get("_traceable_hsdp_state")
-        if state is not None and state.param_group is not None:
-            states[id(state)] = state
-    return sum(
-        fp.unsharded_param.untyped_storage().nbytes()
-        for state in states.values()
-        for fp in state.param_group.fsdp_params
-    )
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
