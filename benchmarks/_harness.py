@@ -5,8 +5,28 @@ Imported by ``step_time.py`` (the CLI, which spawns the ranks and writes the rep
 and ``profile_step.py``. Nothing here touches the runtime or the passes: it only
 builds models with the public APIs, flips the documented switches, and reads graphs.
 
+[Note: Where the ranks run]
+On the CPU, ``CPU_WORLD`` (2) gloo ranks, one thread each, share the machine's cores.
+On CUDA, one NCCL rank per visible GPU (NCCL cannot put two ranks on one GPU): rank
+``r`` on ``cuda:r``, the model built on the CPU from the same seed and moved there,
+every batch generated on the CPU (the same tokens as on the CPU run) and copied there
+before the step's timer starts. CUDA runs asynchronously, so a step's timer starts and
+stops after ``torch.cuda.synchronize()``. A :class:`Placement` says which; the CLIs
+build it with :func:`resolve_placement`. The global batch is ``world`` times the
+per-rank batch, so every rank keeps its per-rank shape whatever the world size.
+
+[Note: Memory per variant]
+CPU: the process's peak RSS (``ru_maxrss``), which cannot be reset, read after the
+variant's first round: a high-water mark in run order. CUDA:
+``torch.cuda.reset_peak_memory_stats()`` at the start of each of the variant's blocks
+and ``torch.cuda.max_memory_allocated()`` at its end, the variant's figure being the
+largest over its blocks. Either way every variant's tensors live in the same process,
+so the CUDA figure includes the other variants' models and optimizer states; the
+allocated bytes at each block's start are kept as well, and the report also gives the
+peak above them.
+
 [Note: Round-robin timing]
-Every variant lives in the same two processes for the whole run. A round gives each
+Every variant lives in the same processes (one per rank) for the whole run. A round gives each
 variant, in turn, its own warm-up steps and then ``steps`` timed steps; several
 rounds are run and the medians are taken over all timed steps of all rounds. A burst
 of machine noise (the 2-core box is shared) then lands on every variant alike
@@ -56,9 +76,175 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-WORLD = 2
+CPU_WORLD = 2  # gloo ranks on the CPU. See [Note: Where the ranks run]
 LR = 1e-3
 PASSES_ENV = "TRACEABLE_HSDP_PASSES"
+
+
+# ------------------------------------------------------------------ placement
+
+DeviceType = Literal["cpu", "cuda"]
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class MemoryMetric:
+    """The per-variant memory figure of a run. See [Note: Memory per variant].
+
+    Args:
+        key: its name in the JSON report.
+        label: its name in the markdown report, with the unit.
+        column: the markdown table's column header (before the ranks it lists).
+        what: how it is measured, one sentence for the report.
+    """
+
+    key: str
+    label: str
+    column: str
+    what: str
+
+
+PEAK_RSS = MemoryMetric(
+    "peak_rss_mib", "peak RSS MiB", "peak RSS MiB after round 1",
+    "the process's peak resident set size after the variant's first round (a high-water "
+    "mark: every variant shares the process, in run order)",
+)
+GPU_MAX_ALLOCATED = MemoryMetric(
+    "gpu_max_allocated_mib", "GPU max allocated MiB", "GPU max allocated MiB",
+    "torch.cuda.max_memory_allocated() over each of the variant's blocks, reset at the "
+    "start of each (it counts every live tensor of the process, the other variants' "
+    "models and optimizer states too), the largest over its blocks",
+)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's ranks live. See [Note: Where the ranks run].
+
+    Args:
+        device_type: ``"cpu"`` (gloo ranks) or ``"cuda"`` (NCCL, rank ``r`` on
+            ``cuda:r``).
+        world: the number of ranks.
+    """
+
+    device_type: DeviceType
+    world: int
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device_type == "cuda" else "gloo"
+
+    @property
+    def memory_metric(self) -> MemoryMetric:
+        return GPU_MAX_ALLOCATED if self.device_type == "cuda" else PEAK_RSS
+
+    def rank_device(self, rank: int) -> torch.device:
+        """This rank's device: ``cuda:rank`` or the CPU."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", rank)
+        return torch.device("cpu")
+
+
+def resolve_device(requested: str) -> DeviceType:
+    """The device type a ``--device`` value asks for: ``auto`` is ``cuda`` when
+    ``torch.cuda.is_available()``, else ``cpu``.
+
+    Raises:
+        ValueError: ``requested`` is not one of ``auto``, ``cpu``, ``cuda``; or it is
+            ``cuda`` and this torch sees no usable CUDA device.
+    """
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(
+            f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {requested!r}."
+        )
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        built = torch.version.cuda
+        why = (
+            f"this torch ({torch.__version__}) is a CPU-only build" if built is None
+            else f"this torch ({torch.__version__}, CUDA {built}) finds no usable GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+        )
+        raise ValueError(
+            f"--device cuda, but torch.cuda.is_available() is False: {why}. Run on the "
+            "CPU with --device cpu (or --device auto), or on a machine with an NVIDIA GPU "
+            "and a CUDA build of torch."
+        )
+    return "cuda" if requested == "cuda" else "cpu"
+
+
+def resolve_world(device_type: DeviceType, world: int | None) -> int:
+    """The number of ranks: ``world`` when given, else ``CPU_WORLD`` on the CPU and one
+    per visible GPU (``torch.cuda.device_count()``) on CUDA.
+
+    Raises:
+        ValueError: ``world`` is below 1; or, on CUDA, no GPU is visible or ``world``
+            is more than the visible GPUs (NCCL needs one GPU per rank).
+    """
+    if world is not None and world < 1:
+        raise ValueError(f"--world must be >= 1, got {world}.")
+    if device_type == "cpu":
+        return CPU_WORLD if world is None else world
+    visible = torch.cuda.device_count()
+    where = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+    if visible < 1:
+        raise ValueError(
+            f"--device cuda, but torch.cuda.device_count() is 0 ({where}). Make a GPU "
+            "visible or run with --device cpu."
+        )
+    if world is None:
+        return visible
+    if world > visible:
+        raise ValueError(
+            f"--world {world} with --device cuda: NCCL needs one GPU per rank and "
+            f"torch.cuda.device_count() is {visible} ({where}). Pass --world between 1 "
+            f"and {visible}, or leave it out for one rank per GPU."
+        )
+    return world
+
+
+def resolve_placement(device: str, world: int | None) -> Placement:
+    """:func:`resolve_device` then :func:`resolve_world`; raises their ``ValueError``."""
+    device_type = resolve_device(device)
+    return Placement(device_type, resolve_world(device_type, world))
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's (``platform.processor()``, else the machine)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def sync(device: torch.device) -> None:
+    """Waits for the work queued on ``device`` (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new CUDA peak; the CPU's peak RSS cannot be reset (a no-op there).
+    See [Note: Memory per variant]."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """The placement's memory metric now: CUDA max allocated since the last
+    :func:`reset_peak_memory`, or the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mib()
+
+
+def allocated_mib(device: torch.device) -> float | None:
+    """CUDA bytes allocated now, in MiB; ``None`` on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    return None
 
 
 # --------------------------------------------------------------------- shapes
@@ -320,12 +506,20 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def batch_for(shape: Shape, step: int, seed: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of step ``step``'s global batch: the same on every variant."""
+def batch_for(
+    shape: Shape, step: int, seed: int, rank: int, world: int,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of step ``step``'s global batch (``world * shape.batch``
+    sequences, generated on the CPU), on ``device`` (default the CPU): the same on
+    every variant."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    tok = torch.randint(0, shape.vocab, (WORLD * shape.batch, shape.seq + 1), generator=g)
+    tok = torch.randint(0, shape.vocab, (world * shape.batch, shape.seq + 1), generator=g)
     mine = tok[rank * shape.batch:(rank + 1) * shape.batch]
-    return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+    x, y = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+    if device is not None and device.type != "cpu":
+        x, y = x.to(device), y.to(device)
+    return x, y
 
 
 @contextlib.contextmanager
@@ -370,8 +564,9 @@ class Runner:
     Args:
         variant: what to run.
         shape: model and batch shape.
-        mesh: the 1-D device mesh over both ranks (unused by ``unsharded``).
+        mesh: the 1-D device mesh over all ranks (unused by ``unsharded``).
         rank: this rank.
+        device: this rank's device; the model is built on the CPU and moved there.
         backend: ``torch.compile`` backend for the compiled variants.
         seed: model init seed (the same for all variants) and data seed.
         default_recompute_views: torch's value of ``recompute_views`` before our
@@ -383,11 +578,13 @@ class Runner:
     def __init__(
         self, variant: Variant, shape: Shape, mesh: Any, rank: int, backend: str,
         seed: int, default_recompute_views: bool, default_pre_pass: Any = None,
+        device: torch.device | None = None,
     ) -> None:
         self.v = variant
         self.shape = shape
         self.mesh = mesh
         self.rank = rank
+        self.device = torch.device("cpu") if device is None else device
         self.backend = backend
         self.seed = seed
         self.default_recompute_views = default_recompute_views
@@ -450,7 +647,7 @@ class Runner:
         from traceable_hsdp.models import Llama, shard_llama
 
         torch.manual_seed(self.seed)  # the same initial weights for every variant
-        model = Llama(self.shape.model_config())
+        model = Llama(self.shape.model_config()).to(self.device)
         if self.v.impl == "ours":
             shard_llama(model, traceable_hsdp.fully_shard, mesh=self.mesh)
         elif self.v.impl == "torch":
@@ -494,7 +691,10 @@ class VariantResult:
     compiles_after: tuple[int, int] = (0, 0)  # (dynamo, inductor) after the first step
     graph_calls: dict[str, int] = field(default_factory=dict)
     profiled_step_compiles: tuple[int, int] = (0, 0)
-    peak_rss_mib_after_first_round: float | None = None
+    # The placement's memory metric after each block of this variant, and (CUDA only)
+    # the MiB allocated at each block's start. See [Note: Memory per variant].
+    peak_mem_mib: list[float] = field(default_factory=list)
+    allocated_at_start_mib: list[float | None] = field(default_factory=list)
     collectives: dict[str, Any] | None = None
     # Functional-collective works issued but never waited (c10d's registry), after
     # each of this variant's blocks: should stay 0.
@@ -516,11 +716,15 @@ def _count_graph_calls(events: Any) -> dict[str, int]:
     return calls
 
 
+FAILED_ELSEWHERE = "failed on another rank"
+
+
 def run_rank(
-    rank: int, shape: Shape, variants: list[Variant], rounds: int, steps: int,
-    warmup: int, backend: str, seed: int, progress: bool, count_graphs: bool,
+    rank: int, placement: Placement, shape: Shape, variants: list[Variant], rounds: int,
+    steps: int, warmup: int, backend: str, seed: int, progress: bool, count_graphs: bool,
 ) -> dict[str, Any]:
-    """The round-robin loop on this rank. See [Note: Round-robin timing]."""
+    """The round-robin loop on this rank. See [Note: Round-robin timing] and
+    [Note: Where the ranks run]."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch._dynamo
@@ -533,9 +737,12 @@ def run_rank(
 
     default_rv = fconfig.recompute_views
     default_pre = iconfig.post_grad_custom_pre_pass
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
+    world = placement.world
+    device = placement.rank_device(rank)
+    mesh = init_device_mesh(placement.device_type, (world,), mesh_dim_names=("shard",))
     runners = [
-        Runner(v, shape, mesh, rank, backend, seed, default_rv, default_pre) for v in variants
+        Runner(v, shape, mesh, rank, backend, seed, default_rv, default_pre, device)
+        for v in variants
     ]
     results = {v.name: VariantResult(v.name) for v in variants}
 
@@ -550,10 +757,12 @@ def run_rank(
                    dynamic_ncols=True, mininterval=1.0)
 
     def one_step(runner: Runner, res: VariantResult) -> float:
-        x, y = batch_for(shape, runner.steps_done, seed, rank)
+        x, y = batch_for(shape, runner.steps_done, seed, rank, world, device)
         before = compile_counts()
+        sync(device)  # the copies and anything queued before: not this step's time
         t0 = time.perf_counter()
         loss = runner.step(x, y)
+        sync(device)
         dt = time.perf_counter() - t0
         after = compile_counts()
         delta = (after[0] - before[0], after[1] - before[1])
@@ -579,6 +788,8 @@ def run_rank(
                     continue
                 gc.collect()
                 dist.barrier()
+                reset_peak_memory(device)
+                res.allocated_at_start_mib.append(allocated_mib(device))
                 failed = 0
                 if runner.runs_here:
                     try:
@@ -597,36 +808,37 @@ def run_rank(
                         failed = 1
                         print(f"[rank {rank}] {runner.v.name} FAILED: {res.error.splitlines()[0]}",
                               file=sys.stderr, flush=True)
-                # Rank 1 idles here while rank 0 runs the unsharded variant alone. Both
-                # ranks agree on a failure, so they skip the variant from now on together.
-                flag = torch.tensor([failed])
+                res.peak_mem_mib.append(peak_memory_mib(device))
+                # The other ranks idle here while rank 0 runs the unsharded variant alone.
+                # All ranks agree on a failure, so they skip the variant from now on
+                # together. The flag lives on the rank's device (NCCL needs it there).
+                flag = torch.tensor([failed], device=device)
                 dist.all_reduce(flag)
                 if int(flag) and res.error is None:
-                    res.error = "failed on the other rank"
-                if rnd == 0:
-                    res.peak_rss_mib_after_first_round = peak_rss_mib()
+                    res.error = FAILED_ELSEWHERE
                 res.unwaited_works_after.append(_unwaited_works())
-                _checkpoint(_rank_result(rank, runners, results, backend, variants, rnd))
-            _checkpoint(_rank_result(rank, runners, results, backend, variants, rnd + 1))
+                _checkpoint(_rank_result(rank, runners, results, backend, variants, rnd, device))
+            _checkpoint(_rank_result(rank, runners, results, backend, variants, rnd + 1, device))
         if count_graphs:
-            _profile_graph_calls(runners, results, shape, seed, rank)
+            _profile_graph_calls(runners, results, shape, seed, rank, world, device)
     finally:
         if bar is not None:
             bar.close()
-    return _rank_result(rank, runners, results, backend, variants, rounds)
+    return _rank_result(rank, runners, results, backend, variants, rounds, device)
 
 
 def _rank_result(
     rank: int, runners: list[Runner], results: dict[str, VariantResult], backend: str,
-    variants: list[Variant], rounds_done: int,
+    variants: list[Variant], rounds_done: int, device: torch.device,
 ) -> dict[str, Any]:
     for runner in runners:
         if runner.v.compiled and backend == "inductor":
             results[runner.v.name].collectives = RECORDER.summary(runner.v.name)
     return {
         "rank": rank,
+        "device": {"type": device.type, "index": device.index, "name": device_name(device)},
         "variants": {k: dict(vars(v)) for k, v in results.items()},
-        "peak_rss_mib": peak_rss_mib(),
+        "peak_rss_mib": peak_rss_mib(),  # the host process's, on CUDA too
         "order": [v.name for v in variants],
         "rounds_done": rounds_done,
     }
@@ -648,11 +860,16 @@ def _checkpoint(result: dict[str, Any]) -> None:
 
 
 def _profile_graph_calls(
-    runners: list[Runner], results: dict[str, VariantResult], shape: Shape, seed: int, rank: int
+    runners: list[Runner], results: dict[str, VariantResult], shape: Shape, seed: int,
+    rank: int, world: int, device: torch.device,
 ) -> None:
     """One extra, untimed step per compiled variant under the profiler, counting the
     compiled graphs it calls."""
     from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
 
     for runner in runners:
         if not runner.v.compiled or results[runner.v.name].error is not None:
@@ -660,10 +877,11 @@ def _profile_graph_calls(
         dist.barrier()
         if runner.runs_here:
             with runner.active():
-                x, y = batch_for(shape, runner.steps_done, seed, rank)
+                x, y = batch_for(shape, runner.steps_done, seed, rank, world, device)
                 before = compile_counts()
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with profile(activities=activities) as prof:
                     runner.step(x, y)
+                    sync(device)
                 after = compile_counts()
             res = results[runner.v.name]
             res.graph_calls = _count_graph_calls(prof.events())
@@ -674,8 +892,11 @@ def _profile_graph_calls(
 # ------------------------------------------------------------------- spawning
 
 
-def spawn_worker(rank: int, tmp: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-    """Entry point of a spawned rank: one thread, gloo, ``fn(rank, **kwargs)``, write
+def spawn_worker(
+    rank: int, tmp: str, placement: Placement, fn: Callable[..., Any], kwargs: dict[str, Any],
+) -> None:
+    """Entry point of a spawned rank: one thread (as torchrun sets for several ranks),
+    gloo on the CPU or NCCL on ``cuda:rank``, ``fn(rank, placement, **kwargs)``, write
     the result."""
     import pickle
     import traceback
@@ -686,14 +907,19 @@ def spawn_worker(rank: int, tmp: str, fn: Callable[..., Any], kwargs: dict[str, 
     faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) prints the Python stack
     _PARTIAL_PATH.append(os.path.join(tmp, f"rank{rank}.partial.pkl"))
     torch.set_num_threads(1)
-    # A variant that fails on one rank only leaves the other in a collective; the
+    device = placement.rank_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # A variant that fails on one rank only leaves the others in a collective; the
     # timeout turns that hang into an error.
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(minutes=15),
+        placement.backend, init_method=f"file://{tmp}/store", rank=rank,
+        world_size=placement.world, timeout=datetime.timedelta(minutes=15),
+        # NCCL: bind the group to this rank's GPU (barriers then need no guess).
+        device_id=device if device.type == "cuda" else None,
     )
     try:
-        result: Any = ("ok", fn(rank, **kwargs))
+        result: Any = ("ok", fn(rank, placement, **kwargs))
     except BaseException:  # sent to the parent, which prints it and fails
         result = ("error", traceback.format_exc())
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
@@ -704,15 +930,16 @@ def spawn_worker(rank: int, tmp: str, fn: Callable[..., Any], kwargs: dict[str, 
         pass
 
 
-def run_spawned(**kwargs: Any) -> list[dict[str, Any]]:
-    """Runs :func:`run_rank` on ``WORLD`` spawned gloo ranks; returns their results
-    (rank order) or raises ``RuntimeError`` with every failing rank's traceback."""
-    return run_spawned_fn(run_rank, **kwargs)
+def run_spawned(placement: Placement, **kwargs: Any) -> list[dict[str, Any]]:
+    """Runs :func:`run_rank` on ``placement.world`` spawned ranks; returns their
+    results (rank order) or raises ``RuntimeError`` with every failing rank's
+    traceback."""
+    return run_spawned_fn(run_rank, placement, **kwargs)
 
 
-def run_spawned_fn(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
-    """Runs ``fn(rank, **kwargs)`` on ``WORLD`` spawned gloo ranks, like
-    :func:`run_spawned`."""
+def run_spawned_fn(fn: Callable[..., Any], placement: Placement, **kwargs: Any) -> list[Any]:
+    """Runs ``fn(rank, placement, **kwargs)`` on ``placement.world`` spawned ranks,
+    like :func:`run_spawned`."""
     import pickle
     import tempfile
 
@@ -720,7 +947,8 @@ def run_spawned_fn(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
 
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
         ctx = mp.start_processes(
-            spawn_worker, args=(tmp, fn, kwargs), nprocs=WORLD, join=False, start_method="spawn"
+            spawn_worker, args=(tmp, placement, fn, kwargs), nprocs=placement.world,
+            join=False, start_method="spawn",
         )
         try:
             while not ctx.join():
@@ -731,7 +959,7 @@ def run_spawned_fn(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
             died = ""
         results, errors = [], []
         partial = []
-        for r in range(WORLD):
+        for r in range(placement.world):
             path = os.path.join(tmp, f"rank{r}.pkl")
             if not os.path.exists(path):
                 errors.append(f"rank {r}: no result (process died) {died}")
@@ -747,8 +975,8 @@ def run_spawned_fn(fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
             else:
                 errors.append(f"rank {r}:\n{value}")
         if errors:
-            if len(partial) == WORLD and not results:
-                # Checkpointed after every variant block: keep what both ranks finished.
+            if len(partial) == placement.world and not results:
+                # Checkpointed after every variant block: keep what all ranks finished.
                 done = min(p["rounds_done"] for p in partial)
                 for p in partial:
                     p["incomplete"] = (

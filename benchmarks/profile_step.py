@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Where a training step's time goes: torch.profiler on rank 0 of 2 gloo ranks.
+"""Where a training step's time goes: torch.profiler on rank 0 of 2 gloo ranks (CPU) or
+of one NCCL rank per GPU (CUDA).
 
     python benchmarks/profile_step.py [--shape overhead|compute]
         [--variants ours_compiled,torch_block_compiled] [--warmup 3] [--steps 5]
-        [--out DIR] [--trace]
+        [--out DIR] [--trace] [--device auto|cpu|cuda] [--world N]
 
-Builds the named variants exactly as ``step_time.py`` does (``_harness.Runner``),
-warms each up, times ``--steps`` unprofiled steps, then profiles ``--steps`` more on
-both ranks with the step split into phases (``forward``, ``loss``, ``backward``,
+Builds the named variants exactly as ``step_time.py`` does (``_harness.Runner``, on
+the ranks and devices of ``--device``/``--world`` as there), warms each up, times
+``--steps`` unprofiled steps, then profiles ``--steps`` more on every rank with the
+step split into phases (``forward``, ``loss``, ``backward``,
 ``optimizer`` = AdamW step + zero_grad) and reports, per phase and per step, from rank
 0's main thread (the CPU autograd engine runs the backward on the calling thread):
 
@@ -19,6 +21,13 @@ both ranks with the step split into phases (``forward``, ``loss``, ``backward``,
   ``aten`` (top-level ATen ops: eager compute and DTensor's local ops) and
   ``python/framework`` (the rest: Python, dynamo guards and wrappers, compiled
   autograd's graph walk and cache lookup, DTensor dispatch, hooks).
+
+On CUDA these categories are the host's timeline (kernels run asynchronously: a
+graph's or a collective's time is then its launch, and waits block only where the host
+synchronizes); the profiler also records the GPU (``ProfilerActivity.CUDA``), and the
+report adds the GPU time per step: NCCL kernels and all other kernels and copies,
+summed per kind (kernels on different streams overlap, so the two may add up to more
+than the step).
 
 Writes ``<out>/profile_<shape>.md`` (printed too) and ``.json``; ``--trace`` also
 writes a Chrome trace per variant.
@@ -49,8 +58,8 @@ def _is_coll(name: str) -> bool:
     return name.startswith(_COLL_OPS) or name.startswith("gloo:")
 
 
-def _profile_rank(rank: int, shape_name: str, variants: list[str], warmup: int, steps: int,
-                  out: str, trace: bool, backend: str) -> dict[str, Any]:
+def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str], warmup: int,
+                  steps: int, out: str, trace: bool, backend: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -65,29 +74,37 @@ def _profile_rank(rank: int, shape_name: str, variants: list[str], warmup: int, 
     shape = H.SHAPES[shape_name]
     known, _ = H.all_variants()
     by_name = {v.name: v for v in known}
-    mesh = init_device_mesh("cpu", (H.WORLD,), mesh_dim_names=("shard",))
+    world = placement.world
+    device = placement.rank_device(rank)
+    mesh = init_device_mesh(placement.device_type, (world,), mesh_dim_names=("shard",))
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
     default_rv, default_pre = fconfig.recompute_views, iconfig.post_grad_custom_pre_pass
     results: dict[str, Any] = {}
     for name in variants:
         v = by_name[name]
-        runner = H.Runner(v, shape, mesh, rank, backend, 0, default_rv, default_pre)
+        runner = H.Runner(v, shape, mesh, rank, backend, 0, default_rv, default_pre, device)
         dist.barrier()
         if runner.runs_here:
             with runner.active():
                 for _ in range(warmup):
-                    x, y = H.batch_for(shape, runner.steps_done, 0, rank)
+                    x, y = H.batch_for(shape, runner.steps_done, 0, rank, world, device)
                     runner.step(x, y)
                 plain = []
                 for _ in range(steps):
-                    x, y = H.batch_for(shape, runner.steps_done, 0, rank)
+                    x, y = H.batch_for(shape, runner.steps_done, 0, rank, world, device)
+                    H.sync(device)
                     t0 = time.perf_counter()
                     runner.step(x, y)
+                    H.sync(device)
                     plain.append(time.perf_counter() - t0)
                 before = H.compile_counts()
                 walls = []
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with profile(activities=activities) as prof:
                     for _ in range(steps):
-                        x, y = H.batch_for(shape, runner.steps_done, 0, rank)
+                        x, y = H.batch_for(shape, runner.steps_done, 0, rank, world, device)
+                        H.sync(device)
                         t0 = time.perf_counter()
                         with record_function("phase::forward"):
                             logits = runner.fwd(x)
@@ -98,6 +115,7 @@ def _profile_rank(rank: int, shape_name: str, variants: list[str], warmup: int, 
                         with record_function("phase::optimizer"):
                             runner.opt.step()
                             runner.opt.zero_grad()
+                        H.sync(device)
                         runner.steps_done += 1
                         walls.append(time.perf_counter() - t0)
                 after = H.compile_counts()
@@ -110,7 +128,11 @@ def _profile_rank(rank: int, shape_name: str, variants: list[str], warmup: int, 
                     os.makedirs(out, exist_ok=True)
                     prof.export_chrome_trace(os.path.join(out, f"trace_{shape_name}_{name}.json"))
         dist.barrier()
-    return results
+    return {
+        "device": {"type": device.type, "backend": placement.backend, "world": world,
+                   "name": H.device_name(device)},
+        "variants": results,
+    }
 
 
 def _breakdown(events: Any, steps: int) -> dict[str, Any]:
@@ -173,15 +195,37 @@ def _breakdown(events: Any, steps: int) -> dict[str, Any]:
             "eager_aten": aten_out / steps / 1e3,
             "python_framework": (wall - graph_t - coll_out - aten_out) / steps / 1e3,
         }
-    return {"ms_per_step": out, "collective_calls_per_step": {k: v / steps for k, v in n_coll.items()}}
+    gpu = _gpu_ms(events, steps)
+    return {
+        "ms_per_step": out,
+        "collective_calls_per_step": {k: v / steps for k, v in n_coll.items()},
+        **({"gpu_ms_per_step": gpu} if gpu is not None else {}),
+    }
 
 
-def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace) -> str:
+def _gpu_ms(events: Any, steps: int) -> dict[str, float] | None:
+    """GPU time per step from the profiler's CUDA events (kernels, copies): NCCL's
+    kernels and the rest, each summed; ``None`` when there are none (a CPU run)."""
+    gpu = [e for e in events if e.device_type.name == "CUDA"]
+    if not gpu:
+        return None
+    nccl = sum(e.time_range.elapsed_us() for e in gpu if "nccl" in e.name.lower())
+    other = sum(e.time_range.elapsed_us() for e in gpu if "nccl" not in e.name.lower())
+    return {"nccl": nccl / steps / 1e3, "other": other / steps / 1e3}
+
+
+def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
+              device: dict[str, Any]) -> str:
     cats = ("graph_compute", "graph_collectives", "eager_collectives", "eager_aten", "python_framework")
     lines = [
         f"### Profile, shape `{shape.name}` ({shape.layers} layers, dim {shape.dim}, seq "
         f"{shape.seq}, batch {shape.batch}/rank), rank 0, ms per step (mean of {args.steps} "
         "profiled steps)",
+        "",
+        f"Device `{device['type']}` ({device['name']}), {device['world']} {device['backend']} "
+        f"ranks; torch.profiler on rank 0"
+        + ("; the categories below are the host's timeline (see the GPU times after the "
+           "table)." if device["type"] == "cuda" else "."),
         "",
         "| variant | phase | wall | graph: compute | graph: collectives | eager collectives "
         "| eager ATen | Python / framework |",
@@ -198,15 +242,22 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append("")
     for name, r in res.items():
         calls = ", ".join(f"{k.split('::')[-1]} {v:g}" for k, v in sorted(r["collective_calls_per_step"].items()))
+        gpu = r.get("gpu_ms_per_step")
+        gpu_part = (
+            f"; GPU time per step: NCCL kernels {gpu['nccl']:.1f} ms, other kernels and "
+            f"copies {gpu['other']:.1f} ms" if gpu else ""
+        )
         lines.append(
             f"- {name}: unprofiled median step {r['unprofiled_median_ms']:.1f} ms, profiled "
             f"{r['profiled_median_ms']:.1f} ms; collective calls per step (rank 0): {calls or 'none seen'}; "
-            f"compiles while profiling (dynamo, inductor): {r['compiles_while_profiling']}."
+            f"compiles while profiling (dynamo, inductor): {r['compiles_while_profiling']}{gpu_part}."
         )
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked; ``args.placement`` and ``args.names`` resolved. Bad values
+    exit through ``argparse`` (status 2) with what was wrong."""
     p = argparse.ArgumentParser(prog="profile_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=("overhead", "compute", "smoke"), default="overhead")
     p.add_argument("--variants", default="ours_compiled,torch_block_compiled")
@@ -215,30 +266,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="inductor")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--trace", action="store_true", help="also write Chrome traces")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when torch.cuda.is_available(), else cpu (default auto)")
+    p.add_argument("--world", type=int, default=None,
+                   help="number of ranks (default: 2 on cpu, torch.cuda.device_count() on "
+                        "cuda; at most that many on cuda, one rank per GPU)")
     args = p.parse_args(argv)
-    sys.path.insert(0, HERE)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import _harness as H
+
+    try:
+        args.placement = H.resolve_placement(args.device, args.world)
+    except ValueError as e:
+        p.error(str(e))
+    args.names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    known = {v.name for v in H.all_variants()[0]}
+    bad = [n for n in args.names if n not in known]
+    if bad:
+        p.error(f"unknown variant(s) {bad}; known: {sorted(known)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)  # puts HERE on sys.path
+    if args.placement.device_type == "cpu":
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     import _harness as H
 
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    known = {v.name for v in H.all_variants()[0]}
-    bad = [n for n in names if n not in known]
-    if bad:
-        p.error(f"unknown variant(s) {bad}; known: {sorted(known)}")
+    names = args.names
     ranks = H.run_spawned_fn(
-        _profile_rank, shape_name=args.shape, variants=names, warmup=args.warmup,
+        _profile_rank, args.placement, shape_name=args.shape, variants=names, warmup=args.warmup,
         steps=args.steps, out=args.out, trace=args.trace, backend=args.backend,
     )
-    res = ranks[0]
-    md = _markdown(H.SHAPES[args.shape], res, args)
+    res, device = ranks[0]["variants"], ranks[0]["device"]
+    md = _markdown(H.SHAPES[args.shape], res, args, device)
     print(md)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"profile_{args.shape}")
     with open(stem + ".md", "w") as f:
         f.write(md)
     with open(stem + ".json", "w") as f:
-        json.dump(dict(args=vars(args), results=res), f, indent=1)
+        json.dump(dict(args={**vars(args), "placement": dict(vars(args.placement))},
+                       device=device, results=res), f, indent=1)
     print(f"wrote {stem}.md, {stem}.json")
     return 0
 

@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""Training step time of traceable_hsdp against torch's fully_shard, on 2 gloo ranks.
+"""Training step time of traceable_hsdp against torch's fully_shard, on 2 gloo ranks
+(CPU) or one NCCL rank per GPU (CUDA).
 
     python benchmarks/step_time.py [--shape overhead|compute|both] [--steps N]
                                    [--rounds R] [--out DIR] [--smoke] [--backend B]
+                                   [--device auto|cpu|cuda] [--world N]
 
-Spawns 2 gloo ranks (one thread each) and, in one run, times these variants of the
+Spawns the ranks (``--device auto``: CUDA when ``torch.cuda.is_available()``, else the
+CPU; 2 gloo ranks of one thread each on the CPU, one NCCL rank per visible GPU on
+CUDA; see [Note: Where the ranks run] in ``_harness.py``) and, in one run, times these
+variants of the
 same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same model
 (same seed) and the same batches, alternating round-robin between them (see
 [Note: Round-robin timing] in ``_harness.py``):
@@ -19,11 +24,14 @@ same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same 
 - ``torch_block_compiled``: torchtitan's recipe, every block
   ``torch.compile(block, fullgraph=True)`` then torch's fully_shard; eager backward;
 - ``unsharded_compiled_1rank``: the plain model compiled, on rank 0 alone with the same
-  per-rank batch (rank 1 waits in a barrier meanwhile): the no-communication floor.
+  per-rank batch (the other ranks wait in a barrier meanwhile): the no-communication
+  floor.
 
 Writes ``<out>/step_time_<shape>.md`` (the table, also printed), ``.json`` (every raw
-step time, both ranks, losses, graph and collective counts) and ``.png`` (when
-matplotlib is importable).
+step time, every rank, losses, graph and collective counts, the device and the memory
+metric) and ``.png`` (when matplotlib is importable). The memory column is the peak
+RSS on the CPU and ``torch.cuda.max_memory_allocated()`` on CUDA (see
+[Note: Memory per variant] in ``_harness.py``).
 """
 
 from __future__ import annotations
@@ -49,9 +57,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=(
             "Step time of traceable_hsdp (eager, compiled, per pass) against torch's "
             "fully_shard (eager, per-block compiled) and an unsharded 1-rank floor, on 2 "
-            "spawned gloo ranks, alternating round-robin between variants."
+            "spawned gloo ranks (CPU) or one NCCL rank per GPU (CUDA), alternating "
+            "round-robin between variants."
         ),
     )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when torch.cuda.is_available(), else cpu (default auto)")
+    p.add_argument("--world", type=int, default=None,
+                   help="number of ranks (default: 2 on cpu, torch.cuda.device_count() on "
+                        "cuda; at most that many on cuda, one rank per GPU)")
     p.add_argument("--shape", choices=("overhead", "compute", "both"), default="both",
                    help="overhead: 16 layers, dim 64, seq 32; compute: 4 layers, dim 256, "
                         "seq 128; both batch 2 per rank, 4 heads, vocab 256 (default both)")
@@ -84,6 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import _harness as H
+
+    try:
+        a.placement = H.resolve_placement(a.device, a.world)
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
@@ -100,29 +122,49 @@ def _q(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(shape: Any, ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    """Per-variant numbers from the ranks' raw results (rank 0's clock)."""
-    r0, r1 = ranks[0], ranks[1]
+def _variant_memory(v: dict[str, Any], device_type: str) -> tuple[float | None, float | None]:
+    """(the variant's memory figure, its peak above the block's start) on one rank. See
+    [Note: Memory per variant] in ``_harness.py``: the CPU's peak RSS after round 1
+    (no second number); on CUDA the largest max-allocated over the variant's blocks and
+    the largest peak above a block's start."""
+    peaks = v["peak_mem_mib"]
+    if not peaks:
+        return None, None
+    if device_type != "cuda":
+        return peaks[0], None
+    above = [p - a for p, a in zip(peaks, v["allocated_at_start_mib"]) if a is not None]
+    return max(peaks), (max(above) if above else None)
+
+
+def summarize(shape: Any, ranks: list[dict[str, Any]], placement: Any) -> dict[str, Any]:
+    """Per-variant numbers from the ranks' raw results (rank 0's clock; per-rank lists
+    in rank order)."""
+    import _harness as H
+
+    world = len(ranks)
+    r0 = ranks[0]
     rows: dict[str, dict[str, Any]] = {}
     failed: dict[str, dict[str, Any]] = {}
     for name in r0["order"]:
-        v0, v1 = r0["variants"][name], r1["variants"][name]
+        vs = [r["variants"][name] for r in ranks]
+        v0 = vs[0]
         times = [t for rnd in v0["timed"] for t in rnd]
-        err = v0["error"] or v1["error"] or (None if times else "no complete timed round")
+        own = [r for r, v in enumerate(vs) if v["error"] and v["error"] != H.FAILED_ELSEWHERE]
+        err = next((v["error"] for v in vs if v["error"]), None) or (
+            None if times else "no complete timed round"
+        )
         if err:
-            mine = v0 if v0["error"] and v0["error"] != "failed on the other rank" else v1
+            mine = vs[own[0]] if own else v0
             failed[name] = dict(
                 error=mine["error"] or err, traceback=mine["traceback"] or "",
-                failed_on_rank=[r for r, v in ((0, v0), (1, v1))
-                                if v["error"] and v["error"] != "failed on the other rank"],
-                steps_done=len(v0["losses"]), losses_rank0=v0["losses"],
+                failed_on_rank=own, steps_done=len(v0["losses"]), losses_rank0=v0["losses"],
             )
             continue
         med = statistics.median(times)
         unsharded = name.startswith("unsharded")
         tokens = shape.batch * shape.seq * (1 if unsharded else world)
-        comp = v0["compiles_after"]
-        comp1 = v1["compiles_after"] if not unsharded else (0, 0)
+        recompiles = [v["compiles_after"][0] + v["compiles_after"][1] for v in vs]
+        mem = [_variant_memory(v, placement.device_type) for v in vs]
         rows[name] = dict(
             median_s=med,
             p25_s=_q(times, 0.25),
@@ -132,17 +174,17 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], world: int) -> dict[str, 
             tokens_per_s=tokens / med,
             first_step_s=v0["first_step_s"],
             compile_s=(v0["first_step_s"] - med) if v0["first_step_s"] is not None else None,
-            recompiles_after_warmup=[comp[0] + comp[1], comp1[0] + comp1[1]],
+            recompiles_after_warmup=recompiles,
             compiles_first_step=v0["compiles_first_step"],
             graph_calls=v0["graph_calls"],
             profiled_step_compiles=v0["profiled_step_compiles"],
             collectives=v0["collectives"],
-            peak_rss_mib_after_first_round=[
-                v0["peak_rss_mib_after_first_round"], v1["peak_rss_mib_after_first_round"]
-            ],
+            # per rank, the placement's memory metric (summary["memory_metric"])
+            peak_mem_mib=[m[0] for m in mem],
+            peak_above_block_start_mib=[m[1] for m in mem],
             loss_step1=v0["losses"][0],
             losses_rank0=v0["losses"],
-            losses_rank1=v1["losses"],
+            losses_rank1=vs[1]["losses"] if world > 1 else [],
         )
     for ref in (REF_BLOCK, REF_EAGER):
         if ref in rows:
@@ -168,7 +210,8 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], world: int) -> dict[str, 
         loss_ok=spread <= LOSS_TOL,
         loss_compared=len(l1),
         loss_traj_max_diff_vs_torch_eager=traj,
-        peak_rss_mib=[r0["peak_rss_mib"], r1["peak_rss_mib"]],
+        peak_rss_mib=[r["peak_rss_mib"] for r in ranks],
+        memory_metric=dict(vars(placement.memory_metric)),
         incomplete=r0.get("incomplete"),
     )
 
@@ -190,38 +233,78 @@ def _coll_cells(c: dict[str, Any] | None) -> tuple[str, str]:
     return n, f"{mb:.2f}"
 
 
+def ranks_label(world: int) -> str:
+    """Which ranks a per-rank cell shows: ``r0``, ``r0/r1``, or rank 0 and the largest
+    of the others (``r0/max r1-r7``)."""
+    if world == 1:
+        return "r0"
+    if world == 2:
+        return "r0/r1"
+    return f"r0/max r1-r{world - 1}"
+
+
+def per_rank_cell(values: list[Any], spec: str, sep: str = " / ", idle: str | None = None) -> str:
+    """``values`` (one per rank) as :func:`ranks_label` lists them; ``idle`` in place of
+    the other ranks when only rank 0 ran (the unsharded variant)."""
+    first = _fmt(values[0], spec)
+    if len(values) == 1:
+        return first
+    if idle is not None:
+        return f"{first}{sep}{idle}"
+    rest = [v for v in values[1:] if v is not None]
+    return f"{first}{sep}{_fmt(max(rest) if rest else None, spec)}"
+
+
+def device_line(dev: dict[str, Any]) -> str:
+    """Where the ranks ran, from ``meta["device"]``."""
+    world = dev["world"]
+    ranks = f"{world} {dev['backend']} rank{'s' if world != 1 else ''}"
+    if dev["type"] == "cuda":
+        names = sorted(set(dev["names"]))
+        return (
+            f"Device `cuda`: {ranks}, one per GPU, on {world} of {dev['visible']} visible "
+            f"GPU(s) ({', '.join(names)})"
+        )
+    return f"Device `cpu` ({dev['names'][0]}): {ranks} x 1 thread on {dev['cpus']} CPU cores"
+
+
 def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict[str, Any]) -> str:
     rows = s["rows"]
+    world = meta["device"]["world"]
+    metric = s["memory_metric"]
     lines = [
         f"### Shape `{shape.name}`: {shape.layers} layers, dim {shape.dim}, {shape.heads} heads, "
         f"vocab {shape.vocab}, seq {shape.seq}, batch {shape.batch} per rank",
         "",
-        f"{meta['world']} gloo ranks x 1 thread on {meta['cpus']} CPU cores; torch "
+        f"{device_line(meta['device'])}; torch "
         f"{meta['torch']}; backend `{args.backend}`; {args.rounds} rounds x {args.steps} timed "
         f"steps per variant (+{args.warmup} warm-up per round); medians over all "
         f"{max([r['n_timed'] for r in rows.values()] or [0])} timed steps, rank 0's clock. "
         f"{meta['passes']}.",
         "",
         "| variant | median step (ms) | p25-p75 (ms) | tokens/s | vs torch_block_compiled "
-        "| vs torch_eager | compile (s) | recompiles after warm-up (r0, r1) "
+        f"| vs torch_eager | compile (s) "
+        f"| recompiles after warm-up ({ranks_label(world).replace('/', ', ')}) "
         "| graphs/step (dynamo / inductor) | collectives/step AG/RS/AR | collective MiB/step "
-        "| peak RSS after round 1, r0/r1 (MiB) | loss step 1 (rank 0) |",
+        f"| {metric['column']}, {ranks_label(world)} | loss step 1 (rank 0) |",
         "|" + "---|" * 13,
     ]
     for name, r in rows.items():
         gc = r["graph_calls"]
         graphs = f"{gc['dynamo_frames']} / {gc['inductor_graphs']}" if gc else "–"
         coll_n, coll_mb = _coll_cells(r["collectives"])
-        rss = r["peak_rss_mib_after_first_round"]
-        rss_cell = f"{rss[0]:.0f} / {'idle' if name.startswith('unsharded') else format(rss[1], '.0f')}"
+        unsharded = name.startswith("unsharded")
+        mem_cell = per_rank_cell(r["peak_mem_mib"], ".0f", idle="idle" if unsharded else None)
+        recompiles_cell = per_rank_cell(
+            r["recompiles_after_warmup"], "d", sep=", ", idle="–" if unsharded else None
+        )
         compile_cell = _fmt(r["compile_s"], ".1f")
         lines.append(
             f"| {name} | {r['median_s'] * 1e3:.1f} | {r['p25_s'] * 1e3:.1f}-{r['p75_s'] * 1e3:.1f} "
-            f"| {r['tokens_per_s']:.0f}{' (1 rank)' if name.startswith('unsharded') else ''} "
+            f"| {r['tokens_per_s']:.0f}{' (1 rank)' if unsharded else ''} "
             f"| {_ratio(r.get('vs_' + REF_BLOCK))} | {_ratio(r.get('vs_' + REF_EAGER))} "
-            f"| {compile_cell} | {r['recompiles_after_warmup'][0]}, "
-            f"{'–' if name.startswith('unsharded') else r['recompiles_after_warmup'][1]} "
-            f"| {graphs} | {coll_n} | {coll_mb} | {rss_cell} | {r['loss_step1']:.6f} |"
+            f"| {compile_cell} | {recompiles_cell} "
+            f"| {graphs} | {coll_n} | {coll_mb} | {mem_cell} | {r['loss_step1']:.6f} |"
         )
     for name, f in s["failed"].items():
         first = f["error"].splitlines()[0][:160]
@@ -247,15 +330,24 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
             f"Sharded variants over all their steps vs torch_eager: max |loss diff| "
             f"{worst[1]:.2e} ({worst[0]})."
         )
-    lines.append(
-        f"Peak RSS per process at the end: rank 0 {s['peak_rss_mib'][0]:.0f} MiB, rank 1 "
-        f"{s['peak_rss_mib'][1]:.0f} MiB (all variants share each process, so the per-variant "
-        "column is the process's high-water mark after that variant's first round, in run order)."
-    )
+    lines.append(f"Memory metric: {metric['label']}: {metric['what']}.")
+    above = {
+        name: r["peak_above_block_start_mib"][0] for name, r in rows.items()
+        if r["peak_above_block_start_mib"][0] is not None
+    }
+    if above:
+        lines.append(
+            "GPU peak above the allocation at the block's start (the variant's own model, "
+            "optimizer state and activations in its first block), rank 0: "
+            + ", ".join(f"{n} +{v:.0f} MiB" for n, v in above.items()) + "."
+        )
+    rss_end = ", ".join(f"rank {i} {v:.0f} MiB" for i, v in enumerate(s["peak_rss_mib"]))
+    host = " (host)" if meta["device"]["type"] == "cuda" else ""
+    lines.append(f"Peak RSS per process at the end{host}: {rss_end}.")
     return "\n".join(lines) + "\n"
 
 
-def plot(shape: Any, s: dict[str, Any], path: str) -> str | None:
+def plot(shape: Any, s: dict[str, Any], path: str, where: str) -> str | None:
     try:
         import matplotlib
 
@@ -278,7 +370,7 @@ def plot(shape: Any, s: dict[str, Any], path: str) -> str | None:
         ax.legend(loc="lower right")
     ax.invert_yaxis()
     ax.set_xlabel("median step time (ms), bars p25-p75")
-    ax.set_title(f"step time, shape {shape.name} ({shape.layers} layers, dim {shape.dim}), 2 gloo ranks")
+    ax.set_title(f"step time, shape {shape.name} ({shape.layers} layers, dim {shape.dim}), {where}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -336,21 +428,28 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
           flush=True)
     t0 = time.time()
     load_before = os.getloadavg()
+    placement = args.placement
     ranks = H.run_spawned(
-        shape=shape, variants=variants, rounds=args.rounds, steps=args.steps,
+        placement, shape=shape, variants=variants, rounds=args.rounds, steps=args.steps,
         warmup=args.warmup, backend=args.backend, seed=args.seed,
         progress=not args.no_progress, count_graphs=not args.no_graph_count,
     )
     wall = time.time() - t0
+    device = dict(
+        type=placement.device_type, backend=placement.backend, world=placement.world,
+        names=[r["device"]["name"] for r in ranks],
+        visible=torch.cuda.device_count() if placement.device_type == "cuda" else None,
+        cpus=os.cpu_count(),
+    )
     meta = dict(
-        code=_code_state(),
-        world=H.WORLD, cpus=os.cpu_count(), torch=torch.__version__,
+        code=_code_state(), device=device, memory_metric=dict(vars(placement.memory_metric)),
+        world=placement.world, cpus=os.cpu_count(), torch=torch.__version__,
         python=platform.python_version(), machine=platform.platform(), passes=passes_line,
         wall_s=wall, inductor_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"),
         compile_threads=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"),
         loadavg_before=load_before, loadavg_after=os.getloadavg(),
     )
-    s = summarize(shape, ranks, H.WORLD)
+    s = summarize(shape, ranks, placement)
     md = markdown(shape, args, s, meta)
     code = meta["code"]
     dirty = code["dirty_runtime"]
@@ -375,21 +474,23 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     with open(stem + ".md", "w") as f:
         f.write(md)
     with open(stem + ".json", "w") as f:
-        json.dump(dict(args=vars(args), shape=vars(shape), meta=meta, summary=s, raw=ranks), f,
+        json.dump(dict(args={**vars(args), "placement": dict(vars(placement))}, shape=vars(shape),
+                       meta=meta, summary=s, raw=ranks), f,
                   indent=1, default=str)
     if meta["code"]["diff"]:
         with open(stem + ".code.diff", "w") as f:
             f.write(meta["code"]["diff"] + "\n")
-    png = plot(shape, s, stem + ".png")
+    png = plot(shape, s, stem + ".png", f"{placement.world} {placement.backend} ranks "
+               f"({placement.device_type})")
     print(f"wrote {stem}.md, {stem}.json" + (f", {png}" if png else " (no matplotlib: no plot)"),
           flush=True)
     return s
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    sys.path.insert(0, HERE)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # 2 ranks already fill 2 cores
+    args = parse_args(argv)  # puts HERE on sys.path
+    if args.placement.device_type == "cpu":
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the ranks fill the cores
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiled step: no kineto chatter
     tmp_cache = None
     if not args.keep_inductor_cache:
