@@ -1,0 +1,239 @@
+"""The benchmark harness (``benchmarks/``): where the ranks run and what the report says.
+
+In process, no ranks: ``--device``/``--world`` resolution and their argparse errors,
+the memory metric and its labels, the batch slicing for any world size, and the
+report's per-rank cells and device line. The CUDA branches of that logic are checked
+with ``torch.cuda.is_available``/``device_count`` monkeypatched; nothing here touches
+a GPU, and the CUDA run itself is not tested (CI has no GPU).
+
+One end-to-end smoke of the CPU harness: ``step_time.py --smoke`` on 2 spawned gloo
+ranks, two eager variants, checking the markdown and json it writes. Never a timing
+assertion: these are checks of the harness, not of speed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _harness as H  # noqa: E402
+import profile_step  # noqa: E402
+import step_time  # noqa: E402
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
+    """``torch.cuda`` says ``gpus`` GPUs are there (0: no CUDA). Only the resolution
+    logic reads it; no test here touches a device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+
+
+Parse = Callable[[list[str]], Any]
+
+
+def _parse_error(parse: Parse, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ resolution
+
+
+def test_auto_is_cpu_without_cuda_and_cuda_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, 0)
+    assert H.resolve_device("auto") == "cpu"
+    assert step_time.parse_args([]).placement == H.Placement("cpu", 2)
+    _fake_cuda(monkeypatch, 4)
+    assert H.resolve_device("auto") == "cuda"
+    assert H.resolve_placement("auto", None) == H.Placement("cuda", 4)
+    assert H.resolve_device("cpu") == "cpu"  # --device cpu wins over a GPU
+
+
+def test_auto_on_this_machine() -> None:
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert H.resolve_device("auto") == want
+
+
+@pytest.mark.parametrize("parse", [step_time.parse_args, profile_step.parse_args],
+                         ids=["step_time", "profile_step"])
+def test_cuda_without_cuda_is_an_argparse_error(
+    parse: Parse, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_cuda(monkeypatch, 0)
+    err = _parse_error(parse, ["--device", "cuda"], capsys)
+    assert "--device cuda" in err and "torch.cuda.is_available() is False" in err
+    assert "--device cpu" in err  # how to fix it
+
+
+def test_bad_device_value(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _parse_error(step_time.parse_args, ["--device", "tpu"], capsys)
+    assert "--device" in err and "tpu" in err
+    with pytest.raises(ValueError, match="one of auto, cpu, cuda"):
+        H.resolve_device("tpu")
+
+
+def test_world_defaults_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, 0)
+    assert H.resolve_world("cpu", None) == H.CPU_WORLD == 2
+    assert H.resolve_world("cpu", 3) == 3  # gloo: any number of CPU ranks
+    assert step_time.parse_args(["--device", "cpu", "--world", "1"]).placement.world == 1
+    _fake_cuda(monkeypatch, 8)
+    assert H.resolve_world("cuda", None) == 8  # one rank per visible GPU
+    assert H.resolve_world("cuda", 8) == 8
+    assert H.resolve_world("cuda", 2) == 2
+    assert H.resolve_world("cpu", None) == 2  # the CPU default ignores the GPUs
+
+
+def test_world_validation(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_cuda(monkeypatch, 2)
+    err = _parse_error(step_time.parse_args, ["--device", "cuda", "--world", "3"], capsys)
+    assert "--world 3" in err and "torch.cuda.device_count() is 2" in err
+    assert "between 1 and 2" in err
+    err = _parse_error(profile_step.parse_args, ["--device", "cuda", "--world", "3"], capsys)
+    assert "--world 3" in err
+    for argv in (["--world", "0"], ["--device", "cuda", "--world", "-1"]):
+        err = _parse_error(step_time.parse_args, argv, capsys)
+        assert "--world must be >= 1" in err
+    # CUDA built and "available", but nothing visible (CUDA_VISIBLE_DEVICES="").
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match=r"device_count\(\) is 0"):
+        H.resolve_world("cuda", None)
+
+
+# ---------------------------------------------------------- placement, metric
+
+
+def test_placement_backend_device_and_memory_metric() -> None:
+    cpu, cuda = H.Placement("cpu", 2), H.Placement("cuda", 4)
+    assert (cpu.backend, cuda.backend) == ("gloo", "nccl")
+    assert cpu.rank_device(1) == torch.device("cpu")
+    assert cuda.rank_device(3) == torch.device("cuda", 3)  # a device object, not touched
+    assert cpu.memory_metric is H.PEAK_RSS
+    assert cuda.memory_metric is H.GPU_MAX_ALLOCATED
+    assert (cpu.memory_metric.key, cpu.memory_metric.label) == ("peak_rss_mib", "peak RSS MiB")
+    assert (cuda.memory_metric.key, cuda.memory_metric.label) == (
+        "gpu_max_allocated_mib", "GPU max allocated MiB"
+    )
+    assert cpu.memory_metric.column.startswith(cpu.memory_metric.label)
+    assert cuda.memory_metric.column.startswith(cuda.memory_metric.label)
+
+
+def test_cpu_memory_helpers() -> None:
+    cpu = torch.device("cpu")
+    H.reset_peak_memory(cpu)  # no-op on the CPU
+    H.sync(cpu)
+    assert H.allocated_mib(cpu) is None
+    assert H.peak_memory_mib(cpu) == pytest.approx(H.peak_rss_mib(), rel=0.05)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_batch_slices_cover_the_global_batch(world: int) -> None:
+    shape = H.SHAPES["smoke"]
+    xs = [H.batch_for(shape, 5, 0, r, world) for r in range(world)]
+    for x, y in xs:
+        assert x.shape == y.shape == (shape.batch, shape.seq)  # per rank, any world
+    # Disjoint slices of one global batch: stacked they are the world's tokens, and
+    # the targets are the inputs shifted by one.
+    x_all = torch.cat([x for x, _ in xs])
+    y_all = torch.cat([y for _, y in xs])
+    assert x_all.shape == (world * shape.batch, shape.seq)
+    assert torch.equal(x_all[:, 1:], y_all[:, :-1])
+    assert torch.equal(H.batch_for(shape, 5, 0, 0, world)[0], xs[0][0])  # deterministic
+
+
+# -------------------------------------------------------------------- report
+
+
+def test_per_rank_cells() -> None:
+    assert step_time.ranks_label(1) == "r0"
+    assert step_time.ranks_label(2) == "r0/r1"
+    assert step_time.ranks_label(8) == "r0/max r1-r7"
+    assert step_time.per_rank_cell([312.6], ".0f") == "313"
+    assert step_time.per_rank_cell([312.6, 100.0], ".0f") == "313 / 100"
+    assert step_time.per_rank_cell([1.0, 5.0, 7.0, 2.0], ".0f") == "1 / 7"  # r0 / max others
+    assert step_time.per_rank_cell([3, 0], "d", sep=", ", idle="–") == "3, –"
+    assert step_time.per_rank_cell([300.0, None], ".0f") == "300 / –"
+
+
+def test_device_line_names_the_device() -> None:
+    cpu = dict(type="cpu", backend="gloo", world=2, names=["x86_64"] * 2, visible=None, cpus=2)
+    assert step_time.device_line(cpu) == (
+        "Device `cpu` (x86_64): 2 gloo ranks x 1 thread on 2 CPU cores"
+    )
+    # A hand-written CUDA meta (no GPU here): what the line would say.
+    cuda = dict(type="cuda", backend="nccl", world=2, names=["NVIDIA H100 80GB HBM3"] * 2,
+                visible=4, cpus=16)
+    line = step_time.device_line(cuda)
+    assert line.startswith("Device `cuda`: 2 nccl ranks, one per GPU, on 2 of 4 visible")
+    assert "NVIDIA H100 80GB HBM3" in line
+
+
+def test_variant_memory_per_device() -> None:
+    """The per-variant figure from a rank's per-block readings (hand-written, see
+    [Note: Memory per variant]): CPU the reading after round 1, CUDA the largest over
+    the blocks and the largest rise above a block's start."""
+    cpu_v = dict(peak_mem_mib=[300.0, 310.0, 320.0], allocated_at_start_mib=[None] * 3)
+    assert step_time._variant_memory(cpu_v, "cpu") == (300.0, None)
+    cuda_v = dict(peak_mem_mib=[900.0, 950.0], allocated_at_start_mib=[100.0, 700.0])
+    assert step_time._variant_memory(cuda_v, "cuda") == (950.0, 800.0)
+    assert step_time._variant_memory(dict(peak_mem_mib=[], allocated_at_start_mib=[]),
+                                      "cuda") == (None, None)
+
+
+# ---------------------------------------------------------- end-to-end smoke
+
+
+def test_step_time_smoke_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CPU harness end to end through its CLI entry point (in this process, which
+    has torch imported already; the ranks are spawned): 2 gloo ranks, eager variants
+    (no compile), 3 steps each; the report files exist and name the device and the
+    memory metric."""
+    # main() sets these for the ranks; monkeypatch puts them back afterwards.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
+    out = tmp_path / "results"
+    rc = step_time.main([
+        "--smoke", "--device", "cpu", "--backend", "aot_eager",
+        "--variants", "ours_eager,torch_eager", "--no-graph-count", "--no-progress",
+        "--out", str(out),
+    ])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
+
+    md = (out / "step_time_smoke.md").read_text()
+    assert "Device `cpu`" in md and "2 gloo ranks" in md
+    assert "| peak RSS MiB after round 1, r0/r1 |" in md
+    assert "Memory metric: peak RSS MiB:" in md
+    assert "**OK**" in md  # both variants: the same step-1 loss
+    for name in ("ours_eager", "torch_eager"):
+        assert f"| {name} |" in md
+
+    report = json.loads((out / "step_time_smoke.json").read_text())
+    dev = report["meta"]["device"]
+    assert (dev["type"], dev["backend"], dev["world"]) == ("cpu", "gloo", 2)
+    assert len(dev["names"]) == 2
+    assert report["meta"]["memory_metric"]["label"] == "peak RSS MiB"
+    assert report["summary"]["memory_metric"]["key"] == "peak_rss_mib"
+    assert report["args"]["placement"] == {"device_type": "cpu", "world": 2}
+    rows = report["summary"]["rows"]
+    assert set(rows) == {"ours_eager", "torch_eager"} and not report["summary"]["failed"]
+    for row in rows.values():
+        assert len(row["peak_mem_mib"]) == 2 and all(m > 0 for m in row["peak_mem_mib"])
+        assert row["peak_above_block_start_mib"] == [None, None]  # CUDA only
+    assert [r["device"]["type"] for r in report["raw"]] == ["cpu", "cpu"]
