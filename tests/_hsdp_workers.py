@@ -75,48 +75,82 @@ def reduce_op_worker(rank: int, world: int) -> dict[str, float]:
     return ratios
 
 
-def comm_options_worker(rank: int, world: int) -> dict[str, Any]:
-    """FSDPModule's communication options on a 2x2 HSDP mesh, eagerly: each run is
-    compared with a plain run of the same model and data (gradients after two
-    backwards)."""
+def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """FSDPModule's communication options on a 2x2 HSDP mesh, eager or compiled
+    (aot_eager, compiled autograd): each run is compared with a plain eager run of the
+    same model and data (gradients after two backwards). Compiled, it also reports the
+    collectives of every graph each run compiled."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
+    compiled = mode == "compiled"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     data = _data(world * 2, 1)[0]
     xs, ys = data[0].chunk(world)[rank].chunk(2), data[1].chunk(world)[rank].chunk(2)
+    graphs: dict[str, tuple[list, list]] = {}
 
-    def grads(setup: Any, per_backward: Any = None) -> dict[str, torch.Tensor]:
+    def run(name: str, model: nn.Module, backwards: Any) -> None:
+        """``backwards(fwd)`` runs the backwards, with ``fwd`` the (compiled) model."""
+        if not compiled:
+            backwards(model)
+            return
+        rec = GraphRecorder()
+        torch._dynamo.reset()
+        th.enable_compiled_autograd(backend=rec)
+        try:
+            backwards(torch.compile(model, backend=rec, fullgraph=True))
+        finally:
+            th.disable_compiled_autograd()
+        graphs[name] = (rec.forward, rec.backward)
+
+    def grads(
+        name: str, setup: Any, per_backward: Any = None, eager: bool = False
+    ) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         model = Llama(CFG)
         shard_llama(model, th.fully_shard, mesh=mesh)
         setup(model)
-        for i in range(2):
-            if per_backward is not None:
-                per_backward(model, i)
-            _loss(model(xs[i]), ys[i]).backward()
+
+        def backwards(fwd: Any) -> None:
+            for i in range(2):
+                if per_backward is not None:
+                    per_backward(model, i)
+                _loss(fwd(xs[i]), ys[i]).backward()
+
+        if eager:
+            backwards(model)
+        else:
+            run(name, model, backwards)
         return {k: p.grad.full_tensor() for k, p in model.named_parameters()}
 
     def diff(a: dict, b: dict, scale: float = 1.0) -> float:
         return max((a[k] - scale * b[k]).abs().max().item() for k in a)
 
-    base = grads(lambda m: None)
-    out = {}
-    out["force_sum"] = diff(grads(lambda m: m.set_force_sum_reduction_for_comms(True)), base)
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        rs = grads(lambda m: m.set_reduce_scatter_divide_factor(2.0))
-    out["rs_divide_warned"] = any(issubclass(w.category, FutureWarning) for w in caught)
-    out["rs_divide"] = diff(rs, base, world / 2.0)
+    # The plain run, eager in both modes (compiled and eager agree to 1e-6, and a
+    # compiled base would add a compile without a new graph: force_sum's graphs have
+    # the same collectives).
+    base = grads("base", lambda m: None, eager=True)
+    out: dict[str, Any] = {}
+    out["force_sum"] = diff(grads("force_sum", lambda m: m.set_force_sum_reduction_for_comms(True)), base)
     # No all-reduce on the first backward, all-reduce on the second: the same sum.
     out["all_reduce_later"] = diff(
-        grads(lambda m: None, lambda m, i: m.set_requires_all_reduce(i == 1)), base)
-    # Without any all-reduce the replicas' gradients differ (so the check above can
-    # fail): the first replica group and the second see other data.
-    no_ar = grads(lambda m: m.set_requires_all_reduce(False))
-    out["no_all_reduce"] = diff(no_ar, base)
+        grads("all_reduce_later", lambda m: None, lambda m, i: m.set_requires_all_reduce(i == 1)),
+        base)
+    if not compiled:
+        # Compiled, these add compile time and nothing new: the deprecated name sets
+        # the same divide factor as force_sum's path, and the no-all-reduce graph is
+        # all_reduce_later's first backward graph.
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rs = grads("rs_divide", lambda m: m.set_reduce_scatter_divide_factor(2.0))
+        out["rs_divide_warned"] = any(issubclass(w.category, FutureWarning) for w in caught)
+        out["rs_divide"] = diff(rs, base, world / 2.0)
+        # Without any all-reduce the replicas' gradients differ (so the check above
+        # can fail): the first replica group and the second see other data.
+        no_ar = grads("no_all_reduce", lambda m: m.set_requires_all_reduce(False))
+        out["no_all_reduce"] = diff(no_ar, base)
     # The embedding unit need not re-gather for backward: its weight gradient reads
     # only indices and the output gradient.
     torch.manual_seed(0)
@@ -126,7 +160,7 @@ def comm_options_worker(rank: int, world: int) -> dict[str, Any]:
     th.fully_shard(emb[0], mesh=mesh)
     th.fully_shard(emb, mesh=mesh)
     emb[0].set_unshard_in_backward(False)
-    emb(xs[0]).sum().backward()
+    run("embedding_no_unshard", emb, lambda fwd: fwd(xs[0]).sum().backward())
     ref(xs[0]).sum().backward()
     for p in ref.parameters():  # the reference's grads averaged over the 4 ranks
         torch.distributed.all_reduce(p.grad)
@@ -139,10 +173,11 @@ def comm_options_worker(rank: int, world: int) -> dict[str, Any]:
     lin = th.fully_shard(nn.Linear(4, 4), mesh=mesh)
     lin.set_unshard_in_backward(False)
     try:
-        lin(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        run("linear_error", lin, lambda fwd: fwd(torch.randn(2, 4, requires_grad=True)).sum().backward())
         out["linear_error"] = None
     except RuntimeError as e:
         out["linear_error"] = str(e)
+    out["graphs"] = graphs
     return out
 
 

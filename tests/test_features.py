@@ -71,9 +71,12 @@ def test_features_match_torch_fully_shard(mode: str) -> None:
 
 
 @pytest.mark.slow
-def test_features_match_torch_fully_shard_hsdp_2x2_eager() -> None:
-    """The same features on a 2x2 (replicate, shard) mesh, 4 ranks, eager: bitwise."""
-    results = run_ranks(features_vs_torch, 4, (2, 2), "eager")
+@pytest.mark.parametrize("mode", ["eager", "compiled_keep"])
+def test_features_match_torch_fully_shard_hsdp_2x2(mode: str) -> None:
+    """The same features on a 2x2 (replicate, shard) mesh, 4 ranks, against torch's
+    fully_shard on the same mesh: bitwise, eager and compiled (aot_eager, compiled
+    autograd, units kept gathered across the no-sync micro-batch)."""
+    results = run_ranks(features_vs_torch, 4, (2, 2), mode)
     for r in results:
         assert r["losses"] == r["ref_losses"], (r["losses"], r["ref_losses"])
         for k, v in r["ref_params"].items():
@@ -82,3 +85,13 @@ def test_features_match_torch_fully_shard_hsdp_2x2_eager() -> None:
         assert r["placements"]["output.weight"] == "(Replicate(), Shard(dim=1))"
         assert r["placements"]["layers.0.ffn.w1.weight"] == "(Replicate(), Shard(dim=0))"
         assert r["bytes_after"] == 0 and all(b > 0 for b in r["kept_bytes"])
+    if mode == "compiled_keep":
+        # As on the 1-D mesh, plus the all-reduce across replicas of every trainable
+        # parameter in the syncing backward; no recompiles after the first step.
+        r = results[0]
+        assert len(r["fwd_counts"]) == 2 and len(r["bwd_counts"]) == 2, (r["fwd_counts"], r["bwd_counts"])
+        assert r["fwd_counts"][0]["all_gather_into_tensor"] == N_PARAMS, r["fwd_counts"]
+        assert "all_gather_into_tensor" not in r["fwd_counts"][1], r["fwd_counts"]
+        nosync, sync = r["bwd_counts"]
+        assert "reduce_scatter_tensor" not in nosync and "all_reduce" not in nosync, nosync
+        assert sync["reduce_scatter_tensor"] == sync["all_reduce"] == N_PARAMS - N_FROZEN, sync

@@ -54,23 +54,29 @@ def test_hsdp_levels_2x2_eager() -> None:
 
 
 @pytest.mark.slow
-def test_hsdp_compiled_2_ranks() -> None:
-    """Compiled (aot_eager, compiled autograd): the replicated parameters have no
-    all-gather and are all-reduced in the backward graph; no recompiles."""
-    levels = ["level3", "level1"]
-    results = run_ranks(hsdp_worker, 2, -1, levels, "compiled")
-    _check(results, 2, levels)
-    r = results[0]["level3"]
-    assert len(r["fwd_counts"]) == 1 and len(r["bwd_counts"]) == 1, (r["fwd_counts"], r["bwd_counts"])
-    fwd, bwd = r["fwd_counts"][0], r["bwd_counts"][0]
-    assert fwd["all_gather_into_tensor"] == N_PARAMS - N_REPLICATED, fwd
-    assert bwd["all_gather_into_tensor"] == N_PARAMS - N_REPLICATED, bwd
-    assert bwd["reduce_scatter_tensor"] == N_PARAMS - N_REPLICATED, bwd
-    assert bwd["all_reduce"] == N_REPLICATED, bwd
-    r1 = results[0]["level1"]
-    assert len(r1["fwd_counts"]) == 1 and len(r1["bwd_counts"]) == 1, (r1["fwd_counts"], r1["bwd_counts"])
-    # level1 keeps parameters whole from forward to backward: no re-gather.
-    assert "all_gather_into_tensor" not in r1["bwd_counts"][0], r1["bwd_counts"]
+def test_hsdp_levels_2x2_compiled() -> None:
+    """shard_size=2 on 4 ranks, compiled (aot_eager, compiled autograd), all three
+    levels: the replicated parameters have no all-gather and are all-reduced in the
+    backward graph (over both mesh dims), the sharded ones are reduce-scattered and then all-reduced across
+    the replicas; level2 and level1 keep parameters whole from forward to backward (no
+    re-gather); one forward and one backward graph per level (no recompiles)."""
+    levels = ["level3", "level2", "level1"]
+    results = run_ranks(hsdp_worker, 4, 2, levels, "compiled")
+    _check(results, 4, levels)
+    n_sharded = N_PARAMS - N_REPLICATED
+    for level in levels:
+        r = results[0][level]
+        assert len(r["fwd_counts"]) == 1 and len(r["bwd_counts"]) == 1, (level, r["fwd_counts"], r["bwd_counts"])
+        fwd, bwd = r["fwd_counts"][0], r["bwd_counts"][0]
+        assert fwd["all_gather_into_tensor"] == n_sharded, (level, fwd)
+        assert bwd["reduce_scatter_tensor"] == n_sharded, (level, bwd)
+        # Sharded: one all-reduce over the replicas after the reduce-scatter;
+        # replicated: one over each mesh dim (shard, then replicate).
+        assert bwd["all_reduce"] == n_sharded + 2 * N_REPLICATED, (level, bwd)
+        if level == "level3":
+            assert bwd["all_gather_into_tensor"] == n_sharded, (level, bwd)
+        else:
+            assert "all_gather_into_tensor" not in bwd, (level, bwd)
 
 
 def test_hsdp_reduce_op_and_divide_factor() -> None:
@@ -125,13 +131,56 @@ def test_fsdp_module_comm_options_2x2_eager() -> None:
     1e-6: sums in another order than the averaging collectives."""
     from _hsdp_workers import comm_options_worker
 
-    for r in run_ranks(comm_options_worker, 4):
+    for r in run_ranks(comm_options_worker, 4, "eager"):
         assert r["force_sum"] < 1e-6, r
         assert r["rs_divide_warned"] and r["rs_divide"] < 1e-6, r
         assert r["all_reduce_later"] < 1e-6, r
         assert r["no_all_reduce"] > 1e-4, r
         assert r["embedding_no_unshard"] < 1e-6, r
         assert r["linear_error"] and "storage of size 0" in r["linear_error"], r
+
+
+@pytest.mark.slow
+def test_fsdp_module_comm_options_2x2_compiled() -> None:
+    """The same options compiled (aot_eager, compiled autograd), against the plain
+    eager run, tolerance 1e-6; the collectives each option leaves in the graphs."""
+    from _hsdp_workers import comm_options_worker
+
+    n = N_PARAMS
+    for r in run_ranks(comm_options_worker, 4, "compiled"):
+        assert r["force_sum"] < 1e-6, r
+        assert r["all_reduce_later"] < 1e-6, r
+        assert r["embedding_no_unshard"] < 1e-6, r
+        assert r["linear_error"] and "storage of size 0" in r["linear_error"], r
+        g = r["graphs"]
+        synced = {"all_gather_into_tensor": n, "reduce_scatter_tensor": n, "all_reduce": n}
+        fwd, bwd = g["force_sum"]
+        assert len(fwd) == 1 and fwd[0]["all_gather_into_tensor"] == n, fwd
+        # Two backward graphs: the first accumulates into no gradient, the second
+        # into the first's (compiled autograd specializes on it).
+        assert len(bwd) == 2 and all(_sub(synced, b) for b in bwd), bwd
+        fwd, bwd = g["all_reduce_later"]
+        assert len(fwd) == 1 and len(bwd) == 2, (fwd, bwd)
+        # set_requires_all_reduce(False): no all-reduce in that backward graph.
+        assert "all_reduce" not in bwd[0] and bwd[0]["reduce_scatter_tensor"] == n, bwd
+        assert _sub(synced, bwd[1]), bwd
+        # set_unshard_in_backward(False) on the embedding unit: the backward re-gathers
+        # only the root's two Linear parameters, and reduces all three.
+        fwd, bwd = g["embedding_no_unshard"]
+        assert fwd == [_with_copies({"all_gather_into_tensor": 3})], fwd
+        assert bwd == [_with_copies({"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,
+                                     "all_reduce": 3})], bwd
+
+
+def _sub(want: dict[str, int], got: dict[str, int]) -> bool:
+    return all(got.get(k) == v for k, v in want.items())
+
+
+def _with_copies(counts: dict[str, int]) -> dict[str, int]:
+    """``counts`` plus the placeholder fill of each all-gather: one fsdp.copy_ and two
+    storage resizes (to full, back to 0)."""
+    ag = counts.get("all_gather_into_tensor", 0)
+    return {**counts, "fsdp.copy_": ag, "resize_storage_bytes_": 2 * ag}
 
 
 def test_ignored_params_match_torch_fully_shard() -> None:
