@@ -192,6 +192,130 @@ class FSDPModule:
         if state.param_group is not None:
             state.param_group.unshard_in_backward = unshard_in_backward
 
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Calls ``hook`` on each of this unit's gradients once it is reduced (the
+        reduce-scatter output for FSDP, the all-reduce output for HSDP), before it is
+        divided by a gradient divide factor and accumulated into the sharded
+        parameter's ``.grad``; the hook may change it in place. Unlike torch, which
+        calls it once per unit on a flat buffer, it is called once per trainable
+        parameter, on that parameter's local shard in ``reduce_dtype``. Eager and
+        compiled (the hook is traced into the backward graph). Applies to this unit
+        only, as torch's. See [Note: The all-reduce hook] in ``_param_group.py``.
+
+        Args:
+            hook: ``hook(reduced: torch.Tensor) -> None``; ``None`` removes it.
+            stream: run the hook on this stream (default ``None``: the current
+                one). FSDP on an accelerator mesh, eager backward only.
+
+        Raises:
+            TypeError: ``hook`` is not callable, or ``stream`` is not a stream.
+            ValueError: ``stream`` with HSDP (a 2-D mesh), as in torch, or on a
+                mesh whose device has no streams (CPU), or on another device type.
+        """
+        if hook is not None and not callable(hook):
+            raise TypeError(
+                f"set_all_reduce_hook expects a callable hook(reduced: Tensor) -> None, got "
+                f"{type(hook).__name__}."
+            )
+        state = _require_state(self)
+        pg = state.param_group
+        if stream is not None:
+            if not isinstance(stream, (torch.Stream, torch.cuda.Stream)):
+                raise TypeError(
+                    f"set_all_reduce_hook(stream=...) expects a torch.Stream (e.g. "
+                    f"torch.cuda.Stream()), got {type(stream).__name__}."
+                )
+            if pg is not None and pg.mesh_info.replicate_mesh_dim is not None:
+                raise ValueError(
+                    "stream cannot be set when using native HSDP (a 2-D mesh): the hook "
+                    "runs after the all-reduce, on the current stream. Pass stream=None."
+                )
+            if pg is not None:
+                device = pg.mesh_info.device
+                stream_type = torch.device(stream.device).type
+                if device.type == "cpu" or stream_type != device.type:
+                    raise ValueError(
+                        f"set_all_reduce_hook(stream=...) got a {stream_type} stream for "
+                        f"a unit on {device.type}; the stream must be on the mesh's "
+                        "accelerator (a CPU mesh has no streams: pass stream=None)."
+                    )
+        if pg is not None:
+            pg.all_reduce_hook = hook
+            pg.all_reduce_hook_stream = stream if hook is not None else None
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Makes the root's next forward wait for ``event`` (recorded after the
+        optimizer step): the current stream waits on it (``event.wait()``) before
+        the root's pre-forward, once; then the event is dropped, so set a new one
+        each iteration. Our all-gathers run on the current stream and so follow the
+        optimizer step anyway; the wait is for an optimizer that ran on another
+        stream. Works with a compiled model too (the wait runs outside the graph).
+        Called on a nested unit, it sets the event of that unit's root. See
+        [Note: The post-optimizer event] in ``_state.py``.
+
+        Args:
+            event: a ``torch.Event`` (or ``torch.cuda.Event``).
+
+        Raises:
+            TypeError: ``event`` is not an event.
+        """
+        if not isinstance(event, (torch.Event, torch.cuda.Event)):
+            raise TypeError(
+                "set_post_optim_event expects a torch.Event (or torch.cuda.Event) "
+                f"recorded after the optimizer step, got {type(event).__name__}."
+            )
+        _require_state(self).root.set_post_optim_event(event)
+
+    def reset_iter_state(self) -> None:
+        """Recovers from an exception that stopped a forward or backward midway:
+        waits for and drops the all-gathers in flight, reshards every unit (the
+        modules hold their sharded parameters again), drops the gradients the
+        failed iteration left unreduced (unsharded gradients, those kept by
+        ``set_requires_gradient_sync(False)`` or ``set_reduce_scatter_unused_params``,
+        HSDP gradients not yet all-reduced) and sets every unit idle, so the next
+        iteration runs normally. Gradients already reduced into the sharded
+        parameters' ``.grad`` stay: call ``optimizer.zero_grad()`` to drop them. Every
+        rank must raise at the same point and call it (as for any collective).
+
+        Raises:
+            RuntimeError: called on a unit that is not the root (the outermost
+                ``fully_shard`` module).
+        """
+        state = _require_state(self)
+        if not state.is_root:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root fully_shard module; this "
+                f"{type(self).__name__} is nested in another fully_shard unit. Call it on "
+                "the outermost module fully_shard was applied to."
+            )
+        state.reset_iter()
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether parameters that got no gradient in a backward still join the
+        gradient reduction, with zeros, so ranks that took different branches
+        (mixture of experts, multi-modal models) issue the same collectives. A unit
+        with it on reduces all its trainable parameters together at the end of the
+        backward, in a fixed order; its unsharded gradients are kept until then.
+        Eager backward only: a compiled backward with it on is refused with a
+        ``RuntimeError``. See [Note: Unused parameters] in ``_param_group.py``.
+
+        Args:
+            reduce_scatter_unused_params: the new setting (default of a unit:
+                ``False``).
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for state in _states(self, recurse):
+            if state.param_group is not None:
+                state.param_group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
 
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the unshard."""
@@ -531,6 +655,7 @@ def _fully_shard_impl(
             s = _get_state(sub)
             if s is not None and s is not state and s not in nested:
                 s.is_root = False
+                s.root = state
                 nested.append(s)
     state.states = [*nested, state]
     # Nested units are labelled by their path under this root ("layers.0"), for
