@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,7 @@ class FSDPModule:
             if state.param_group is not None:
                 state.param_group.reduce_grads = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the next forwards free the unsharded parameters after use (and
         re-gather them for backward).
 
@@ -315,6 +315,107 @@ class FSDPModule:
         for state in _states(self, recurse):
             if state.param_group is not None:
                 state.param_group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    # [Note: torch's communication tuning methods]
+    # The six methods below tune torch's eager runtime: its communication objects,
+    # staging buffers, streams and process groups. Here every collective is a
+    # functional c10d op on the current stream, traced into the compiled graphs, and
+    # its buffers are the graph's (Inductor plans them) or the eager op's: there is no
+    # Comm object, staging buffer, copy-in buffer or side stream for them to act on.
+    # They exist with torch's signatures and raise NotImplementedError naming what to
+    # use instead; those whose argument asks for what already happens (turning an
+    # option off) return quietly.
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_custom_all_gather",
+            "the all-gathers are functional c10d ops traced into the compiled graphs, "
+            "and their output buffers are allocated by the graph, so a custom AllGather "
+            "(which allocates and issues the collective eagerly) has no place to run. "
+            "To change how all-gathers are grouped, use traceable_hsdp.passes "
+            "(PassConfig(bucket_all_gathers=..., bucket_cap_mb=...)).",
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_custom_reduce_scatter",
+            "the reduce-scatters are functional c10d ops traced into the compiled "
+            "graphs, and their buffers are allocated by the graph, so a custom "
+            "ReduceScatter has no place to run. To change how reduce-scatters are "
+            "grouped, use traceable_hsdp.passes (PassConfig(bucket_reduce_scatters=..., "
+            "bucket_cap_mb=...)); for a custom reduction after the collective, "
+            "set_all_reduce_hook.",
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
+        happens anyway) does nothing. See [Note: torch's communication tuning
+        methods]."""
+        _check_bool("enable", enable)
+        if enable:
+            _not_supported(
+                "set_allocate_memory_from_process_group_for_comm",
+                "there are no FSDP staging buffers: collective inputs and outputs are "
+                "ordinary tensors of the compiled graph, whose memory Inductor plans (or "
+                "of the eager ops). Bucketing (traceable_hsdp.passes, bucket_cap_mb) "
+                "controls how large the collective buffers are.",
+            )
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Not supported: raises ``NotImplementedError`` (``TypeError``/``ValueError``
+        first for a value torch would refuse). See [Note: torch's communication
+        tuning methods]."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}."
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}.")
+        _not_supported(
+            "set_reduce_scatter_max_input_buffers",
+            "there is no reduce-scatter copy-in buffer to recycle and no separate "
+            "reduce-scatter stream: the reduce-scatters run on the current stream and "
+            "Inductor plans their buffers. For overlap use traceable_hsdp.passes "
+            "(PassConfig(overlap=True) waits for each reduce-scatter only before the next "
+            "one), and bucket_cap_mb for the buffer size.",
+        )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
+        happens anyway) does nothing. See [Note: torch's communication tuning
+        methods]."""
+        _check_bool("enable", enable)
+        if enable:
+            _not_supported(
+                "set_separate_reduce_scatter_group",
+                "every collective runs on the current stream through the unit's mesh "
+                "groups, whose names are baked into the compiled graphs; there is no "
+                "reduce-scatter stream for a second process group to run on. For "
+                "overlap use traceable_hsdp.passes (PassConfig(overlap=True)).",
+            )
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_symm_mem_for_comm",
+            "the all-gather output buffers are allocated by the compiled graph "
+            "(Inductor) or the eager op, not by FSDP, so they cannot be put in "
+            "symmetric memory from here. Bucketing and overlap are configured with "
+            "traceable_hsdp.passes.",
+        )
+
+
+def _not_supported(method: str, why: str) -> None:
+    raise NotImplementedError(f"traceable_hsdp does not support FSDPModule.{method}: {why}")
 
 
 class UnshardHandle:
