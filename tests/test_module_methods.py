@@ -123,6 +123,40 @@ def test_post_optim_event(one_rank) -> None:
     assert not m._forward_pre_hooks
 
 
+def test_post_optim_event_step_compiled_whole(one_rank) -> None:
+    """A step compiled whole (torch._dynamo.config.compiled_autograd): dynamo
+    inlines the model's call and ignores hooks added after it compiled, so the root's
+    pre-forward waits instead; once per event, and a new event each step compiles
+    nothing new (dynamo guards on a bool, not on the event)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    m = _tiny(one_rank)
+    x = torch.randn(3, 4)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = m(x).sum()
+        loss.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    waits, frames = [], []
+    try:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            compiled = torch.compile(step, backend=counter)
+            for i in range(6):
+                event = RecordingEvent(device="cpu")
+                if i in (2, 3, 5):
+                    m.set_post_optim_event(event)
+                compiled(x)
+                waits.append(event.waits)
+                frames.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    assert waits == [0, 0, 1, 1, 0, 1], waits
+    assert frames[2:] == [frames[2]] * 4, frames  # compiled by step 2, then no more
+
+
 def test_reset_iter_state_single_rank(one_rank) -> None:
     m = _tiny(one_rank)
     with pytest.raises(RuntimeError, match="must be called on the root"):

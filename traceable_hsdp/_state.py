@@ -116,10 +116,17 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 # the event is still honoured: before the root's next forward the current stream
 # waits on it (``event.wait()``), once, and it is dropped. The wait is eager-only
 # (events do not belong in a traced graph, and a new event each step would recompile
-# it), so it runs in a forward pre-hook on the root's module(s), registered when the
-# event is set and removed once it fired: ``torch.compile(model)`` runs the top
-# module's hooks outside dynamo (see [Note: Forward wrapper, not module hooks]), and a
-# step compiled whole graph-breaks there only in a step that has an event.
+# it), in ``_wait_post_optim_event`` (dynamo-disabled), reached two ways, whichever
+# comes first:
+# - a forward pre-hook on the root's module(s), registered when the event is set and
+#   removed once it fired: eagerly and under ``torch.compile(model)``, which runs the
+#   top module's hooks outside dynamo (see [Note: Forward wrapper, not module hooks]),
+#   so the forward graph never sees the event;
+# - the root's pre-forward, when ``post_optim_pending`` (a bool, the one thing dynamo
+#   guards on) is still set: for a step compiled whole, where dynamo inlines the
+#   model's call and ignores hooks added after it compiled
+#   (``skip_nnmodule_hook_guards``). That step graph-breaks there, in the steps that
+#   have an event only (one more graph variant, not a recompile per event).
 
 
 class FSDPState:
@@ -149,6 +156,7 @@ class FSDPState:
         self.root: FSDPState = self
         # Root only; see [Note: The post-optimizer event].
         self.post_optim_event: Any = None
+        self.post_optim_pending = False  # an event is set (what dynamo guards on)
         self._post_optim_hooks: list[torch.utils.hooks.RemovableHandle] = []
         if param_group is not None:
             for fp in param_group.trainable:
@@ -212,6 +220,9 @@ class FSDPState:
             s.param_group is not None and s.param_group.trainable for s in self.states
         )
         _check_compile_mode(needs_backward)
+        if self.post_optim_pending:
+            # Only for a step compiled whole; see [Note: The post-optimizer event].
+            self._wait_post_optim_event()
         if (
             needs_backward
             and compiled_autograd.compiled_autograd_enabled
@@ -322,15 +333,21 @@ class FSDPState:
     def set_post_optim_event(self, event: Any) -> None:
         """Root only. See [Note: The post-optimizer event]."""
         self.post_optim_event = event
+        self.post_optim_pending = True
         if not self._post_optim_hooks:
             self._post_optim_hooks = [
                 m.register_forward_pre_hook(self._wait_post_optim_event, prepend=True)
                 for m in self.modules
             ]
 
+    # Disabled as a whole: dynamo must not compile the hook's own frame either (under
+    # torch.compile(model, fullgraph=True) that is a hard error).
     @torch._dynamo.disable
-    def _wait_post_optim_event(self, module: nn.Module, args: Any) -> None:
+    def _wait_post_optim_event(self, *hook_args: Any) -> None:
+        """The current stream waits on the event, once. Eager only. Also the forward
+        pre-hook (``hook_args``: the module and its inputs, unused)."""
         event, self.post_optim_event = self.post_optim_event, None
+        self.post_optim_pending = False
         for handle in self._post_optim_hooks:
             handle.remove()
         self._post_optim_hooks = []
