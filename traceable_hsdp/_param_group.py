@@ -54,9 +54,14 @@ from ._param import FSDPParam
 # of its trainable parameters together at the end of the backward, in registration
 # order, a zero gradient for each that got none: every rank issues the same
 # collectives in the same order, as torch's reduction of a whole unit does. The root
-# runs it from its end-of-backward callback, for the units in module order. Cost: the
-# unit's unsharded gradients live until the end of the backward (its parameters are
-# still freed when their gradients are complete). A compiled backward has no
+# runs it from its end-of-backward callback, for the units in module order, every
+# unit with the option on (one whose forward did not run gets zero gradients, as in
+# torch once the unit has been gathered). The branches must be inside units: a
+# unit's forward still has to run on every rank, its all-gather being a collective.
+# Cost: the unit's unsharded gradients live until the end of the backward (its
+# parameters are still freed when their gradients are complete). Without the option
+# the test's run (tests/test_module_methods.py) aborts a rank with SIGABRT (gloo,
+# mismatched collectives). A compiled backward has no
 # end-of-backward callback (see [Note: Hooks and compiled autograd] in ``_state.py``),
 # so the option is refused when the backward is compiled.
 
