@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,7 @@ class FSDPModule:
             if state.param_group is not None:
                 state.param_group.reduce_grads = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the next forwards free the unsharded parameters after use (and
         re-gather them for backward).
 
@@ -191,6 +191,231 @@ class FSDPModule:
         state = _require_state(self)
         if state.param_group is not None:
             state.param_group.unshard_in_backward = unshard_in_backward
+
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Calls ``hook`` on each of this unit's gradients once it is reduced (the
+        reduce-scatter output for FSDP, the all-reduce output for HSDP), before it is
+        divided by a gradient divide factor and accumulated into the sharded
+        parameter's ``.grad``; the hook may change it in place. Unlike torch, which
+        calls it once per unit on a flat buffer, it is called once per trainable
+        parameter, on that parameter's local shard in ``reduce_dtype``. Eager and
+        compiled (the hook is traced into the backward graph). Applies to this unit
+        only, as torch's. See [Note: The all-reduce hook] in ``_param_group.py``.
+
+        Args:
+            hook: ``hook(reduced: torch.Tensor) -> None``; ``None`` removes it.
+            stream: run the hook on this stream (default ``None``: the current
+                one). FSDP on an accelerator mesh, eager backward only.
+
+        Raises:
+            TypeError: ``hook`` is not callable, or ``stream`` is not a stream.
+            ValueError: ``stream`` with HSDP (a 2-D mesh), as in torch, or on a
+                mesh whose device has no streams (CPU), or on another device type.
+        """
+        if hook is not None and not callable(hook):
+            raise TypeError(
+                f"set_all_reduce_hook expects a callable hook(reduced: Tensor) -> None, got "
+                f"{type(hook).__name__}."
+            )
+        state = _require_state(self)
+        pg = state.param_group
+        if stream is not None:
+            if not isinstance(stream, (torch.Stream, torch.cuda.Stream)):
+                raise TypeError(
+                    f"set_all_reduce_hook(stream=...) expects a torch.Stream (e.g. "
+                    f"torch.cuda.Stream()), got {type(stream).__name__}."
+                )
+            if pg is not None and pg.mesh_info.replicate_mesh_dim is not None:
+                raise ValueError(
+                    "stream cannot be set when using native HSDP (a 2-D mesh): the hook "
+                    "runs after the all-reduce, on the current stream. Pass stream=None."
+                )
+            if pg is not None:
+                device = pg.mesh_info.device
+                stream_type = torch.device(stream.device).type
+                if device.type == "cpu" or stream_type != device.type:
+                    raise ValueError(
+                        f"set_all_reduce_hook(stream=...) got a {stream_type} stream for "
+                        f"a unit on {device.type}; the stream must be on the mesh's "
+                        "accelerator (a CPU mesh has no streams: pass stream=None)."
+                    )
+        if pg is not None:
+            pg.all_reduce_hook = hook
+            pg.all_reduce_hook_stream = stream if hook is not None else None
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Makes the root's next forward wait for ``event`` (recorded after the
+        optimizer step): the current stream waits on it (``event.wait()``) before
+        the root's pre-forward, once; then the event is dropped, so set a new one
+        each iteration. Our all-gathers run on the current stream and so follow the
+        optimizer step anyway; the wait is for an optimizer that ran on another
+        stream. Works with a compiled model too (the wait runs outside the graph).
+        Called on a nested unit, it sets the event of that unit's root. See
+        [Note: The post-optimizer event] in ``_state.py``.
+
+        Args:
+            event: a ``torch.Event`` (or ``torch.cuda.Event``).
+
+        Raises:
+            TypeError: ``event`` is not an event.
+        """
+        if not isinstance(event, (torch.Event, torch.cuda.Event)):
+            raise TypeError(
+                "set_post_optim_event expects a torch.Event (or torch.cuda.Event) "
+                f"recorded after the optimizer step, got {type(event).__name__}."
+            )
+        _require_state(self).root.set_post_optim_event(event)
+
+    def reset_iter_state(self) -> None:
+        """Recovers from an exception that stopped a forward or backward midway:
+        waits for and drops the all-gathers in flight, reshards every unit (the
+        modules hold their sharded parameters again), drops the gradients the
+        failed iteration left unreduced (unsharded gradients, those kept by
+        ``set_requires_gradient_sync(False)`` or ``set_reduce_scatter_unused_params``,
+        HSDP gradients not yet all-reduced) and sets every unit idle, so the next
+        iteration runs normally. Gradients already reduced into the sharded
+        parameters' ``.grad`` stay: call ``optimizer.zero_grad()`` to drop them. Every
+        rank must raise at the same point and call it (as for any collective).
+
+        Raises:
+            RuntimeError: called on a unit that is not the root (the outermost
+                ``fully_shard`` module).
+        """
+        state = _require_state(self)
+        if not state.is_root:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root fully_shard module; this "
+                f"{type(self).__name__} is nested in another fully_shard unit. Call it on "
+                "the outermost module fully_shard was applied to."
+            )
+        state.reset_iter()
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether parameters that got no gradient in a backward still join the
+        gradient reduction, with zeros, so ranks that took different branches
+        (mixture of experts, multi-modal models) issue the same collectives. A unit
+        with it on reduces all its trainable parameters together at the end of the
+        backward, in a fixed order; its unsharded gradients are kept until then.
+        Eager backward only: a compiled backward with it on is refused with a
+        ``RuntimeError``. See [Note: Unused parameters] in ``_param_group.py``.
+
+        Args:
+            reduce_scatter_unused_params: the new setting (default of a unit:
+                ``False``).
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for state in _states(self, recurse):
+            if state.param_group is not None:
+                state.param_group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    # [Note: torch's communication tuning methods]
+    # The six methods below tune torch's eager runtime: its communication objects,
+    # staging buffers, streams and process groups. Here every collective is a
+    # functional c10d op on the current stream, traced into the compiled graphs, and
+    # its buffers are the graph's (Inductor plans them) or the eager op's: there is no
+    # Comm object, staging buffer, copy-in buffer or side stream for them to act on.
+    # They exist with torch's signatures and raise NotImplementedError naming what to
+    # use instead; those whose argument asks for what already happens (turning an
+    # option off) return quietly.
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_custom_all_gather",
+            "the all-gathers are functional c10d ops traced into the compiled graphs, "
+            "and their output buffers are allocated by the graph, so a custom AllGather "
+            "(which allocates and issues the collective eagerly) has no place to run. "
+            "To change how all-gathers are grouped, use traceable_hsdp.passes "
+            "(PassConfig(bucket_all_gathers=..., bucket_cap_mb=...)).",
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_custom_reduce_scatter",
+            "the reduce-scatters are functional c10d ops traced into the compiled "
+            "graphs, and their buffers are allocated by the graph, so a custom "
+            "ReduceScatter has no place to run. To change how reduce-scatters are "
+            "grouped, use traceable_hsdp.passes (PassConfig(bucket_reduce_scatters=..., "
+            "bucket_cap_mb=...)); for a custom reduction after the collective, "
+            "set_all_reduce_hook.",
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
+        happens anyway) does nothing. See [Note: torch's communication tuning
+        methods]."""
+        _check_bool("enable", enable)
+        if enable:
+            _not_supported(
+                "set_allocate_memory_from_process_group_for_comm",
+                "there are no FSDP staging buffers: collective inputs and outputs are "
+                "ordinary tensors of the compiled graph, whose memory Inductor plans (or "
+                "of the eager ops). Bucketing (traceable_hsdp.passes, bucket_cap_mb) "
+                "controls how large the collective buffers are.",
+            )
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Not supported: raises ``NotImplementedError`` (``TypeError``/``ValueError``
+        first for a value torch would refuse). See [Note: torch's communication
+        tuning methods]."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}."
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}.")
+        _not_supported(
+            "set_reduce_scatter_max_input_buffers",
+            "there is no reduce-scatter copy-in buffer to recycle and no separate "
+            "reduce-scatter stream: the reduce-scatters run on the current stream and "
+            "Inductor plans their buffers. For overlap use traceable_hsdp.passes "
+            "(PassConfig(overlap=True) waits for each reduce-scatter only before the next "
+            "one), and bucket_cap_mb for the buffer size.",
+        )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
+        happens anyway) does nothing. See [Note: torch's communication tuning
+        methods]."""
+        _check_bool("enable", enable)
+        if enable:
+            _not_supported(
+                "set_separate_reduce_scatter_group",
+                "every collective runs on the current stream through the unit's mesh "
+                "groups, whose names are baked into the compiled graphs; there is no "
+                "reduce-scatter stream for a second process group to run on. For "
+                "overlap use traceable_hsdp.passes (PassConfig(overlap=True)).",
+            )
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_symm_mem_for_comm",
+            "the all-gather output buffers are allocated by the compiled graph "
+            "(Inductor) or the eager op, not by FSDP, so they cannot be put in "
+            "symmetric memory from here. Bucketing and overlap are configured with "
+            "traceable_hsdp.passes.",
+        )
+
+
+def _not_supported(method: str, why: str) -> None:
+    raise NotImplementedError(f"traceable_hsdp does not support FSDPModule.{method}: {why}")
 
 
 class UnshardHandle:
@@ -531,6 +756,7 @@ def _fully_shard_impl(
             s = _get_state(sub)
             if s is not None and s is not state and s not in nested:
                 s.is_root = False
+                s.root = state
                 nested.append(s)
     state.states = [*nested, state]
     # Nested units are labelled by their path under this root ("layers.0"), for

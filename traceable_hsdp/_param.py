@@ -69,6 +69,7 @@ With ``pin_memory=True`` the CPU shard is pinned when an accelerator is present
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -302,6 +303,7 @@ class FSDPParam:
         unsharded_grad: torch.Tensor,
         divide_factor: float | None,
         all_reduce_replicas: bool = True,
+        reduced_hook: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """Reduce-scatters ``unsharded_grad`` over the shard group (and, for HSDP,
         all-reduces over the replicate group) in ``reduce_dtype``, and accumulates the
@@ -311,7 +313,11 @@ class FSDPParam:
         and divides by it instead. ``all_reduce_replicas=False`` (HSDP,
         ``set_requires_all_reduce(False)``) skips the all-reduce: the shard-reduced
         gradient accumulates locally, and the next backward that all-reduces
-        all-reduces the accumulated sum with it.
+        all-reduces the accumulated sum with it. ``reduced_hook`` is called with the
+        fully reduced local gradient (this rank's shard in ``reduce_dtype``, before
+        the division by ``divide_factor``) and may change it in place; it is not
+        called when the all-reduce is skipped. See [Note: The all-reduce hook] in
+        ``_param_group.py``.
         """
         mi = self.mesh_info
         ws = mi.shard_size
@@ -321,6 +327,8 @@ class FSDPParam:
             local = all_reduce(grad, op, mi.shard_group_name)
             if mi.replicate_group_name is not None:
                 local = all_reduce(local, op, mi.replicate_group_name)
+            if reduced_hook is not None:
+                reduced_hook(local)
             if divide_factor is not None:
                 local = local / divide_factor
             self._accumulate_reduced(local)
@@ -348,6 +356,8 @@ class FSDPParam:
                 sp.grad = None
                 self.replicas_pending = False
             local = all_reduce(local, op, mi.replicate_group_name)
+        if reduced_hook is not None:
+            reduced_hook(local)
         if divide_factor is not None:
             local = local / divide_factor
         self._accumulate_reduced(local)

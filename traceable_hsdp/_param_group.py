@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -23,6 +23,47 @@ from ._param import FSDPParam
 # gradients AND the gradients of all forward inputs that require grad are complete.
 # The pre-forward registers a tensor hook on each such input (returning the gradient
 # it gets, as compiled autograd requires) and the unit counts both kinds down.
+
+
+# [Note: The all-reduce hook]
+# ``set_all_reduce_hook(hook)`` calls ``hook`` on each gradient once it is fully
+# reduced: the reduce-scatter output for FSDP, the all-reduce output for HSDP (for a
+# replicated parameter of ``hsdp()``, its all-reduce output), in ``reduce_dtype``,
+# before the division by a gradient divide factor and before it is accumulated into
+# the sharded parameter's ``.grad``; the hook may change it in place (its return
+# value is ignored), as torch's does. torch reduces a unit in one flat buffer and
+# calls the hook once on it; we reduce each parameter separately, so the hook runs
+# once per trainable parameter, on that parameter's local shard (its sharded shape).
+# It runs inside the post-accumulate-grad hook, so compiled autograd traces it into
+# the backward graph like everything else there.
+#
+# ``stream=`` runs the hook on another stream (FSDP only, eager only): the stream
+# waits for the current one, the hook runs under it, and the current stream waits
+# for it before the gradient is used. Streams are eager-only here (see STYLE: one
+# branch, ``_call_on_stream``); a traced backward refuses a hook stream instead of
+# dropping it.
+
+
+# [Note: Unused parameters]
+# Each parameter's gradient is reduced when its post-accumulate-grad hook fires, in
+# autograd's order. When ranks take different branches, a parameter one rank used
+# and another did not would be reduced on the first rank only, and the collectives
+# would no longer pair up across ranks (a hang, or wrong data). With
+# ``set_reduce_scatter_unused_params(True)`` a unit instead keeps each gradient
+# (summed in ``reduce_dtype``, where gradient accumulation keeps it) and reduces all
+# of its trainable parameters together at the end of the backward, in registration
+# order, a zero gradient for each that got none: every rank issues the same
+# collectives in the same order, as torch's reduction of a whole unit does. The root
+# runs it from its end-of-backward callback, for the units in module order, every
+# unit with the option on (one whose forward did not run gets zero gradients, as in
+# torch once the unit has been gathered). The branches must be inside units: a
+# unit's forward still has to run on every rank, its all-gather being a collective.
+# Cost: the unit's unsharded gradients live until the end of the backward (its
+# parameters are still freed when their gradients are complete). Without the option
+# the test's run (tests/test_module_methods.py) aborts a rank with SIGABRT (gloo,
+# mismatched collectives). A compiled backward has no
+# end-of-backward callback (see [Note: Hooks and compiled autograd] in ``_state.py``),
+# so the option is refused when the backward is compiled.
 
 
 class FSDPParamGroup:
@@ -54,9 +95,13 @@ class FSDPParamGroup:
         self.all_reduce_grads = True  # HSDP: all-reduce over the replicas
         self.force_sum = False  # sum in the collectives, divide locally
         self.unshard_in_backward = True
+        # See [Note: The all-reduce hook].
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: torch.Stream | None = None
+        # See [Note: Unused parameters].
+        self.reduce_scatter_unused_params = False
         self.trainable = [p for p in fsdp_params if p.unsharded_param.requires_grad]
         self.input_grad_hooks = 0  # forward inputs with a post-backward hook, last forward
-
 
     # --------------------------------------------------------------- lifecycle
     def issue_unshard(self) -> None:
@@ -153,18 +198,46 @@ class FSDPParamGroup:
         if fsdp_param.accumulated_grad is not None:
             grad = fsdp_param.accumulated_grad + grad
             fsdp_param.accumulated_grad = None
-        if self.reduce_grads:
-            call_annotated(
-                self.label,
-                fsdp_param.fqn,
-                fsdp_param.reduce_grad,
-                grad,
-                self._divide_factor(),
-                self.all_reduce_grads,
-            )
+        if self.reduce_grads and not self.reduce_scatter_unused_params:
+            self._reduce(fsdp_param, grad)
         else:
+            # Kept for a later backward, or for the end of this one: see
+            # [Note: Unused parameters].
             fsdp_param.accumulated_grad = grad
         self._count_down()
+
+    def reduce_held_grads(self) -> None:
+        """Reduces every trainable parameter's kept gradient, a zero gradient for one
+        that got none, in registration order. Runs at the end of a backward when
+        ``reduce_scatter_unused_params`` and gradient sync are on; see
+        [Note: Unused parameters]."""
+        if not (self.reduce_scatter_unused_params and self.reduce_grads):
+            return
+        for fp in self.trainable:
+            grad = fp.accumulated_grad
+            fp.accumulated_grad = None
+            if grad is None:
+                grad = torch.zeros(fp.orig_size, dtype=fp.reduce_dtype, device=fp.device)
+            self._reduce(fp, grad)
+
+    def _reduce(self, fsdp_param: FSDPParam, grad: torch.Tensor) -> None:
+        call_annotated(
+            self.label,
+            fsdp_param.fqn,
+            fsdp_param.reduce_grad,
+            grad,
+            self._divide_factor(),
+            self.all_reduce_grads,
+            self._reduced_hook(),
+        )
+
+    def _reduced_hook(self) -> Callable[[torch.Tensor], None] | None:
+        """The all-reduce hook as ``reduce_grad`` calls it. See
+        [Note: The all-reduce hook]."""
+        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        if hook is None or stream is None:
+            return hook
+        return lambda reduced: _call_on_stream(hook, reduced, stream)
 
     def _divide_factor(self) -> float | None:
         if self.gradient_divide_factor is None and self.force_sum:
@@ -187,3 +260,48 @@ class FSDPParamGroup:
             self.reshard()
         self.training_state = TrainingState.IDLE
         self._grads_pending = 0
+
+    def reset(self) -> None:
+        """Back to the state before any forward, after an exception stopped one (see
+        ``FSDPModule.reset_iter_state``): waits for and drops in-flight all-gathers,
+        frees every placeholder, and drops the gradients this iteration left
+        unreduced (placeholder gradients, those kept by gradient accumulation, and
+        HSDP shard-reduced gradients not yet all-reduced). Sharded gradients already
+        reduced stay."""
+        self.reshard()
+        for fp in self.fsdp_params:
+            fp.unsharded_param.grad = None
+            fp.accumulated_grad = None
+            if fp.replicas_pending:
+                fp.sharded_param.grad = None
+                fp.replicas_pending = False
+        self.training_state = TrainingState.IDLE
+        self._grads_pending = 0
+        self.input_grad_hooks = 0
+
+
+HOOK_STREAM_COMPILE_FIX = (
+    "traceable_hsdp: set_all_reduce_hook(..., stream=...) runs the hook on another "
+    "stream, which only the eager backward does; this backward is compiled, where the "
+    "hook is traced into the graph on the current stream. Pass stream=None (the "
+    "default) for a compiled backward. See [Note: The all-reduce hook]."
+)
+
+
+@torch._dynamo.disable(reason=HOOK_STREAM_COMPILE_FIX)
+def _refuse_hook_stream_compiled() -> None:
+    raise RuntimeError(HOOK_STREAM_COMPILE_FIX)
+
+
+def _call_on_stream(
+    hook: Callable[[torch.Tensor], None], reduced: torch.Tensor, stream: torch.Stream
+) -> None:
+    """Runs ``hook(reduced)`` on ``stream``, ordered after the current stream's work
+    and before its later work. Eager only. See [Note: The all-reduce hook]."""
+    if torch.compiler.is_compiling():
+        _refuse_hook_stream_compiled()
+    current = torch.accelerator.current_stream(reduced.device)
+    stream.wait_stream(current)
+    with stream:
+        hook(reduced)
+    current.wait_stream(stream)

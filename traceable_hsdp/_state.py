@@ -75,6 +75,24 @@ def _check_compile_mode(needs_backward: bool) -> None:
         _refuse_compile_without_compiled_autograd()
 
 
+UNUSED_PARAMS_COMPILE_FIX = (
+    "traceable_hsdp: set_reduce_scatter_unused_params(True) reduces a unit's gradients "
+    "at the end of the backward, which a compiled backward cannot do (it has no "
+    "end-of-backward callback; the unit would be reduced only at the next forward, "
+    "after the optimizer step), so this compiled backward is refused. Fix: run this "
+    "model's backward eagerly (no compiled autograd), or make every rank use every "
+    "parameter and call set_reduce_scatter_unused_params(False). See [Note: Unused "
+    "parameters] in traceable_hsdp/_param_group.py."
+)
+
+
+@torch._dynamo.disable(reason=UNUSED_PARAMS_COMPILE_FIX)
+def _refuse_unused_params_compiled() -> None:
+    # As _refuse_compile_without_compiled_autograd: a graph break whose message is the
+    # fix when traced, a RuntimeError when run.
+    raise RuntimeError(UNUSED_PARAMS_COMPILE_FIX)
+
+
 def _queue_final_callback(callback: Callable[[], None]) -> None:
     """Queues ``callback`` to run after the current backward, eagerly only.
     See [Note: Hooks and compiled autograd]."""
@@ -88,6 +106,27 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 # outside dynamo and only picks up frames inside them, so hooks on the root would
 # compile as two extra graphs (root gathers, root reshard) around the forward graph;
 # inside ``forward`` they trace into one graph with everything else.
+
+
+# [Note: The post-optimizer event]
+# torch's FSDP all-gathers on its own streams and, by default, makes them wait for the
+# current stream at the root's pre-forward, so that they follow the optimizer step;
+# ``set_post_optim_event(event)`` replaces that wait by a wait on ``event``. Our
+# collectives run on the current stream, so they follow the optimizer step already;
+# the event is still honoured: before the root's next forward the current stream
+# waits on it (``event.wait()``), once, and it is dropped. The wait is eager-only
+# (events do not belong in a traced graph, and a new event each step would recompile
+# it), in ``_wait_post_optim_event`` (dynamo-disabled), reached two ways, whichever
+# comes first:
+# - a forward pre-hook on the root's module(s), registered when the event is set and
+#   removed once it fired: eagerly and under ``torch.compile(model)``, which runs the
+#   top module's hooks outside dynamo (see [Note: Forward wrapper, not module hooks]),
+#   so the forward graph never sees the event;
+# - the root's pre-forward, when ``post_optim_pending`` (a bool, the one thing dynamo
+#   guards on) is still set: for a step compiled whole, where dynamo inlines the
+#   model's call and ignores hooks added after it compiled
+#   (``skip_nnmodule_hook_guards``). That step graph-breaks there, in the steps that
+#   have an event only (one more graph variant, not a recompile per event).
 
 
 class FSDPState:
@@ -112,6 +151,13 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         self._final_callback_queued = False
+        # The outermost unit whose subtree holds this one (set by that unit's
+        # fully_shard); itself while it is a root.
+        self.root: FSDPState = self
+        # Root only; see [Note: The post-optimizer event].
+        self.post_optim_event: Any = None
+        self.post_optim_pending = False  # an event is set (what dynamo guards on)
+        self._post_optim_hooks: list[torch.utils.hooks.RemovableHandle] = []
         if param_group is not None:
             for fp in param_group.trainable:
                 fp.unsharded_param.register_post_accumulate_grad_hook(
@@ -174,6 +220,19 @@ class FSDPState:
             s.param_group is not None and s.param_group.trainable for s in self.states
         )
         _check_compile_mode(needs_backward)
+        if self.post_optim_pending:
+            # Only for a step compiled whole; see [Note: The post-optimizer event].
+            self._wait_post_optim_event()
+        if (
+            needs_backward
+            and compiled_autograd.compiled_autograd_enabled
+            and any(
+                s.param_group is not None and s.param_group.reduce_scatter_unused_params
+                for s in self.states
+            )
+        ):
+            # See [Note: Unused parameters] (_param_group.py).
+            _refuse_unused_params_compiled()
         # A compiled backward queues no final callback: finish what it left here.
         # See [Note: Hooks and compiled autograd].
         for state in self.states:
@@ -225,6 +284,10 @@ class FSDPState:
         self, pg: FSDPParamGroup, fp: Any
     ) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
+            if pg.reduce_scatter_unused_params and torch.compiler.is_compiling():
+                # A backward compiled without a compiled forward (the root's
+                # pre-forward refuses the other cases). See [Note: Unused parameters].
+                _refuse_unused_params_compiled()
             pg.post_accumulate_grad(fp)
             self._idle_if_group_done()
 
@@ -248,10 +311,48 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
 
     def _root_post_backward_final(self) -> None:
+        # See [Note: Unused parameters] (_param_group.py).
+        for state in self.states:
+            if state.param_group is not None:
+                state.param_group.reduce_held_grads()
         if self.is_last_backward:
             for state in self.states:
                 state._finish_backward()
         self._final_callback_queued = False
+
+    # ------------------------------------------------------------ iteration
+    def reset_iter(self) -> None:
+        """Every unit of this root back to idle and sharded, after an exception
+        stopped a forward or backward. See ``FSDPModule.reset_iter_state``."""
+        for state in self.states:
+            if state.param_group is not None:
+                state.param_group.reset()
+            state.training_state = TrainingState.IDLE
+        self._final_callback_queued = False
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Root only. See [Note: The post-optimizer event]."""
+        self.post_optim_event = event
+        self.post_optim_pending = True
+        if not self._post_optim_hooks:
+            self._post_optim_hooks = [
+                m.register_forward_pre_hook(self._wait_post_optim_event, prepend=True)
+                for m in self.modules
+            ]
+
+    # Disabled as a whole: dynamo must not compile the hook's own frame either (under
+    # torch.compile(model, fullgraph=True) that is a hard error).
+    @torch._dynamo.disable
+    def _wait_post_optim_event(self, *hook_args: Any) -> None:
+        """The current stream waits on the event, once. Eager only. Also the forward
+        pre-hook (``hook_args``: the module and its inputs, unused)."""
+        event, self.post_optim_event = self.post_optim_event, None
+        self.post_optim_pending = False
+        for handle in self._post_optim_hooks:
+            handle.remove()
+        self._post_optim_hooks = []
+        if event is not None:
+            event.wait()
 
     # -------------------------------------------------------------- state dict
     # See [Note: state_dict and load_state_dict].

@@ -1,0 +1,282 @@
+"""FSDPModule methods that torch 2.13's FSDPModule has: set_all_reduce_hook,
+reset_iter_state, set_post_optim_event, set_reduce_scatter_unused_params, and the
+communication-tuning methods that raise NotImplementedError here.
+
+Tolerances: the reset_iter_state run against a run that skipped the failed steps is
+bitwise (the same ops in the same order). The all-reduce hook that doubles the
+reduce-scatter output is bitwise against twice the plain sum (doubling and halving
+are exact). Runs against one process on the global batch (the hook doing DDP over
+replicas, the unused-parameter run) use the tolerance of test_runtime.py: losses rtol
+1e-5, parameters atol 2e-5 (reductions in another order, amplified by AdamW).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import traceable_hsdp as th
+from _dist import run_ranks
+from _method_workers import RecordingEvent, eager_worker, hook_compiled_worker
+
+NOT_SUPPORTED = {
+    "set_custom_all_gather": (None,),
+    "set_custom_reduce_scatter": (None,),
+    "set_allocate_memory_from_process_group_for_comm": (True,),
+    "set_reduce_scatter_max_input_buffers": (2,),
+    "set_separate_reduce_scatter_group": (),
+    "set_symm_mem_for_comm": (),
+}
+
+
+def _public_methods(cls: type) -> list[str]:
+    return sorted(n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n)))
+
+
+def test_every_torch_method_exists_with_torch_signature() -> None:
+    """A method torch adds to FSDPModule fails here until ours has it too."""
+    for name in _public_methods(torch_fsdp.FSDPModule):
+        assert hasattr(th.FSDPModule, name), f"traceable_hsdp.FSDPModule lacks torch's {name}"
+        ours = inspect.signature(getattr(th.FSDPModule, name)).parameters.values()
+        theirs = inspect.signature(getattr(torch_fsdp.FSDPModule, name)).parameters.values()
+        assert [(p.name, p.kind, p.default) for p in ours] == [
+            (p.name, p.kind, p.default) for p in theirs
+        ], name
+
+
+def _tiny(mesh) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    th.fully_shard(m[0], mesh=mesh)
+    return th.fully_shard(m, mesh=mesh)
+
+
+def test_not_supported_methods_raise(one_rank) -> None:
+    m = _tiny(one_rank)
+    for name, args in NOT_SUPPORTED.items():
+        with pytest.raises(NotImplementedError, match=f"does not support FSDPModule.{name}: "):
+            getattr(m, name)(*args)
+    with pytest.raises(NotImplementedError, match=r"traceable_hsdp.passes \(PassConfig\(overlap"):
+        m.set_reduce_scatter_max_input_buffers(2)
+    # Turning an option off asks for what happens anyway: accepted.
+    m.set_allocate_memory_from_process_group_for_comm(False)
+    m.set_separate_reduce_scatter_group(False, recurse=False)
+    # Values torch refuses are refused first, as torch does.
+    with pytest.raises(TypeError, match="max_input_buffers must be an int"):
+        m.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(ValueError, match="positive int"):
+        m.set_reduce_scatter_max_input_buffers(0)
+    with pytest.raises(TypeError, match="enable must be a bool"):
+        m.set_separate_reduce_scatter_group(1)
+
+
+def test_all_reduce_hook_errors(one_rank) -> None:
+    m = _tiny(one_rank)
+    with pytest.raises(TypeError, match="expects a callable"):
+        m.set_all_reduce_hook(3)
+    with pytest.raises(TypeError, match="expects a torch.Stream"):
+        m.set_all_reduce_hook(lambda t: None, stream="s")
+    with pytest.raises(ValueError, match="CPU mesh has no streams"):
+        m.set_all_reduce_hook(lambda t: None, stream=torch.Stream(device="cpu"))
+    hsdp_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    h = th.fully_shard(nn.Linear(2, 2), mesh=hsdp_mesh)
+    with pytest.raises(ValueError, match="native HSDP"):
+        h.set_all_reduce_hook(lambda t: None, stream=torch.Stream(device="cpu"))
+    # None removes the hook.
+    calls = []
+    m.set_all_reduce_hook(calls.append)
+    m(torch.randn(3, 4)).sum().backward()
+    assert len(calls) == 2  # the root unit's two trainable parameters
+    m.set_all_reduce_hook(None)
+    m(torch.randn(3, 4)).sum().backward()
+    assert len(calls) == 2
+
+
+def test_post_optim_event(one_rank) -> None:
+    m = _tiny(one_rank)
+    x = torch.randn(3, 4)
+    with pytest.raises(TypeError, match="expects a torch.Event"):
+        m.set_post_optim_event(object())
+    e = RecordingEvent(device="cpu")
+    m.set_post_optim_event(e)
+    m.set_post_optim_event(e)  # set twice before a forward: one wait
+    m(x)
+    m(x)
+    assert e.waits == 1  # once, then dropped
+    assert not m._forward_pre_hooks  # the one-shot hook is gone
+    # On a nested unit it is the root's event: waited before the root's forward.
+    e2 = RecordingEvent(device="cpu")
+    m[0].set_post_optim_event(e2)
+    m[0](x)
+    assert e2.waits == 0
+    m(x)
+    assert e2.waits == 1
+    # A real torch.Event is accepted. On the CPU it cannot be recorded ("cpu backend
+    # doesn't support events"); waiting on an unrecorded one is a no-op.
+    m.set_post_optim_event(torch.Event(device="cpu"))
+    m(x)
+    assert not m._forward_pre_hooks
+
+
+def test_post_optim_event_step_compiled_whole(one_rank) -> None:
+    """A step compiled whole (torch._dynamo.config.compiled_autograd): dynamo
+    inlines the model's call and ignores hooks added after it compiled, so the root's
+    pre-forward waits instead; once per event, and a new event each step compiles
+    nothing new (dynamo guards on a bool, not on the event)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    m = _tiny(one_rank)
+    x = torch.randn(3, 4)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = m(x).sum()
+        loss.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    waits, frames = [], []
+    try:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            compiled = torch.compile(step, backend=counter)
+            for i in range(6):
+                event = RecordingEvent(device="cpu")
+                if i in (2, 3, 5):
+                    m.set_post_optim_event(event)
+                compiled(x)
+                waits.append(event.waits)
+                frames.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    assert waits == [0, 0, 1, 1, 0, 1], waits
+    assert frames[2:] == [frames[2]] * 4, frames  # compiled by step 2, then no more
+
+
+def test_reset_iter_state_single_rank(one_rank) -> None:
+    m = _tiny(one_rank)
+    with pytest.raises(RuntimeError, match="must be called on the root"):
+        m[0].reset_iter_state()
+
+    def boom(module, args):
+        raise KeyError("boom")
+
+    handle = m[2].register_forward_pre_hook(boom)
+    with pytest.raises(KeyError):
+        m(torch.randn(3, 4))
+    # The root unit is mid-forward: its modules hold the gathered placeholders.
+    assert not isinstance(m[2].weight, torch.distributed.tensor.DTensor)
+    m.reset_iter_state()
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in m.parameters())
+    handle.remove()
+    m(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_reduce_scatter_unused_params_refused_compiled(one_rank) -> None:
+    """Compiled backwards cannot reduce at the end of the backward: refused loudly
+    in every way in, never silently wrong."""
+    m = _tiny(one_rank)
+    x = torch.randn(3, 4)
+    with pytest.raises(TypeError, match="must be a bool"):
+        m.set_reduce_scatter_unused_params("yes")
+    m.set_reduce_scatter_unused_params(True)
+    torch._dynamo.reset()
+    th.enable_compiled_autograd(backend="aot_eager")
+    try:
+        # Eager forward, compiled autograd on: refused at the root's pre-forward.
+        with pytest.raises(RuntimeError, match="set_reduce_scatter_unused_params"):
+            m(x)
+        m.reset_iter_state()
+        # Compiled forward (fullgraph): refused while tracing, with the fix.
+        compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+        with pytest.raises(Exception, match="set_reduce_scatter_unused_params"):
+            compiled(x)
+        m.reset_iter_state()
+        # Turned on after an eager forward, before a compiled backward: the
+        # backward's hook refuses it.
+        m.set_reduce_scatter_unused_params(False)
+        out = m(x).sum()
+        m.set_reduce_scatter_unused_params(True)
+        with pytest.raises(RuntimeError, match="set_reduce_scatter_unused_params"):
+            out.backward()
+        m.reset_iter_state()
+    finally:
+        th.disable_compiled_autograd()
+        torch._dynamo.reset()
+    # Eagerly it runs.
+    m.zero_grad()
+    m(x).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_methods_eager_2_ranks() -> None:
+    """set_all_reduce_hook, reset_iter_state, set_reduce_scatter_unused_params and
+    set_post_optim_event, eagerly on 2 gloo ranks."""
+    results = run_ranks(eager_worker, 2)
+    for rank, r in enumerate(results):
+        # --- all-reduce hook doing DDP over replicas = data parallel (+ event)
+        h = r["hook"]["replicate_hook"]
+        torch.testing.assert_close(h["losses"], h["ref_losses"], rtol=1e-5, atol=0)
+        for k, v in h["ref_params"].items():
+            torch.testing.assert_close(h["params"][k], v, rtol=0, atol=2e-5, msg=k)
+        assert h["waits"] == [1, 1, 1] and h["bytes_after_bwd"] == [0, 0, 0]
+        # --- the hook sees each reduce-scatter output (local shard, before the
+        # divide factor), once per parameter of its unit only, and may change it.
+        hook = r["hook"]
+        shapes = sorted(shape for shape, _ in hook["hook_shapes"])
+        assert len(shapes) == 9 and shapes == sorted(hook["local_shapes"]), hook
+        assert {dtype for _, dtype in hook["hook_shapes"]} == {torch.float32}
+        assert max(hook["doubled_diff"].values()) == 0, hook["doubled_diff"]
+        # HSDP: the hook sees the all-reduce output, which is what lands in .grad.
+        assert hook["hsdp_hook_is_grad"] and hook["hsdp_differs_from_local"]
+
+        # --- reset_iter_state: bitwise against the run without the failed steps
+        s = r["reset"]
+        assert s["losses"] == s["ref_losses"], (s["losses"], s["ref_losses"])
+        for k, v in s["ref_params"].items():
+            torch.testing.assert_close(s["params"][k], v, rtol=0, atol=0, msg=k)
+        (fwd_msg, fwd_left), (bwd_msg, bwd_left) = s["caught"]
+        assert fwd_msg == "forward" and bwd_msg == "backward"
+        # What each failure left behind (so the reset had work to do)...
+        assert fwd_left["gathered_bytes"] > 0 and "TrainingState.FORWARD" in fwd_left["busy"]
+        assert bwd_left["gathered_bytes"] > 0 and "TrainingState.PRE_BACKWARD" in bwd_left["busy"]
+        assert bwd_left["sharded_grads"] > 0  # the root unit and layers[1] had reduced
+        # ...and what the reset left.
+        for a in s["after_reset"]:
+            assert a == dict(gathered_bytes=0, busy=0, module_holds_sharded=True, placeholder_grads=0), a
+        assert s["bytes_at_end"] == 0
+
+        # --- unused params: rank 1 skips blocks[0].b; same collectives on both ranks
+        u = r["unused"]
+        torch.testing.assert_close(u["losses"], u["ref_losses"], rtol=1e-5, atol=0)
+        for k, v in u["ref_params"].items():
+            torch.testing.assert_close(u["params"][k], v, rtol=0, atol=2e-5, msg=k)
+        # Rank 1 did not use b but got its (averaged) gradient: zeros joined the sum.
+        assert u["b_grad"] == [True] * 3
+        assert u["bytes_at_end"] == 0
+
+
+@pytest.mark.slow
+def test_all_reduce_hook_compiled_2_ranks() -> None:
+    """The all-reduce hook (a dist.all_reduce over the replicate group) traced into
+    the compiled-autograd backward graph (aot_eager): data-parallel parity with one
+    process; a new post-optimizer event every step is waited on outside the graph
+    without recompiling."""
+    for r in run_ranks(hook_compiled_worker, 2):
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)
+        for k, v in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][k], v, rtol=0, atol=2e-5, msg=k)
+        assert r["waits"] == [1, 1, 1]
+        assert r["graphs_after_step"] == [(1, 1)] * 3, r["graphs_after_step"]
+        n_params = 2 * 4 + 2  # two blocks of two linears, the head
+        (fwd,), (bwd,) = r["fwd_counts"], r["bwd_counts"]
+        assert "all_reduce" not in fwd, fwd
+        # One reduce-scatter (over the size-1 shard group) and one hook all-reduce
+        # per parameter, in the backward graph.
+        assert bwd["reduce_scatter_tensor"] == n_params and bwd["all_reduce"] == n_params, bwd
+        assert r["bytes_after_bwd"] == [0, 0, 0]
