@@ -280,3 +280,69 @@ def test_all_reduce_hook_compiled_2_ranks() -> None:
         # per parameter, in the backward graph.
         assert bwd["reduce_scatter_tensor"] == n_params and bwd["all_reduce"] == n_params, bwd
         assert r["bytes_after_bwd"] == [0, 0, 0]
+
+
+def test_held_gradient_of_a_parameter_unused_when_syncing(one_rank) -> None:
+    """Gradient accumulation where a parameter is used in the no-sync micro-batch but
+    not in the syncing one: eagerly its kept gradient is reduced at the end of the
+    syncing backward (equal to a plain model's accumulated gradient, tolerance 1e-6);
+    with a compiled backward the next forward raises instead of letting the
+    gradient slip into a later step. See [Note: Held gradients of unused parameters]."""
+    from _method_workers import _Branchy
+
+    def build() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        ref = _Branchy()
+        model = _Branchy()
+        model.load_state_dict(ref.state_dict())
+        th.fully_shard(model, mesh=one_rank)
+        return model, ref
+
+    xs = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+
+    def micro_batches(model: nn.Module, fwd: Any) -> None:
+        model.set_requires_gradient_sync(False)
+        model.use_b = True
+        fwd(xs[0]).sum().backward()
+        model.set_requires_gradient_sync(True)
+        model.use_b = False  # b gets no gradient in the syncing backward
+        fwd(xs[1]).sum().backward()
+
+    model, ref = build()
+    micro_batches(model, model)
+    ref.use_b = True
+    ref(xs[0]).sum().backward()
+    ref.use_b = False
+    ref(xs[1]).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=1e-6, msg=name)
+    assert _managed_grads_held(model) == []
+
+    model, _ = build()
+    torch._dynamo.reset()
+    th.enable_compiled_autograd(backend="aot_eager")
+    try:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        micro_batches(model, compiled)
+        assert _managed_grads_held(model) == ["b.weight", "b.bias"]
+        with pytest.raises(Exception, match="set_requires_gradient_sync"):
+            compiled(xs[0])
+        model.reset_iter_state()
+        assert _managed_grads_held(model) == []
+        # Used in the syncing micro-batch too: nothing held, no error.
+        model.use_b = True
+        model.set_requires_gradient_sync(False)
+        compiled(xs[0]).sum().backward()
+        model.set_requires_gradient_sync(True)
+        compiled(xs[1]).sum().backward()
+        compiled(xs[0])
+    finally:
+        th.disable_compiled_autograd()
+        torch._dynamo.reset()
+
+
+def _managed_grads_held(model: nn.Module) -> list[str]:
+    from _workers import _managed
+
+    return [fp.fqn for fp in _managed(model) if fp.accumulated_grad is not None]

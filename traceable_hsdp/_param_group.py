@@ -66,6 +66,19 @@ from ._param import FSDPParam
 # so the option is refused when the backward is compiled.
 
 
+# [Note: Held gradients of unused parameters]
+# With gradient sync off (``set_requires_gradient_sync(False)``) each gradient is kept
+# unreduced and the syncing backward adds it to the new one before reducing. A
+# parameter used in the no-sync micro-batches but not in the syncing one (a mixture of
+# experts' expert that got no token) has no post-accumulate-grad hook call in that
+# backward; its kept gradient would stay unreduced and be added to a later step's,
+# after the optimizer stepped without it. Eagerly the root's final callback reduces
+# such gradients (``reduce_held_grads``), as torch's FSDP2 reduces a unit's
+# accumulated gradients in its post-backward. A compiled backward has no final
+# callback; the root's next pre-forward finds the kept gradients
+# (``held_after_sync``) and raises: too late to reduce, never silently wrong.
+
+
 class FSDPParamGroup:
     """All managed parameters of one fully_shard call.
 
@@ -100,6 +113,9 @@ class FSDPParamGroup:
         self.all_reduce_hook_stream: torch.Stream | None = None
         # See [Note: Unused parameters].
         self.reduce_scatter_unused_params = False
+        # reduce_grads as the last backward began; see [Note: Held gradients of
+        # unused parameters].
+        self.backward_syncs = False
         self.trainable = [p for p in fsdp_params if p.unsharded_param.requires_grad]
         self.input_grad_hooks = 0  # forward inputs with a post-backward hook, last forward
 
@@ -182,6 +198,7 @@ class FSDPParamGroup:
     def pre_backward(self) -> None:
         """Re-gathers before this unit's backward (no-op if still unsharded)."""
         self.training_state = TrainingState.PRE_BACKWARD
+        self.backward_syncs = self.reduce_grads
         if self.unshard_in_backward:
             self.unshard()
         self._grads_pending = len(self.trainable) + self.input_grad_hooks
@@ -207,18 +224,31 @@ class FSDPParamGroup:
         self._count_down()
 
     def reduce_held_grads(self) -> None:
-        """Reduces every trainable parameter's kept gradient, a zero gradient for one
-        that got none, in registration order. Runs at the end of a backward when
-        ``reduce_scatter_unused_params`` and gradient sync are on; see
-        [Note: Unused parameters]."""
-        if not (self.reduce_scatter_unused_params and self.reduce_grads):
+        """At the end of a backward with gradient sync on (eager: the root's final
+        callback), reduces the gradients still kept, in registration order: with
+        ``reduce_scatter_unused_params`` every trainable parameter's, a zero gradient
+        for one that got none (see [Note: Unused parameters]); without it, those
+        kept by earlier no-sync backwards for a parameter that got no gradient in this
+        one (see [Note: Held gradients of unused parameters])."""
+        if not self.reduce_grads:
             return
         for fp in self.trainable:
             grad = fp.accumulated_grad
+            if grad is None and not self.reduce_scatter_unused_params:
+                continue
             fp.accumulated_grad = None
             if grad is None:
                 grad = torch.zeros(fp.orig_size, dtype=fp.reduce_dtype, device=fp.device)
             self._reduce(fp, grad)
+
+    def held_after_sync(self) -> list[str]:
+        """FQNs of the gradients a finished syncing backward left unreduced: kept by
+        earlier no-sync backwards, their parameter got no gradient in it, and no final
+        callback reduced them (a compiled backward). See [Note: Held gradients of
+        unused parameters]."""
+        if not self.backward_syncs:
+            return []
+        return [fp.fqn for fp in self.trainable if fp.accumulated_grad is not None]
 
     def _reduce(self, fsdp_param: FSDPParam, grad: torch.Tensor) -> None:
         call_annotated(
@@ -278,6 +308,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self._grads_pending = 0
         self.input_grad_hooks = 0
+        self.backward_syncs = False
 
 
 HOOK_STREAM_COMPILE_FIX = (

@@ -93,6 +93,23 @@ def _refuse_unused_params_compiled() -> None:
     raise RuntimeError(UNUSED_PARAMS_COMPILE_FIX)
 
 
+HELD_AFTER_SYNC_FIX = (
+    "the last backward synced gradients but a parameter got no gradient in it, so the "
+    "gradient kept for it by earlier set_requires_gradient_sync(False) backwards was "
+    "never reduced (a compiled backward has no end-of-backward callback to do it), "
+    "and the optimizer step ran without it. Fix: make the syncing micro-batch use "
+    "these parameters, or run this model's backward eagerly (without compiled "
+    "autograd), where they are reduced at the end of the backward. Call "
+    "reset_iter_state() on the root to drop them and go on. See [Note: Held gradients "
+    "of unused parameters] in traceable_hsdp/_param_group.py."
+)
+
+
+@torch._dynamo.disable(reason=f"traceable_hsdp: {HELD_AFTER_SYNC_FIX}")
+def _raise_held_after_sync(fqns: list[str]) -> None:
+    raise RuntimeError(f"traceable_hsdp: unreduced gradients of {', '.join(fqns)}: {HELD_AFTER_SYNC_FIX}")
+
+
 def _queue_final_callback(callback: Callable[[], None]) -> None:
     """Queues ``callback`` to run after the current backward, eagerly only.
     See [Note: Hooks and compiled autograd]."""
@@ -237,6 +254,8 @@ class FSDPState:
         # See [Note: Hooks and compiled autograd].
         for state in self.states:
             if state.training_state is TrainingState.PRE_BACKWARD:
+                if state.param_group is not None and state.param_group.held_after_sync():
+                    _raise_held_after_sync(state.param_group.held_after_sync())
                 state._finish_backward()
         self._final_callback_queued = False
 
