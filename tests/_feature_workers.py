@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import traceable_hsdp as th
 from _workers import CFG, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes
@@ -41,7 +41,11 @@ def _build(lib: str, mesh: Any, mp: Any) -> Llama:
     offload = (th if lib == "ours" else torch_fsdp).CPUOffloadPolicy(pin_memory=False)
     for layer in model.layers:
         fs(layer, mesh=mesh, mp_policy=mp, shard_placement_fn=placement, offload_policy=offload)
-    fs(model, mesh=mesh, mp_policy=mp, shard_placement_fn=placement)
+    # ignored_params: the token embedding stays a plain fp32 tensor, not gathered,
+    # its gradient not reduced: each rank steps it with its own gradient, in both
+    # (its fp32 output is cast to bf16 by the first block's cast_forward_inputs).
+    fs(model, mesh=mesh, mp_policy=mp, shard_placement_fn=placement,
+       ignored_params={model.tok_embeddings.weight})
     layers = list(model.layers)
     for i, layer in enumerate(layers):
         if i + 1 < len(layers):
@@ -71,8 +75,10 @@ def _train(
                 model.set_is_last_backward(last)
             total += step_fn(xs[i], ys[i]) / MICRO
             if not last:
+                # The managed (sharded) ones; an ignored parameter has its own.
                 grads_after_nosync.append(
-                    [p.grad is None for p in model.parameters() if p.requires_grad]
+                    [p.grad is None for p in model.parameters()
+                     if p.requires_grad and isinstance(p, DTensor)]
                 )
                 if keep_gathered and hasattr(model, "_traceable_hsdp_state"):
                     kept_bytes.append(_placeholder_bytes(model))
@@ -80,6 +86,12 @@ def _train(
         opt.zero_grad()
         losses.append(_mean_over_ranks(torch.tensor(total), world))
     return losses, grads_after_nosync, kept_bytes
+
+
+def _full(model: Llama) -> dict[str, torch.Tensor]:
+    """Every parameter whole: DTensors gathered, plain (ignored) ones as they are."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+            for k, v in model.state_dict().items()}
 
 
 def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str) -> dict[str, Any]:
@@ -99,7 +111,7 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
     ref = _build("torch", mesh, tmp)
     keep = mode in ("eager", "compiled_keep")
     ref_losses, _, _ = _train(ref, rank, world, eager_step(ref), keep)
-    ref_params = {k: v.full_tensor() for k, v in ref.state_dict().items()}
+    ref_params = _full(ref)
 
     ours = _build("ours", mesh, mp)
     rec = GraphRecorder()
@@ -119,7 +131,7 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
     return dict(
         losses=losses,
         ref_losses=ref_losses,
-        params={k: v.full_tensor() for k, v in ours.state_dict().items()},
+        params=_full(ours),
         ref_params=ref_params,
         nosync_grads_none=nosync,
         bytes_after=_placeholder_bytes(ours),
@@ -127,7 +139,8 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
         fwd_counts=rec.forward,
         bwd_counts=rec.backward,
         dtypes={str(p.dtype) for p in ours.parameters()},
-        placements={k: str(v.placements) for k, v in ours.state_dict().items()},
+        placements={k: str(v.placements) if isinstance(v, DTensor) else type(v).__name__
+                    for k, v in ours.state_dict().items()},
         devices={str(p.device) for p in ours.parameters()}
         | {str(p.grad.device) for p in ours.parameters() if p.grad is not None},
     )

@@ -101,7 +101,7 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
             backwards(torch.compile(model, backend=rec, fullgraph=True))
         finally:
             th.disable_compiled_autograd()
-        graphs[name] = (rec.forward, rec.backward)
+        graphs[name] = (rec.forward, rec.backward, sorted(rec.reduce_ops))
 
     def grads(
         name: str, setup: Any, per_backward: Any = None, eager: bool = False
@@ -131,12 +131,20 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     # the same collectives).
     base = grads("base", lambda m: None, eager=True)
     out: dict[str, Any] = {}
-    out["force_sum"] = diff(grads("force_sum", lambda m: m.set_force_sum_reduction_for_comms(True)), base)
-    # No all-reduce on the first backward, all-reduce on the second: the same sum.
-    out["all_reduce_later"] = diff(
-        grads("all_reduce_later", lambda m: None, lambda m, i: m.set_requires_all_reduce(i == 1)),
-        base)
-    if not compiled:
+    if compiled:
+        # One compiled run for both (compiles are the cost): summed collectives, and
+        # no all-reduce on the first backward, all-reduce on the second.
+        out["force_sum_all_reduce_later"] = diff(
+            grads("force_sum_all_reduce_later", lambda m: m.set_force_sum_reduction_for_comms(True),
+                  lambda m, i: m.set_requires_all_reduce(i == 1)),
+            base)
+    else:
+        out["force_sum"] = diff(
+            grads("force_sum", lambda m: m.set_force_sum_reduction_for_comms(True)), base)
+        # No all-reduce on the first backward, all-reduce on the second: the same sum.
+        out["all_reduce_later"] = diff(
+            grads("all_reduce_later", lambda m: None, lambda m, i: m.set_requires_all_reduce(i == 1)),
+            base)
         # Compiled, these add compile time and nothing new: the deprecated name sets
         # the same divide factor as force_sum's path, and the no-all-reduce graph is
         # all_reduce_later's first backward graph.

@@ -52,6 +52,7 @@ class GraphRecorder:
     def __init__(self) -> None:
         self.forward: list[dict[str, int]] = []
         self.backward: list[dict[str, int]] = []
+        self.reduce_ops: set[str] = set()  # the ops of every reduce-scatter and all-reduce
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         counts: dict[str, int] = {}
@@ -61,6 +62,8 @@ class GraphRecorder:
                 for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "fsdp.copy_", "resize_storage_bytes_"):
                     if op in name and "wait" not in name:
                         counts[op] = counts.get(op, 0) + 1
+                if "reduce_scatter_tensor" in name or "all_reduce" in name:
+                    self.reduce_ops.add(str(n.args[1]))
         cid = torch._guards.CompileContext.current_compile_id()
         is_bwd = cid is not None and cid.compiled_autograd_id is not None
         (self.backward if is_bwd else self.forward).append(counts)

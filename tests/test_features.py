@@ -4,8 +4,8 @@ One fat run per mode checks together: MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32), frozen parameters mixed with trainable ones inside units,
 explicit forward/backward prefetch (set_modules_to_*_prefetch), gradient
 accumulation over 2 micro-batches with set_requires_gradient_sync(False) on the
-first, shard_placement_fn (the MLP down projections and the output head on dim 1)
-and CPUOffloadPolicy on the blocks. Eager also keeps the units gathered between
+first, shard_placement_fn (the MLP down projections and the output head on dim 1),
+ignored_params (the token embedding) and CPUOffloadPolicy on the blocks. Eager also keeps the units gathered between
 micro-batches (set_reshard_after_backward / set_is_last_backward False on the
 first); ``compiled_keep`` does that compiled. The comparison is bitwise
 (atol=rtol=0): both libraries cast, gather,
@@ -22,7 +22,8 @@ from _dist import run_ranks
 from _feature_workers import features_vs_torch
 from _workers import CFG
 
-N_PARAMS = 2 + 9 * CFG.n_layers + 1
+# Managed parameters: every parameter but the token embedding (ignored_params).
+N_PARAMS = 2 + 9 * CFG.n_layers + 1 - 1
 N_FROZEN = CFG.n_layers + 1  # attn_norm of every block + layers[0].attn.wq
 
 
@@ -42,6 +43,7 @@ def test_features_match_torch_fully_shard(mode: str) -> None:
         assert r["placements"]["output.weight"] == "(Shard(dim=1),)"
         assert r["placements"]["layers.0.ffn.w2.weight"] == "(Shard(dim=1),)"
         assert r["placements"]["layers.0.ffn.w1.weight"] == "(Shard(dim=0),)"
+        assert r["placements"]["tok_embeddings.weight"] == "Tensor"  # ignored: not a DTensor
         assert r["devices"] == {"cpu"}
     if mode in ("eager", "compiled_keep"):
         # set_reshard_after_backward(False) + set_is_last_backward(False) on the
