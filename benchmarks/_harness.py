@@ -204,6 +204,25 @@ def resolve_world(device_type: DeviceType, world: int | None) -> int:
     return world
 
 
+def add_placement_args(parser: Any) -> None:
+    """``--device`` and ``--world`` on an ``argparse`` parser (both CLIs)."""
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="auto: cuda when torch.cuda.is_available(), else cpu (default auto)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="number of ranks (default: 2 on cpu, torch.cuda.device_count() "
+                             "on cuda; at most that many on cuda, one rank per GPU)")
+
+
+def placement_from_args(parser: Any, args: Any) -> Placement:
+    """:func:`resolve_placement` of the parsed ``--device``/``--world``; a bad value
+    is the parser's error (exit status 2)."""
+    try:
+        return resolve_placement(args.device, args.world)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # parser.error exits; for type checkers
+
+
 def resolve_placement(device: str, world: int | None) -> Placement:
     """:func:`resolve_device` then :func:`resolve_world`; raises their ``ValueError``."""
     device_type = resolve_device(device)

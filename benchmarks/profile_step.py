@@ -258,6 +258,10 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked; ``args.placement`` and ``args.names`` resolved. Bad values
     exit through ``argparse`` (status 2) with what was wrong."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import _harness as H
+
     p = argparse.ArgumentParser(prog="profile_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=("overhead", "compute", "smoke"), default="overhead")
     p.add_argument("--variants", default="ours_compiled,torch_block_compiled")
@@ -266,20 +270,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--trace", action="store_true", help="also write Chrome traces")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda when torch.cuda.is_available(), else cpu (default auto)")
-    p.add_argument("--world", type=int, default=None,
-                   help="number of ranks (default: 2 on cpu, torch.cuda.device_count() on "
-                        "cuda; at most that many on cuda, one rank per GPU)")
+    H.add_placement_args(p)
     args = p.parse_args(argv)
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    import _harness as H
-
-    try:
-        args.placement = H.resolve_placement(args.device, args.world)
-    except ValueError as e:
-        p.error(str(e))
+    args.placement = H.placement_from_args(p, args)
     args.names = [n.strip() for n in args.variants.split(",") if n.strip()]
     known = {v.name for v in H.all_variants()[0]}
     bad = [n for n in args.names if n not in known]

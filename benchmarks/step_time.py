@@ -52,6 +52,10 @@ REF_BLOCK, REF_EAGER = "torch_block_compiled", "torch_eager"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import _harness as H
+
     p = argparse.ArgumentParser(
         prog="step_time.py",
         description=(
@@ -61,11 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "round-robin between variants."
         ),
     )
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda when torch.cuda.is_available(), else cpu (default auto)")
-    p.add_argument("--world", type=int, default=None,
-                   help="number of ranks (default: 2 on cpu, torch.cuda.device_count() on "
-                        "cuda; at most that many on cuda, one rank per GPU)")
+    H.add_placement_args(p)
     p.add_argument("--shape", choices=("overhead", "compute", "both"), default="both",
                    help="overhead: 16 layers, dim 64, seq 32; compute: 4 layers, dim 256, "
                         "seq 128; both batch 2 per rank, 4 heads, vocab 256 (default both)")
@@ -98,14 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    import _harness as H
-
-    try:
-        a.placement = H.resolve_placement(a.device, a.world)
-    except ValueError as e:
-        p.error(str(e))
+    a.placement = H.placement_from_args(p, a)
     return a
 
 
