@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import NoReturn
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -90,3 +92,17 @@ class PostForwardInfo:
     group_name: str
     size: int
     index: int
+
+
+def refusal(message: str) -> Callable[..., NoReturn]:
+    """A function that raises ``RuntimeError(message)`` (the details it is given
+    appended), disabled for dynamo: reached while tracing it is a graph break whose
+    reason is ``message`` (under ``fullgraph=True``, the error the user sees), run
+    eagerly it raises. For what a compiled step cannot do right: refused loudly,
+    never silently wrong."""
+
+    @torch._dynamo.disable(reason=message)
+    def refuse(*details: str) -> NoReturn:
+        raise RuntimeError(" ".join((message, *details)))
+
+    return refuse

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from ._annotate import call_annotated
-from ._common import MeshInfo, ShardedState, TrainingState
+from ._common import MeshInfo, ShardedState, TrainingState, refusal
 from ._param import FSDPParam
 
 
@@ -319,9 +319,7 @@ HOOK_STREAM_COMPILE_FIX = (
 )
 
 
-@torch._dynamo.disable(reason=HOOK_STREAM_COMPILE_FIX)
-def _refuse_hook_stream_compiled() -> None:
-    raise RuntimeError(HOOK_STREAM_COMPILE_FIX)
+_refuse_hook_stream_compiled = refusal(HOOK_STREAM_COMPILE_FIX)
 
 
 def _call_on_stream(

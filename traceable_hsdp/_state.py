@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ._api import MixedPrecisionPolicy
 
-from ._common import TrainingState
+from ._common import TrainingState, refusal
 from ._param import FSDPParam, _set_param
 from ._param_group import FSDPParamGroup
 
@@ -58,11 +58,7 @@ COMPILE_FIX = (
 )
 
 
-@torch._dynamo.disable(reason=COMPILE_FIX)
-def _refuse_compile_without_compiled_autograd() -> None:
-    # Disabled for dynamo: reached from a trace, it is a graph break whose message is
-    # COMPILE_FIX (fullgraph=True), or it runs eagerly and raises it (fullgraph=False).
-    raise RuntimeError(COMPILE_FIX)
+_refuse_compile_without_compiled_autograd = refusal(COMPILE_FIX)
 
 
 def _check_compile_mode(needs_backward: bool) -> None:
@@ -86,15 +82,11 @@ UNUSED_PARAMS_COMPILE_FIX = (
 )
 
 
-@torch._dynamo.disable(reason=UNUSED_PARAMS_COMPILE_FIX)
-def _refuse_unused_params_compiled() -> None:
-    # As _refuse_compile_without_compiled_autograd: a graph break whose message is the
-    # fix when traced, a RuntimeError when run.
-    raise RuntimeError(UNUSED_PARAMS_COMPILE_FIX)
+_refuse_unused_params_compiled = refusal(UNUSED_PARAMS_COMPILE_FIX)
 
 
 HELD_AFTER_SYNC_FIX = (
-    "the last backward synced gradients but a parameter got no gradient in it, so the "
+    "traceable_hsdp: the last backward synced gradients but a parameter got no gradient in it, so the "
     "gradient kept for it by earlier set_requires_gradient_sync(False) backwards was "
     "never reduced (a compiled backward has no end-of-backward callback to do it), "
     "and the optimizer step ran without it. Fix: make the syncing micro-batch use "
@@ -105,9 +97,7 @@ HELD_AFTER_SYNC_FIX = (
 )
 
 
-@torch._dynamo.disable(reason=f"traceable_hsdp: {HELD_AFTER_SYNC_FIX}")
-def _raise_held_after_sync(fqns: list[str]) -> None:
-    raise RuntimeError(f"traceable_hsdp: unreduced gradients of {', '.join(fqns)}: {HELD_AFTER_SYNC_FIX}")
+_refuse_held_after_sync = refusal(HELD_AFTER_SYNC_FIX)
 
 
 def _queue_final_callback(callback: Callable[[], None]) -> None:
@@ -255,7 +245,9 @@ class FSDPState:
         for state in self.states:
             if state.training_state is TrainingState.PRE_BACKWARD:
                 if state.param_group is not None and state.param_group.held_after_sync():
-                    _raise_held_after_sync(state.param_group.held_after_sync())
+                    _refuse_held_after_sync(
+                        f"Parameters: {', '.join(state.param_group.held_after_sync())}."
+                    )
                 state._finish_backward()
         self._final_callback_queued = False
 
