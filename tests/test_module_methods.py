@@ -290,11 +290,15 @@ def test_held_gradient_of_a_parameter_unused_when_syncing(one_rank) -> None:
     gradient slip into a later step. See [Note: Held gradients of unused parameters]."""
     from _method_workers import _Branchy
 
-    def build() -> tuple[nn.Module, nn.Module]:
+    def build(b_unit: bool) -> tuple[nn.Module, nn.Module]:
+        """``b_unit``: b is a unit of its own, whose forward does not run at all in
+        the syncing micro-batch; else b is in the root unit, which runs."""
         torch.manual_seed(0)
         ref = _Branchy()
         model = _Branchy()
         model.load_state_dict(ref.state_dict())
+        if b_unit:
+            th.fully_shard(model.b, mesh=one_rank)
         th.fully_shard(model, mesh=one_rank)
         return model, ref
 
@@ -308,38 +312,44 @@ def test_held_gradient_of_a_parameter_unused_when_syncing(one_rank) -> None:
         model.use_b = False  # b gets no gradient in the syncing backward
         fwd(xs[1]).sum().backward()
 
-    model, ref = build()
-    micro_batches(model, model)
-    ref.use_b = True
-    ref(xs[0]).sum().backward()
-    ref.use_b = False
-    ref(xs[1]).sum().backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=1e-6, msg=name)
-    assert _managed_grads_held(model) == []
-
-    model, _ = build()
-    torch._dynamo.reset()
-    th.enable_compiled_autograd(backend="aot_eager")
-    try:
-        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-        micro_batches(model, compiled)
-        assert _managed_grads_held(model) == ["b.weight", "b.bias"]
-        with pytest.raises(Exception, match="set_requires_gradient_sync"):
-            compiled(xs[0])
-        model.reset_iter_state()
+    for b_unit in (False, True):
+        model, ref = build(b_unit)
+        micro_batches(model, model)
+        ref.use_b = True
+        ref(xs[0]).sum().backward()
+        ref.use_b = False
+        ref(xs[1]).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None, (b_unit, name)
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=1e-6,
+                                       msg=f"{b_unit} {name}")
         assert _managed_grads_held(model) == []
-        # Used in the syncing micro-batch too: nothing held, no error.
-        model.use_b = True
-        model.set_requires_gradient_sync(False)
-        compiled(xs[0]).sum().backward()
-        model.set_requires_gradient_sync(True)
-        compiled(xs[1]).sum().backward()
-        compiled(xs[0])
-    finally:
-        th.disable_compiled_autograd()
+        if b_unit:
+            # Compiled, a unit that did not run at all is not checked (the known gap
+            # in the Note).
+            continue
+
+        model, _ = build(b_unit)
         torch._dynamo.reset()
+        th.enable_compiled_autograd(backend="aot_eager")
+        try:
+            compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+            micro_batches(model, compiled)
+            assert _managed_grads_held(model) == ["b.weight", "b.bias"]
+            with pytest.raises(Exception, match="set_requires_gradient_sync"):
+                compiled(xs[0])
+            model.reset_iter_state()
+            assert _managed_grads_held(model) == []
+            # Used in the syncing micro-batch too: nothing held, no error.
+            model.use_b = True
+            model.set_requires_gradient_sync(False)
+            compiled(xs[0]).sum().backward()
+            model.set_requires_gradient_sync(True)
+            compiled(xs[1]).sum().backward()
+            compiled(xs[0])
+        finally:
+            th.disable_compiled_autograd()
+            torch._dynamo.reset()
 
 
 def _managed_grads_held(model: nn.Module) -> list[str]:

@@ -74,9 +74,12 @@ from ._param import FSDPParam
 # backward; its kept gradient would stay unreduced and be added to a later step's,
 # after the optimizer stepped without it. Eagerly the root's final callback reduces
 # such gradients (``reduce_held_grads``), as torch's FSDP2 reduces a unit's
-# accumulated gradients in its post-backward. A compiled backward has no final
-# callback; the root's next pre-forward finds the kept gradients
-# (``held_after_sync``) and raises: too late to reduce, never silently wrong.
+# accumulated gradients in its post-backward (also for a unit whose forward did not
+# run in the syncing step). A compiled backward has no final callback; the root's
+# next pre-forward finds the kept gradients of a unit whose backward ran
+# (``held_after_sync``) and raises: too late to reduce. Known gap: a unit whose
+# forward did not run at all in a compiled syncing step is not checked (checking
+# every unit adds guards that change between micro-batches: recompiles).
 
 
 class FSDPParamGroup:
@@ -246,9 +249,10 @@ class FSDPParamGroup:
         earlier no-sync backwards, their parameter got no gradient in it, and no final
         callback reduced them (a compiled backward). See [Note: Held gradients of
         unused parameters]."""
-        if not self.backward_syncs:
-            return []
-        return [fp.fqn for fp in self.trainable if fp.accumulated_grad is not None]
+        held = [fp.fqn for fp in self.trainable if fp.accumulated_grad is not None]
+        # backward_syncs is read only when something is held: a compiled pre-forward
+        # then guards on it only in that case (it changes every step; no recompiles).
+        return held if held and self.backward_syncs else []
 
     def _reduce(self, fsdp_param: FSDPParam, grad: torch.Tensor) -> None:
         call_annotated(

@@ -244,6 +244,8 @@ class FSDPState:
         # See [Note: Hooks and compiled autograd].
         for state in self.states:
             if state.training_state is TrainingState.PRE_BACKWARD:
+                # Only here: reading held gradients of every unit would add guards
+                # that change between micro-batches (recompiles).
                 if state.param_group is not None and state.param_group.held_after_sync():
                     _refuse_held_after_sync(
                         f"Parameters: {', '.join(state.param_group.held_after_sync())}."
