@@ -81,10 +81,7 @@ class FSDPModule:
             recurse: also set it on every fully_shard unit inside this module
                 (default ``True``).
         """
-        _check_bool("requires_gradient_sync", requires_gradient_sync)
-        for state in _states(self, recurse):
-            if state.param_group is not None:
-                state.param_group.reduce_grads = requires_gradient_sync
+        _set_on_groups(self, recurse, "reduce_grads", "requires_gradient_sync", requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the next forwards free the unsharded parameters after use (and
@@ -108,10 +105,9 @@ class FSDPModule:
             reshard_after_backward: the new setting.
             recurse: also set it on every fully_shard unit inside (default ``True``).
         """
-        _check_bool("reshard_after_backward", reshard_after_backward)
-        for state in _states(self, recurse):
-            if state.param_group is not None:
-                state.param_group.reshard_after_backward = reshard_after_backward
+        _set_on_groups(
+            self, recurse, "reshard_after_backward", "reshard_after_backward", reshard_after_backward
+        )
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step. On the
@@ -166,20 +162,14 @@ class FSDPModule:
         """Sum in the collectives and divide by the number of data-parallel ranks
         locally, instead of averaging in the collectives (same result up to
         rounding). An explicit gradient divide factor takes precedence."""
-        _check_bool("enable", enable)
-        for state in _states(self, recurse=True):
-            if state.param_group is not None:
-                state.param_group.force_sum = enable
+        _set_on_groups(self, True, "force_sum", "enable", enable)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether backward all-reduces gradients over the replicas. With
         ``False`` the reduce-scatter still runs and the shard-reduced gradients
         accumulate locally; the next backward with ``True`` all-reduces the sum.
         Nothing changes on a 1-D mesh."""
-        _check_bool("requires_all_reduce", requires_all_reduce)
-        for state in _states(self, recurse):
-            if state.param_group is not None:
-                state.param_group.all_reduce_grads = requires_all_reduce
+        _set_on_groups(self, recurse, "all_reduce_grads", "requires_all_reduce", requires_all_reduce)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether this unit re-gathers its parameters for backward (default
@@ -187,10 +177,7 @@ class FSDPModule:
         read its parameters, e.g. an embedding: its weight gradient needs only the
         indices and the output gradient. A backward that does read a parameter that
         was not re-gathered fails loudly (its storage has size 0)."""
-        _check_bool("unshard_in_backward", unshard_in_backward)
-        state = _require_state(self)
-        if state.param_group is not None:
-            state.param_group.unshard_in_backward = unshard_in_backward
+        _set_on_groups(self, False, "unshard_in_backward", "unshard_in_backward", unshard_in_backward)
 
     def set_all_reduce_hook(
         self,
@@ -311,10 +298,10 @@ class FSDPModule:
                 ``False``).
             recurse: also set it on every fully_shard unit inside (default ``True``).
         """
-        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
-        for state in _states(self, recurse):
-            if state.param_group is not None:
-                state.param_group.reduce_scatter_unused_params = reduce_scatter_unused_params
+        _set_on_groups(
+            self, recurse, "reduce_scatter_unused_params", "reduce_scatter_unused_params",
+            reduce_scatter_unused_params,
+        )
 
     # [Note: torch's communication tuning methods]
     # The six methods below tune torch's eager runtime: its communication objects,
@@ -435,6 +422,16 @@ class UnshardHandle:
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}.")
+
+
+def _set_on_groups(module: Any, recurse: bool, attr: str, name: str, value: object) -> None:
+    """The boolean setters' one body: checks that ``value`` (the argument ``name``)
+    is a bool, then sets ``attr`` of this unit's parameter group to it, and with
+    ``recurse`` of every unit's inside too."""
+    _check_bool(name, value)
+    for state in _states(module, recurse):
+        if state.param_group is not None:
+            setattr(state.param_group, attr, value)
 
 
 def _states(module: Any, recurse: bool) -> list[FSDPState]:

@@ -327,11 +327,7 @@ class FSDPParam:
             local = all_reduce(grad, op, mi.shard_group_name)
             if mi.replicate_group_name is not None:
                 local = all_reduce(local, op, mi.replicate_group_name)
-            if reduced_hook is not None:
-                reduced_hook(local)
-            if divide_factor is not None:
-                local = local / divide_factor
-            self._accumulate_reduced(local)
+            self._finish_reduced(local, divide_factor, reduced_hook)
             return
         if self.shard_dim != 0:
             grad = grad.movedim(self.shard_dim, 0)
@@ -356,6 +352,16 @@ class FSDPParam:
                 sp.grad = None
                 self.replicas_pending = False
             local = all_reduce(local, op, mi.replicate_group_name)
+        self._finish_reduced(local, divide_factor, reduced_hook)
+
+    def _finish_reduced(
+        self,
+        local: torch.Tensor,
+        divide_factor: float | None,
+        reduced_hook: Callable[[torch.Tensor], None] | None,
+    ) -> None:
+        """The end of every full reduction: the hook, the divide factor, then
+        accumulation into the sharded gradient."""
         if reduced_hook is not None:
             reduced_hook(local)
         if divide_factor is not None:

@@ -61,9 +61,9 @@ from ._param import FSDPParam
 # Cost: the unit's unsharded gradients live until the end of the backward (its
 # parameters are still freed when their gradients are complete). Without the option
 # the test's run (tests/test_module_methods.py) aborts a rank with SIGABRT (gloo,
-# mismatched collectives). A compiled backward has no
-# end-of-backward callback (see [Note: Hooks and compiled autograd] in ``_state.py``),
-# so the option is refused when the backward is compiled.
+# mismatched collectives). A compiled backward has no end-of-backward callback (see
+# [Note: Hooks and compiled autograd] in ``_state.py``), so the option is refused
+# when the backward is compiled.
 
 
 # [Note: Held gradients of unused parameters]

@@ -86,8 +86,9 @@ _refuse_unused_params_compiled = refusal(UNUSED_PARAMS_COMPILE_FIX)
 
 
 HELD_AFTER_SYNC_FIX = (
-    "traceable_hsdp: the last backward synced gradients but a parameter got no gradient in it, so the "
-    "gradient kept for it by earlier set_requires_gradient_sync(False) backwards was "
+    "traceable_hsdp: the last backward synced gradients but a parameter got no "
+    "gradient in it, so the gradient kept for it by earlier "
+    "set_requires_gradient_sync(False) backwards was "
     "never reduced (a compiled backward has no end-of-backward callback to do it), "
     "and the optimizer step ran without it. Fix: make the syncing micro-batch use "
     "these parameters, or run this model's backward eagerly (without compiled "
@@ -246,10 +247,9 @@ class FSDPState:
             if state.training_state is TrainingState.PRE_BACKWARD:
                 # Only here: reading held gradients of every unit would add guards
                 # that change between micro-batches (recompiles).
-                if state.param_group is not None and state.param_group.held_after_sync():
-                    _refuse_held_after_sync(
-                        f"Parameters: {', '.join(state.param_group.held_after_sync())}."
-                    )
+                held = [] if state.param_group is None else state.param_group.held_after_sync()
+                if held:
+                    _refuse_held_after_sync(f"Parameters: {', '.join(held)}.")
                 state._finish_backward()
         self._final_callback_queued = False
 
