@@ -68,6 +68,17 @@ class FSDPModule:
         if state.param_group is not None:
             state.param_group.reshard()
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``model.to(dtype)``, ``to_empty(device=...)``, ``.double()``: nn.Module's
+        # _apply converts the sharded DTensors; the unit then follows them. See
+        # [Note: Changes after fully_shard] in _param.py.
+        self.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        # Devices are checked at the next forward: in a list unit, the other
+        # modules may not be converted yet.
+        _require_state(self)._apply_user_changes(check_device=False)
+        return out
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether the next backwards reduce gradients. With ``False``, unsharded
         gradients accumulate on the placeholders across backwards (gradient
@@ -645,7 +656,9 @@ def fully_shard(
         TypeError: ``module`` is not an ``nn.Module`` (or list of them), or ``mesh``
             is not a ``DeviceMesh``.
         ValueError: a mesh of 3 or more dims; a parameter on another device than the
-            mesh's; meta parameters; a 0-dim parameter; unsupported option values.
+            mesh's (meta parameters are accepted: shard first, then
+            ``module.to_empty(device=...)`` and initialize); a 0-dim parameter;
+            unsupported option values.
     """
     return _fully_shard_impl(
         module,
@@ -695,14 +708,10 @@ def _fully_shard_impl(
             where[p].extend(w[p])
     for p in order:
         fqn = where[p][0][0]
-        if p.is_meta:
-            raise ValueError(
-                f"Parameter {fqn!r} is on the meta device. fully_shard shards real data: "
-                "materialize it first, e.g. module.to_empty(device=...) then initialize "
-                "its values, and call fully_shard after."
-            )
+        # A meta parameter is sharded on meta and materialized by module.to_empty();
+        # see [Note: Changes after fully_shard] in _param.py.
         on_cpu_offloaded = offload is not None and p.device.type == "cpu"
-        if not on_cpu_offloaded and (
+        if not p.is_meta and not on_cpu_offloaded and (
             p.device.type != mesh.device_type
             or (p.device.type != "cpu" and p.device != mesh_info.device)
         ):

@@ -19,16 +19,46 @@ Each managed parameter has two ``nn.Parameter``s:
   really frees the memory; the backward re-gathers into the same storage.
 
 [Note: The module holds the placeholder only in forward]
-The modules hold the placeholder from a unit's pre-forward to its post-forward (and
-between an explicit ``unshard()`` and ``reshard()``); at every other time, including
-all of backward, they hold the sharded parameter, whether or not the placeholder's
-storage is full. Backward needs no module attribute (autograd reads its saved
-tensors), and swapping ``module._parameters`` inside a compiled-autograd graph trips
-a dynamo bug on torch 2.13: the swap is replayed after the graph by indexing the
-graph's ``inputs`` list, which compiled autograd has already emptied
-(``IndexError: list index out of range``, seen with gradient sync off). It also keeps
-``state_dict()`` and ``parameters()`` sharded outside forward, even with
+The modules hold the placeholder from a unit's pre-forward to its post-forward,
+between an explicit ``unshard()`` and ``reshard()``, and, in an eager backward, from
+the unit's pre-backward (its re-gather) until its backward is done; at every other
+time they hold the sharded parameter, whether or not the placeholder's storage is
+full. The eager backward needs it for activation checkpointing: the recompute calls
+the modules' forward again, which must read the gathered parameters (torch's FSDP2
+registers its unsharded parameters there too). A compiled backward does not
+register them: autograd reads saved tensors, a checkpointed region compiled with the
+forward is recomputed inside the compiled graphs from those, and swapping
+``module._parameters`` inside a compiled-autograd graph trips a dynamo bug on torch
+2.13 (the swap is replayed after the graph by indexing the graph's ``inputs`` list,
+which compiled autograd has already emptied: ``IndexError: list index out of
+range``, seen with gradient sync off). Finishing a unit's backward registers the
+sharded parameters again even when it keeps the data gathered
+(``set_reshard_after_backward(False)``), so ``state_dict()``, ``parameters()`` and
+``clip_grad_norm_`` see the sharded parameters between steps, even with
 ``reshard_after_forward=False``.
+
+[Note: Changes after fully_shard]
+What a user does to a parameter after ``fully_shard`` is honoured, as in torch's FSDP2,
+or refused at the next forward; never silently dropped. The unit reads the sharded
+parameter again (``FSDPParam.reset_sharded_param``):
+
+- in ``nn.Module._apply`` (``FSDPModule._apply``): ``model.to(dtype)``, ``.double()``,
+  ``to_empty(device=...)`` after building on the meta device. ``_apply`` swaps the
+  DTensor's data in place; the unit follows the new dtype (a new 0-byte placeholder
+  in the new compute dtype) and device;
+- at each unit's pre-forward, when a cheap check (``changed_by_user``: identity,
+  ``requires_grad``, dtype and device of the sharded parameter, attribute reads that
+  trace to no ops) finds a change: ``p.requires_grad_(False)`` on a sharded
+  parameter freezes it (the placeholder follows, so no gradient is computed or
+  reduced and the optimizer skips it), a DTensor assigned to the module is adopted,
+  a plain tensor assigned is refused (``TypeError``), and a shard left on the meta
+  device or moved off the mesh's device is refused (``ValueError``). The change is
+  applied outside the graph (dynamo cannot trace ``requires_grad_``): the root's
+  forward pre-hook applies it for the whole tree before ``torch.compile(model)``
+  traces (so ``fullgraph=True`` holds), and a step compiled whole graph-breaks once,
+  in the step that sees the change; the next trace sees no change.
+
+The same path serves ``load_state_dict(assign=True)``.
 
 [Note: Replicated parameters]
 ``hsdp(threshold=..., replicate_params=...)`` keeps some parameters whole on every
@@ -128,11 +158,8 @@ class FSDPParam:
         self.module_infos = module_infos
         self.mesh_info = mesh_info
         self.orig_size = param.size()
-        self.orig_dtype = param.dtype
-        # Mixed precision applies to floating-point parameters only.
-        floating = param.dtype.is_floating_point
-        self.dtype = (mp_policy.param_dtype if floating else None) or param.dtype
-        self.reduce_dtype = (mp_policy.reduce_dtype if floating else None) or self.dtype
+        self.mp_policy = mp_policy
+        self._set_dtypes(param.dtype)
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard cannot shard the 0-dim parameter {fqn!r} on dim 0. "
@@ -149,7 +176,9 @@ class FSDPParam:
         start = min(rank * self.chunk_rows, n)
         with torch.no_grad():
             local = param.detach().narrow(shard_dim, start, self.local_rows).clone()
-            if offload is not None:
+            # A meta parameter stays on meta until module.to_empty(); see [Note:
+            # Changes after fully_shard].
+            if offload is not None and not local.is_meta:
                 local = local.cpu()
                 if offload.pin_memory and torch.accelerator.is_available():
                     local = local.pin_memory()
@@ -168,10 +197,8 @@ class FSDPParam:
         # The placeholder starts with 0 bytes of storage. See
         # [Note: Sharded parameter and unsharded placeholder].
         self.unsharded_param = nn.Parameter(
-            torch.empty(self.orig_size, dtype=self.dtype, device=self.device),
-            requires_grad=param.requires_grad,
+            self._empty_placeholder(), requires_grad=param.requires_grad
         )
-        self.unsharded_param.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
         self.module_holds_unsharded = False
         # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage (the
@@ -189,6 +216,21 @@ class FSDPParam:
         self.accumulated_grad: torch.Tensor | None = None
         for info in module_infos:
             _set_param(info, self.sharded_param)
+
+    def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
+        """The dtypes that follow from the sharded parameter's dtype and the mixed
+        precision policy (which applies to floating-point parameters only)."""
+        self.orig_dtype = orig_dtype
+        floating = orig_dtype.is_floating_point
+        mp = self.mp_policy
+        self.dtype = (mp.param_dtype if floating else None) or orig_dtype
+        self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.dtype
+
+    def _empty_placeholder(self) -> torch.Tensor:
+        """A tensor of the full shape in ``dtype`` on the compute device, with 0 bytes of
+        storage: nothing of the full size is ever allocated until the first gather."""
+        t = torch.empty(0, dtype=self.dtype, device=self.device)
+        return t.set_(t.untyped_storage(), 0, self.orig_size, _contiguous_strides(self.orig_size))
 
     # ------------------------------------------------------------------ forward
     @property
@@ -389,21 +431,87 @@ class FSDPParam:
             stride=sp.stride(),
         )
 
-    def sync_from_module(self) -> None:
-        """Re-reads the sharded parameter from the module after a
-        ``load_state_dict(assign=True)`` replaced it, and checks it still fits."""
+    def changed_by_user(self) -> bool:
+        """Whether the user changed the sharded parameter since the unit last read it:
+        replaced it on a module, flipped its ``requires_grad``, cast it, or left it on
+        the meta device. Only attribute reads (traced without ops). See
+        [Note: Changes after fully_shard]."""
+        if self.module_holds_unsharded:
+            return False
+        sp = self.sharded_param
+        for info in self.module_infos:
+            if info.module._parameters[info.param_name] is not sp:
+                return True
+        return (
+            sp.requires_grad is not self.unsharded_param.requires_grad
+            or sp.dtype is not self.orig_dtype
+            or sp.device.type != self._shard_device_type()
+        )
+
+    def _shard_device_type(self) -> str:
+        return "cpu" if self.offload is not None else self.device.type
+
+    def reset_sharded_param(self, check_device: bool = True) -> None:
+        """Re-reads the sharded parameter after the user changed it, as torch's FSDP2
+        does: adopts a DTensor assigned to the module (``load_state_dict(assign=True)``
+        or ``module.weight = ...``), follows a cast (``model.to(torch.float64)``) and
+        ``requires_grad``. See [Note: Changes after fully_shard].
+
+        Args:
+            check_device: raise when the shard is not on the mesh's device (default
+                ``True``; ``nn.Module._apply`` passes ``False``, since a list unit's
+                other modules may not be moved yet).
+
+        Raises:
+            TypeError: a module now holds something other than a DTensor.
+            ValueError: a DTensor of another shape, placements or mesh; the shard
+                on another device than the mesh's (e.g. still on meta).
+        """
         if self.module_holds_unsharded:
             return
-        info = self.module_infos[0]
-        new = info.module._parameters[info.param_name]
-        if new is self.sharded_param:
-            return
+        sp = self.sharded_param
+        for info in self.module_infos:
+            new = info.module._parameters[info.param_name]
+            if new is not sp:
+                sp = self._adopt(new, info)
+                break
+        self.sharded_param = sp
+        for info in self.module_infos:
+            _set_param(info, sp)
+        if check_device and sp.device.type != self._shard_device_type():
+            where = "the CPU (CPUOffloadPolicy)" if self.offload is not None else str(self.device)
+            fix = (
+                "Materialize it first: module.to_empty(device=...) and then initialize it "
+                "(reset_parameters() or load a state dict)."
+                if sp.device.type == "meta"
+                else "Move the model before fully_shard, or build the mesh on "
+                f"{sp.device.type!r}."
+            )
+            raise ValueError(
+                f"Parameter {self.fqn!r} is on {sp.device} but its fully_shard unit "
+                f"gathers it from {where}. {fix}"
+            )
+        if sp.dtype != self.orig_dtype:
+            self._set_dtypes(sp.dtype)
+            with torch.no_grad():
+                self.unsharded_param.data = self._empty_placeholder()
+            self.sharded_state = ShardedState.SHARDED
+            self.post_forward_shard = None
+        if self.unsharded_param.requires_grad != sp.requires_grad:
+            self.unsharded_param.requires_grad_(sp.requires_grad)
+
+    def _adopt(self, new: object, info: ParamModuleInfo) -> nn.Parameter:
+        """``new``, found at ``info``, as the sharded parameter, if it can be one."""
+        where = f"{type(info.module).__name__}.{info.param_name}"
         if not isinstance(new, DTensor):
             raise TypeError(
-                f"load_state_dict(assign=True) put a {type(new).__name__} at {self.fqn!r}; "
-                "a fully_shard parameter must stay a DTensor. Load DTensors (the values "
-                "state_dict() returns, or distribute_tensor(full, mesh, placements)) or "
-                "use assign=False."
+                f"{where} ({self.fqn!r}) was replaced after fully_shard by a "
+                f"{type(new).__name__} (by load_state_dict(assign=True) or an assignment); "
+                "a fully_shard parameter must stay a DTensor. Assign a DTensor laid out "
+                "like the old one (the values state_dict() returns, or "
+                "distribute_tensor(full, param.device_mesh, param.placements)), copy into "
+                "it (param.data.copy_ / load_state_dict with assign=False), or make the "
+                "change before calling fully_shard."
             )
         if (
             new.shape != self.orig_size
@@ -411,12 +519,20 @@ class FSDPParam:
             or new.device_mesh != self.mesh_info.mesh
         ):
             raise ValueError(
-                f"load_state_dict(assign=True) put a DTensor of shape {tuple(new.shape)}, "
-                f"placements {new.placements} at {self.fqn!r}; expected shape "
-                f"{tuple(self.orig_size)}, placements {self.placements} on the same mesh."
+                f"{where} ({self.fqn!r}) was replaced after fully_shard by a DTensor of "
+                f"shape {tuple(new.shape)}, placements {new.placements}; expected shape "
+                f"{tuple(self.orig_size)}, placements {self.placements} on the same mesh. "
+                "Redistribute it first (value.redistribute(param.device_mesh, "
+                "param.placements)), or make the change before calling fully_shard."
             )
         if not isinstance(new, nn.Parameter):
             new = nn.Parameter(new, requires_grad=self.sharded_param.requires_grad)
-        self.sharded_param = new
-        for info in self.module_infos:
-            _set_param(info, new)
+        return new
+
+
+def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))

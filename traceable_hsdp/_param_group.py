@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +22,17 @@ from ._param import FSDPParam
 # gradients AND the gradients of all forward inputs that require grad are complete.
 # The pre-forward registers a tensor hook on each such input (returning the gradient
 # it gets, as compiled autograd requires) and the unit counts both kinds down.
+#
+# A unit whose forward runs several times before one backward (weight reuse, a block
+# applied twice) registers input hooks in every call; the count sums them, and the
+# pre-backward takes it (and starts the next count from 0). The first use's backward
+# to run re-gathers; the unit stays gathered until the last use's backward is done,
+# because the parameters' gradients are complete only after every use (one
+# AccumulateGrad per parameter). torch's FSDP2 instead reshards after each use's
+# backward and re-gathers for the next: less memory between uses, one more
+# all-gather per extra use. Inputs hooked in a forward whose output never reaches a
+# backward keep the unit from finishing by the count; the end of the backward
+# finishes it (see [Note: Hooks and compiled autograd] in ``_state.py``).
 
 
 # [Note: The all-reduce hook]
@@ -119,8 +129,23 @@ class FSDPParamGroup:
         # reduce_grads as the last backward began; see [Note: Held gradients of
         # unused parameters].
         self.backward_syncs = False
-        self.trainable = [p for p in fsdp_params if p.unsharded_param.requires_grad]
-        self.input_grad_hooks = 0  # forward inputs with a post-backward hook, last forward
+        self.trainable: list[FSDPParam] = []
+        self.refresh_trainable()
+        # Forward inputs given a gradient hook since the last pre-backward, summed over
+        # every call of the unit's forward. See [Note: When a unit's backward is done].
+        self.input_grad_hooks = 0
+
+    def refresh_trainable(self) -> None:
+        """The parameters that get gradients: those whose placeholder requires grad."""
+        self.trainable = [p for p in self.fsdp_params if p.unsharded_param.requires_grad]
+
+    def reset_sharded_params(self, check_device: bool = True) -> None:
+        """Reads every sharded parameter again after the user changed one. See
+        [Note: Changes after fully_shard] in ``_param.py``."""
+        self.reshard()
+        for fp in self.fsdp_params:
+            fp.reset_sharded_param(check_device)
+        self.refresh_trainable()
 
     # --------------------------------------------------------------- lifecycle
     def issue_unshard(self) -> None:
@@ -187,15 +212,6 @@ class FSDPParamGroup:
             p.post_forward_reshard()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
-    @contextmanager
-    def use_training_state(self, state: TrainingState) -> Iterator[None]:
-        old = self.training_state
-        self.training_state = state
-        try:
-            yield
-        finally:
-            self.training_state = old
-
     # ---------------------------------------------------------------- backward
     # See [Note: When a unit's backward is done].
     def pre_backward(self) -> None:
@@ -204,7 +220,11 @@ class FSDPParamGroup:
         self.backward_syncs = self.reduce_grads
         if self.unshard_in_backward:
             self.unshard()
+            if not torch.compiler.is_compiling():
+                # See [Note: The module holds the placeholder only in forward] (_param.py).
+                self.register_unsharded()
         self._grads_pending = len(self.trainable) + self.input_grad_hooks
+        self.input_grad_hooks = 0
 
     def post_accumulate_grad(self, fsdp_param: FSDPParam) -> None:
         """Runs when ``fsdp_param``'s placeholder gradient is complete for this
@@ -292,6 +312,8 @@ class FSDPParamGroup:
         backward, and goes idle."""
         if self.reshard_after_backward:
             self.reshard()
+        else:
+            self.register_sharded()  # the data stays gathered for the next forward
         self.training_state = TrainingState.IDLE
         self._grads_pending = 0
 

@@ -31,6 +31,8 @@ trace a forward that needs a backward unless compiled autograd is on.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ._api import MixedPrecisionPolicy
 
 from ._common import TrainingState, refusal
-from ._param import FSDPParam, _set_param
+from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
 
 COMPILE_FIX = (
@@ -108,6 +110,17 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
         Variable._execution_engine.queue_callback(callback)
 
 
+# [Note: Forward during the unit's backward]
+# Activation checkpointing runs a module's forward again inside the backward (the
+# recompute). When that module is a unit (``checkpoint_wrapper`` applied after
+# fully_shard), its forward runs while the unit is in its backward: it was
+# re-gathered by its pre-backward, and its modules hold the placeholders (see
+# [Note: The module holds the placeholder only in forward] in ``_param.py``). The
+# pre- and post-forward then do nothing: no gather, no input cast, no reshard (which
+# would free what the recompute's own backward reads), no hooks on the recomputed
+# tensors. torch's FSDP2 does the same for the same reason.
+
+
 # [Note: Forward wrapper, not module hooks]
 # Pre- and post-forward run inside the ``forward`` of the generated ``FSDP<Class>``
 # rather than as module hooks. ``torch.compile(module)`` calls the top module's hooks
@@ -166,11 +179,9 @@ class FSDPState:
         self.post_optim_event: Any = None
         self.post_optim_pending = False  # an event is set (what dynamo guards on)
         self._post_optim_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooked: set[int] = set()  # ids of the FSDPParams with a post-acc hook
         if param_group is not None:
-            for fp in param_group.trainable:
-                fp.unsharded_param.register_post_accumulate_grad_hook(
-                    self._make_post_acc_hook(param_group, fp)
-                )
+            self._register_post_acc_hooks()
             for m in modules:
                 m.register_load_state_dict_post_hook(self._after_load_state_dict)
             # See [Note: state_dict and load_state_dict].
@@ -185,6 +196,40 @@ class FSDPState:
                 )
         for m in modules:
             m.register_load_state_dict_pre_hook(self._before_load_subtree)
+            # See [Note: Changes after fully_shard] (_param.py).
+            m.register_forward_pre_hook(self._sync_tree_before_forward, prepend=True)
+
+    def _register_post_acc_hooks(self) -> None:
+        """A post-accumulate-grad hook on every trainable placeholder that has none
+        (a parameter unfrozen after fully_shard gets its hook here)."""
+        pg = self.param_group
+        assert pg is not None
+        for fp in pg.trainable:
+            if id(fp) not in self._hooked:
+                self._hooked.add(id(fp))
+                fp.unsharded_param.register_post_accumulate_grad_hook(
+                    self._make_post_acc_hook(pg, fp)
+                )
+
+    # ------------------------------------------------- changes after fully_shard
+    # See [Note: Changes after fully_shard] (_param.py).
+    def _sync_tree_before_forward(self, *hook_args: Any) -> None:
+        """Forward pre-hook: applies user changes to the parameters of every unit of
+        this unit's tree (eagerly, before ``torch.compile(model)`` traces)."""
+        for state in self.root.states:
+            state._sync_user_changes()
+
+    def _sync_user_changes(self) -> None:
+        pg = self.param_group
+        if pg is not None and any(fp.changed_by_user() for fp in pg.fsdp_params):
+            self._apply_user_changes()
+
+    @torch._dynamo.disable(reason="traceable_hsdp: a parameter changed after fully_shard")
+    def _apply_user_changes(self, check_device: bool = True) -> None:
+        pg = self.param_group
+        if pg is not None:
+            pg.reset_sharded_params(check_device)
+            self._register_post_acc_hooks()
 
     # ------------------------------------------------------------------ forward
     def forward(self, orig_forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -197,8 +242,12 @@ class FSDPState:
     def _pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # See [Note: Forward during the unit's backward].
+            return args, kwargs
         if self.is_root:
             self._root_pre_forward()
+        self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         pg = self.param_group
         if pg is not None:
@@ -212,15 +261,12 @@ class FSDPState:
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), dtype)
-        if pg is not None:
-            pg.input_grad_hooks = 0
-            if torch.is_grad_enabled():
-                # See [Note: When a unit's backward is done] (_param_group.py).
-                flat, _ = tree_flatten((args, kwargs))
-                for t in flat:
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(self._input_grad_hook)
-                        pg.input_grad_hooks += 1
+        if pg is not None and torch.is_grad_enabled():
+            # See [Note: When a unit's backward is done] (_param_group.py).
+            for t in _tensors((args, kwargs)):
+                if t.requires_grad:
+                    t.register_hook(self._input_grad_hook)
+                    pg.input_grad_hooks += 1
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
@@ -254,6 +300,9 @@ class FSDPState:
         self._final_callback_queued = False
 
     def _post_forward(self, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # See [Note: Forward during the unit's backward].
+            return output
         pg = self.param_group
         if pg is not None:
             raf = self.reshard_after_forward
@@ -268,9 +317,8 @@ class FSDPState:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled():
-            flat, _ = tree_flatten(output)
-            for t in flat:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in _tensors(output):
+                if t.requires_grad:
                     t.register_hook(self._pre_backward)
         return output
 
@@ -421,14 +469,10 @@ class FSDPState:
 
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.param_group is not None:
-            for fp in self.param_group.fsdp_params:
-                fp.sync_from_module()
-                # assign=True gives each registration of a shared parameter its own
-                # tensor; the unit keeps the first one (sync_from_module) and every
-                # registration gets it back, so the parameter stays shared.
-                if not fp.module_holds_unsharded:
-                    for info in fp.module_infos:
-                        _set_param(info, fp.sharded_param)
+            # assign=True gives each registration of a shared parameter its own
+            # tensor; the unit keeps the first one and every registration gets it
+            # back, so the parameter stays shared (reset_sharded_param).
+            self._apply_user_changes()
 
 
 # [Note: state_dict and load_state_dict]
@@ -457,7 +501,7 @@ class FSDPState:
 #   error.
 #
 # With assign=True the loaded DTensor becomes the sharded parameter (the post-hook,
-# FSDPParam.sync_from_module, swaps it in); the pre-hook checks that it has the mesh,
+# FSDPParam.reset_sharded_param, swaps it in); the pre-hook checks that it has the mesh,
 # placements and dtype of the parameter it replaces.
 #
 # Two pre-hooks do this. One on each unit's module prepares every value of the unit
@@ -533,10 +577,38 @@ def _check_assignable(key: str, value: DTensor, sharded: DTensor) -> None:
         )
 
 
+# [Note: Activations in dataclasses]
+# A unit's inputs and outputs may hold tensors in dataclasses, which pytree does not
+# flatten (named tuples, lists, tuples and dicts it does). A tensor the hooks missed
+# is a unit whose output gets no pre-backward hook: its backward would read the
+# freed placeholder. ``_tensors`` and ``_cast_floating`` therefore look inside
+# dataclass instances too, as torch's FSDP2 does (its ``_apply_to_tensors``).
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in ``tree``, dataclass fields included. See
+    [Note: Activations in dataclasses]."""
+    flat, _ = tree_flatten(tree)
+    out: list[torch.Tensor] = []
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for field in dataclasses.fields(leaf):
+                out.extend(_tensors(getattr(leaf, field.name)))
+    return out
+
+
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
             return x.to(dtype)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            # A shallow copy with its fields cast (the caller's object is untouched).
+            new = copy.copy(x)
+            for field in dataclasses.fields(x):
+                setattr(new, field.name, _cast_floating(getattr(x, field.name), dtype))
+            return new
         return x
 
     return tree_map(cast, tree)
