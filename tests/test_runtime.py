@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
 from _dist import run_ranks
@@ -126,11 +127,32 @@ def test_error_param_on_other_device(one_rank) -> None:
         th.fully_shard(nn.Linear(2, 2), mesh=mesh)
 
 
-def test_error_meta_params(one_rank) -> None:
+def test_meta_params_refused_until_materialized(one_rank) -> None:
+    """fully_shard accepts meta parameters; a forward before to_empty() names the
+    parameter and the fix, and after it the module trains."""
     with torch.device("meta"):
         m = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="meta device.*to_empty"):
-        th.fully_shard(m, mesh=one_rank)
+    th.fully_shard(m, mesh=one_rank)
+    assert m.weight.is_meta and isinstance(m.weight, DTensor)
+    with pytest.raises(ValueError, match=r"'weight' is on meta.*to_empty"):
+        m(torch.randn(1, 2))
+    m.to_empty(device="cpu")
+    m.reset_parameters()
+    m(torch.randn(1, 2)).sum().backward()
+    assert isinstance(m.weight.grad, DTensor) and not m.weight.is_meta
+
+
+def test_error_plain_tensor_assigned_after_fully_shard(one_rank) -> None:
+    """Replacing a sharded parameter by a plain one is refused at the next forward,
+    naming it; a DTensor laid out like it is adopted (and trained)."""
+    m = th.fully_shard(nn.Linear(2, 2), mesh=one_rank)
+    old = m.weight
+    m.weight = nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(TypeError, match=r"Linear.weight \('weight'\) was replaced after fully_shard by a Parameter"):
+        m(torch.randn(1, 2))
+    m.weight = nn.Parameter(DTensor.from_local(torch.zeros(2, 2), one_rank, old.placements))
+    m(torch.randn(1, 2)).sum().backward()
+    assert m.weight.grad is not None and m.weight is not old
 
 
 def test_error_applied_twice_and_bad_options(one_rank) -> None:

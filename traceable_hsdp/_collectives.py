@@ -9,6 +9,7 @@ In a traced graph they are separate nodes, which the passes may move.
 from __future__ import annotations
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 _c10d = torch.ops._c10d_functional
 
@@ -37,10 +38,23 @@ def all_gather_start(shard: torch.Tensor, world_size: int, group_name: str) -> t
     rows); pass the result to :func:`wait` before reading it. While tracing, the
     result is already waited for. See [Note: In-flight all-gathers on gloo]."""
     shard = shard.contiguous()
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _has_device_backend(group_name, shard.device):
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
     out = shard.new_empty((world_size * shard.size(0), *shard.shape[1:]))
     return _c10d.all_gather_into_tensor_out(shard, world_size, group_name, out=out)
+
+
+def _has_device_backend(group_name: str, device: torch.device) -> bool:
+    """Whether the group has a backend registered for ``device``'s type, which the
+    ``_out`` collectives need. torch's threaded test process group
+    (``MultiThreadedTestCase``) has none; the allocating op works there, and is
+    waited for at once, as while tracing. See [Note: In-flight all-gathers on gloo]."""
+    group = _resolve_process_group(group_name)
+    try:
+        group._get_backend(device)
+    except RuntimeError:
+        return False
+    return True
 
 
 def wait_all_gather(tensor: torch.Tensor) -> torch.Tensor:

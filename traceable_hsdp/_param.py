@@ -228,9 +228,13 @@ class FSDPParam:
 
     def _empty_placeholder(self) -> torch.Tensor:
         """A tensor of the full shape in ``dtype`` on the compute device, with 0 bytes of
-        storage: nothing of the full size is ever allocated until the first gather."""
-        t = torch.empty(0, dtype=self.dtype, device=self.device)
-        return t.set_(t.untyped_storage(), 0, self.orig_size, _contiguous_strides(self.orig_size))
+        storage. Its full-size storage is allocated, never written, and released at
+        once (torch has no way to make a tensor of that size without a storage to
+        match); a CPU allocator leaves the pages untouched, and a caching GPU
+        allocator gets the block back for the next one."""
+        t = torch.empty(self.orig_size, dtype=self.dtype, device=self.device)
+        t.untyped_storage().resize_(0)
+        return t
 
     # ------------------------------------------------------------------ forward
     @property
@@ -529,10 +533,3 @@ class FSDPParam:
             new = nn.Parameter(new, requires_grad=self.sharded_param.requires_grad)
         return new
 
-
-def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(size):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))

@@ -1,0 +1,377 @@
+"""Per-rank bodies of the conformance tests: what torch's fully_shard users do that
+the demo does not (importable by spawned ranks).
+
+Each scenario builds the same model twice, once with torch's ``fully_shard`` and once
+with ours, runs the same steps on the same data and returns both runs' losses and
+final parameters; the test compares them bitwise. Where torch does not honour what
+the user did (a parameter frozen after the first forward), the reference is a
+one-process model instead, within a stated tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import traceable_hsdp as th
+from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
+from traceable_hsdp.models import Llama, RMSNorm
+
+STEPS = 3
+Build = Callable[[Callable[..., Any]], nn.Module]
+Step = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _fs(lib: str) -> Callable[..., Any]:
+    return th.fully_shard if lib == "ours" else torch_fsdp.fully_shard
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _llama_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _loss(model(x), y)
+
+
+def _train(
+    model: nn.Module,
+    rank: int,
+    world: int,
+    step: Step = _llama_step,
+    before_step: Callable[[int], None] | None = None,
+    shards: int | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``STEPS`` AdamW steps on this rank's 1/``shards`` (default ``world``) of the
+    global batch of ``world`` ranks; ``shards=1`` trains on all of it."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    shards = world if shards is None else shards
+    losses = []
+    for i, (x, y) in enumerate(_data(world, STEPS)):
+        if before_step is not None:
+            before_step(i)
+        loss = step(model, x.chunk(shards)[rank], y.chunk(shards)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, _full(model)
+
+
+def _both(rank: int, world: int, build: Build, step: Step = _llama_step) -> dict[str, Any]:
+    """``build(fully_shard)`` with torch's and with ours, trained alike."""
+    out: dict[str, Any] = {}
+    for lib in ("torch", "ours"):
+        torch.manual_seed(0)
+        model = build(_fs(lib))
+        out[lib] = _train(model, rank, world, step)
+        if lib == "ours":
+            out["bytes_after"] = _placeholder_bytes(model)
+    return out
+
+
+def _shard_llama(model: Llama, fs: Callable[..., Any], **kw: Any) -> Llama:
+    for layer in model.layers:
+        fs(layer, **kw)
+    fs(model, **kw)
+    return model
+
+
+# ------------------------------------------------------------ weight reuse
+class _Sub(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(h, h) * 0.3)
+        self.b = nn.Parameter(torch.zeros(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w + self.b)
+
+
+class _Reuse(nn.Module):
+    """Each unit runs three times in one forward, twice in a row, then once more
+    after the others (weight reuse, as in the torch test of a unit called twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(CFG.vocab_size, 16)
+        self.layers = nn.ModuleList([_Sub(16) for _ in range(3)])
+        self.head = nn.Linear(16, CFG.vocab_size)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tok)
+        for layer in self.layers:
+            x = layer(layer(x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+# ------------------------------------------------------ dataclass activations
+@dataclasses.dataclass
+class _Act:
+    hidden: torch.Tensor
+    skip: torch.Tensor
+    note: str = "kept"
+
+
+class _DCBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, act: _Act) -> _Act:
+        return _Act(torch.relu(self.a(act.hidden)) + act.skip, self.b(act.skip), act.note)
+
+
+class _DCModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(CFG.vocab_size, 16)
+        self.blocks = nn.ModuleList([_DCBlock() for _ in range(2)])
+        self.head = nn.Linear(16, CFG.vocab_size)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tok)
+        act = _Act(x, x * 0.5)
+        for block in self.blocks:
+            act = block(act)
+        return self.head(act.hidden + act.skip)
+
+
+def _shard_children(model: nn.Module, attr: str, fs: Callable[..., Any]) -> nn.Module:
+    for m in getattr(model, attr):
+        fs(m)
+    fs(model)
+    return model
+
+
+# ------------------------------------------------------ activation checkpointing
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _ac_llama(fs: Callable[..., Any], form: str) -> Llama:
+    """Our Llama with activation checkpointing on every block: ``wrap_then_shard``
+    (torchtitan's order: checkpoint_wrapper, then fully_shard on the wrapper),
+    ``shard_then_wrap`` (checkpoint_wrapper around the fully_shard block),
+    ``selective`` (torchtitan's order, a policy that saves the matmuls)."""
+    model = Llama(CFG)
+    for i, layer in enumerate(model.layers):
+        if form == "shard_then_wrap":
+            model.layers[i] = checkpoint_wrapper(fs(layer))
+            continue
+        kw = {}
+        if form == "selective":
+            kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        model.layers[i] = fs(checkpoint_wrapper(layer, **kw))
+    fs(model)
+    return model
+
+
+# ------------------------------------------------------------- meta device
+class _Allocs(TorchDispatchMode):
+    """Records the storage (bytes) of every tensor an op outputs on a real device,
+    with the op, and the largest one output by an op other than an allocation."""
+
+    ALLOC = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+             torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocs: list[tuple[str, int]] = []
+        self.written = 0  # the largest storage an op other than an allocation output
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                # A DTensor's own storage is a wrapper's: measure its local shard.
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                nbytes = local.untyped_storage().nbytes()
+                self.allocs.append((str(func), nbytes))
+                if func not in self.ALLOC:
+                    self.written = max(self.written, nbytes)
+        return out
+
+
+def _meta_flow(rank: int, world: int, lib: str) -> dict[str, Any]:
+    """FSDP2's meta-device flow: build on meta, shard, to_empty, load a full state
+    dict (every rank passes the same full values); then train."""
+    torch.manual_seed(0)
+    cpu_model = Llama(CFG)
+    full_sd = {k: v.detach().clone() for k, v in cpu_model.state_dict().items()}
+    cpu_sharded = _shard_llama(cpu_model, _fs(lib))
+    fs = _fs(lib)
+    with torch.device("meta"):
+        model = Llama(CFG)
+    rec = _Allocs()
+    with rec:
+        _shard_llama(model, fs)
+        model.to_empty(device="cpu")
+    live = [p.to_local().untyped_storage().nbytes() for p in model.parameters()]
+    if lib == "ours":
+        live += [fp.unsharded_param.untyped_storage().nbytes() for fp in _managed(model)]
+    # Buffers (the rotary tables) are not in the state dict: recompute them, as a
+    # model's init_weights() does.
+    model.rope_cos.copy_(cpu_model.rope_cos)
+    model.rope_sin.copy_(cpu_model.rope_sin)
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True))
+    same_shards = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), cpu_sharded.parameters())
+    )
+    largest_param = max(p.numel() * p.element_size() for p in model.parameters())
+    largest_shard = max(p.to_local().untyped_storage().nbytes() for p in model.parameters())
+    losses, params = _train(model, rank, world)
+    return dict(
+        run=(losses, params),
+        same_shards=same_shards,
+        largest_written=rec.written,
+        full_size_allocs={op for op, n in rec.allocs if n > largest_shard},
+        largest_live=max(live),
+        largest_param=largest_param,
+        largest_shard=largest_shard,
+    )
+
+
+def _meta_random_init(rank: int, world: int, lib: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Meta flow with a seeded random init of the shards (reset_parameters on DTensors)."""
+    with torch.device("meta"):
+        model = Llama(CFG)
+    _shard_llama(model, _fs(lib))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            m.reset_parameters()
+        elif isinstance(m, RMSNorm):
+            with torch.no_grad():
+                m.weight.fill_(1.0)
+    ref = Llama(CFG)  # rotary tables as the model's __init__ computes them
+    model.rope_cos.copy_(ref.rope_cos)
+    model.rope_sin.copy_(ref.rope_sin)
+    return _train(model, rank, world)
+
+
+# ------------------------------------------------------------------ the run
+def conformance_eager(rank: int, world: int) -> dict[str, Any]:
+    """Every scenario, eager, torch's fully_shard and ours side by side."""
+    out: dict[str, Any] = {}
+    for raf in (True, False):
+        out[f"reuse_raf_{raf}"] = _both(
+            rank, world, lambda fs, raf=raf: _shard_children(_Reuse(), "layers", functools.partial(fs, reshard_after_forward=raf))
+        )
+    out["dataclass"] = _both(rank, world, lambda fs: _shard_children(_DCModel(), "blocks", fs))
+
+    def cast_after(fs: Callable[..., Any]) -> nn.Module:
+        model = _shard_llama(Llama(CFG), fs)
+        return model.to(torch.float64)
+
+    out["cast_float64"] = _both(rank, world, cast_after)
+    out["cast_dtypes"] = {str(v.dtype) for v in out["cast_float64"]["ours"][1].values()}
+
+    def freeze_after(fs: Callable[..., Any]) -> nn.Module:
+        # Frozen after fully_shard, before the first forward: torch honours it too.
+        model = _shard_llama(Llama(CFG), fs)
+        model.layers[0].requires_grad_(False)
+        model.output.weight.requires_grad_(False)
+        return model
+
+    out["freeze_after_shard"] = _both(rank, world, freeze_after)
+    for form in ("wrap_then_shard", "shard_then_wrap", "selective"):
+        out[f"ac_{form}"] = _both(rank, world, functools.partial(_ac_llama, form=form))
+    for lib in ("torch", "ours"):
+        out[f"meta_{lib}"] = _meta_flow(rank, world, lib)
+        out[f"meta_random_{lib}"] = _meta_random_init(rank, world, lib)
+    out["freeze_midway"] = _freeze_midway(rank, world)
+    return out
+
+
+def _freeze_midway(rank: int, world: int) -> dict[str, Any]:
+    """Freezing and unfreezing between steps, after the first forward, against a
+    one-process model on the global batch (torch's fully_shard does not follow a
+    change made after its first forward). ``norm.weight`` is frozen before
+    fully_shard and unfrozen at step 2; block 1 and the output head are frozen at
+    step 1."""
+    results: dict[str, Any] = {}
+    for lib in ("reference", "ours"):
+        torch.manual_seed(0)
+        model = Llama(CFG)
+        model.norm.weight.requires_grad_(False)
+        if lib == "ours":
+            _shard_llama(model, th.fully_shard)
+        frozen_at_1: dict[str, torch.Tensor] = {}
+
+        def before(i: int, model: Llama = model, frozen_at_1: dict = frozen_at_1) -> None:
+            if i == 1:
+                model.layers[1].requires_grad_(False)
+                model.output.weight.requires_grad_(False)
+                frozen_at_1.update(_full(model))
+            if i == 2:
+                model.norm.weight.requires_grad_(True)
+
+        if lib == "reference":
+            losses, params = _train(model, 0, world, before_step=before, shards=1)
+        else:
+            losses, params = _train(model, rank, world, before_step=before)
+        results[lib] = (losses, params)
+        results[f"{lib}_frozen_at_1"] = frozen_at_1
+        if lib == "ours":
+            results["trainable_placeholders"] = sum(
+                fp.unsharded_param.requires_grad for fp in _managed(model)
+            )
+    return results
+
+
+# ------------------------------------------------- compiled, one model, one run
+def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Our Llama with activation checkpointing (checkpoint_wrapper, then fully_shard)
+    and the weight-reuse model, compiled (``torch.compile(model)`` + compiled
+    autograd); the same models eager are the reference. The Llama's first block is
+    frozen after its first compiled step (fullgraph: the change is applied before
+    dynamo traces)."""
+    from _workers import GraphRecorder
+
+    out: dict[str, Any] = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = _ac_llama(th.fully_shard, "wrap_then_shard")
+        rec = GraphRecorder() if backend == "aot_eager" else None
+        if mode == "compiled":
+            th.enable_compiled_autograd(backend=rec or backend)
+            fwd = torch.compile(model, backend=rec or backend, fullgraph=True)
+        else:
+            fwd = model
+
+        def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return _loss(fwd(x), y)
+
+        def before(i: int, model: Llama = model) -> None:
+            if i == 1:
+                model.layers[0].requires_grad_(False)
+
+        losses, params = _train(model, rank, world, step, before_step=before)
+        out[mode] = (losses, params)
+        if mode == "compiled":
+            th.disable_compiled_autograd()
+            out["fwd_counts"] = rec.forward if rec else None
+            out["bwd_counts"] = rec.backward if rec else None
+        out[f"bytes_after_{mode}"] = _placeholder_bytes(model)
+        torch._dynamo.reset()
+    return out
