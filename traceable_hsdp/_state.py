@@ -116,9 +116,11 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 # fully_shard), its forward runs while the unit is in its backward: it was
 # re-gathered by its pre-backward, and its modules hold the placeholders (see
 # [Note: The module holds the placeholder only in forward] in ``_param.py``). The
-# pre- and post-forward then do nothing: no gather, no input cast, no reshard (which
-# would free what the recompute's own backward reads), no hooks on the recomputed
-# tensors. torch's FSDP2 does the same for the same reason.
+# pre- and post-forward then only make sure of that (gathering again if something
+# resharded the unit since) and cast inputs and outputs as the first forward did,
+# so the recompute computes what the forward computed; no reshard (which would free
+# what the recompute's own backward reads), no hooks on the recomputed tensors.
+# torch's FSDP2 does the same, for the same reasons.
 
 
 # [Note: Forward wrapper, not module hooks]
@@ -242,14 +244,19 @@ class FSDPState:
     def _pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        pg = self.param_group
         if self.training_state is TrainingState.PRE_BACKWARD:
             # See [Note: Forward during the unit's backward].
-            return args, kwargs
+            if pg is not None and pg.unshard_in_backward:
+                pg.unshard()  # no-op unless something resharded it since
+                if not torch.compiler.is_compiling():
+                    # See [Note: The module holds the placeholder only in forward].
+                    pg.register_unsharded()
+            return self._cast_inputs(args, kwargs)
         if self.is_root:
             self._root_pre_forward()
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
-        pg = self.param_group
         if pg is not None:
             pg.training_state = TrainingState.FORWARD
             pg.issue_unshard()
@@ -258,9 +265,7 @@ class FSDPState:
                     other.param_group.issue_unshard()
             pg.wait_for_unshard()
             pg.register_unsharded()
-        dtype = self.mp_policy.param_dtype
-        if dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = _cast_floating((args, kwargs), dtype)
+        args, kwargs = self._cast_inputs(args, kwargs)
         if pg is not None and torch.is_grad_enabled():
             # See [Note: When a unit's backward is done] (_param_group.py).
             for t in _tensors((args, kwargs)):
@@ -268,6 +273,19 @@ class FSDPState:
                     t.register_hook(self._input_grad_hook)
                     pg.input_grad_hooks += 1
         return args, kwargs
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        dtype = self.mp_policy.param_dtype
+        if dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), dtype)
+        return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return output
 
     def _root_pre_forward(self) -> None:
         needs_backward = torch.is_grad_enabled() and any(
@@ -302,7 +320,7 @@ class FSDPState:
     def _post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
             # See [Note: Forward during the unit's backward].
-            return output
+            return self._cast_output(output)
         pg = self.param_group
         if pg is not None:
             raf = self.reshard_after_forward
@@ -314,8 +332,7 @@ class FSDPState:
                 pg.post_forward_reshard()
             pg.training_state = TrainingState.IDLE
         self.training_state = TrainingState.IDLE
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+        output = self._cast_output(output)
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
