@@ -375,3 +375,58 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
         out[f"bytes_after_{mode}"] = _placeholder_bytes(model)
         torch._dynamo.reset()
     return out
+
+
+# ------------------------------------------------- HF transformers, a real client
+def _hf_config() -> Any:
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    return HFLlamaConfig(
+        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+
+
+def _hf_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _loss(model(input_ids=x).logits, y)
+
+
+def _hf_shard(model: nn.Module, fs: Callable[..., Any]) -> nn.Module:
+    for layer in model.model.layers:
+        fs(layer)
+    fs(model)
+    return model
+
+
+def conformance_hf(rank: int, world: int) -> dict[str, Any]:
+    """HF ``LlamaForCausalLM`` from a small config (no weights): activation
+    checkpointing inside each decoder layer (``gradient_checkpointing_enable``,
+    non-reentrant) and the meta-device flow with a full state dict, each with torch's
+    fully_shard and ours."""
+    from transformers import LlamaForCausalLM
+
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    full_sd = {k: v.detach().clone() for k, v in LlamaForCausalLM(_hf_config()).state_dict().items()}
+
+    def with_ac(fs: Callable[..., Any]) -> nn.Module:
+        model = LlamaForCausalLM(_hf_config())
+        model.load_state_dict(full_sd)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        return _hf_shard(model, fs)
+
+    out["hf_ac"] = _both(rank, world, with_ac, _hf_step)
+    for lib in ("torch", "ours"):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(_hf_config())
+        _hf_shard(model, _fs(lib))
+        model.to_empty(device="cpu")
+        rot = model.model.rotary_emb  # a buffer the state dict does not hold
+        inv_freq, _ = rot.compute_default_rope_parameters(model.config)
+        rot.inv_freq.copy_(inv_freq)
+        rot.original_inv_freq.copy_(inv_freq)
+        set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True))
+        out[f"hf_meta_{lib}"] = _train(model, rank, world, _hf_step)
+    return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _conformance_workers import conformance_eager
+from _conformance_workers import conformance_eager, conformance_hf
 from _dist import run_ranks
 
 BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "cast_float64", "freeze_after_shard",
@@ -73,3 +73,14 @@ def test_conformance_eager_vs_torch_fully_shard() -> None:
         assert not torch.equal(ours["norm.weight"], f["ours_frozen_at_1"]["norm.weight"])
         # 21 managed parameters; block 1 (9) and the output head frozen at the end.
         assert f["trainable_placeholders"] == 21 - 9 - 1
+
+
+@pytest.mark.slow
+def test_conformance_hf_llama_vs_torch_fully_shard() -> None:
+    """HF transformers' LlamaForCausalLM as a client: activation checkpointing inside
+    each decoder layer (gradient_checkpointing_enable, non-reentrant), and the
+    meta-device flow loading a full state dict; bitwise against torch's fully_shard."""
+    for r in run_ranks(conformance_hf, 2):
+        _same(r["hf_ac"]["ours"], r["hf_ac"]["torch"], "hf_ac")
+        assert r["hf_ac"]["bytes_after"] == 0
+        _same(r["hf_meta_ours"], r["hf_meta_torch"], "hf_meta")
