@@ -280,7 +280,7 @@ def _reset(rank: int, world: int) -> dict[str, Any]:
                 gathered_bytes=_placeholder_bytes(model),
                 busy=sorted(str(s.training_state) for s in _states(model)
                             if s.training_state is not TrainingState.IDLE),
-                sharded_grads=sum(p.grad is not None for p in model.parameters()),
+                sharded_grads=sum(fp.sharded_param.grad is not None for fp in _managed(model)),
             )
             model.reset_iter_state()
             opt.zero_grad()

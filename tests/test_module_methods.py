@@ -19,6 +19,7 @@ import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
 from _dist import run_ranks
@@ -108,7 +109,9 @@ def test_post_optim_event(one_rank) -> None:
     m(x)
     m(x)
     assert e.waits == 1  # once, then dropped
-    assert not m._forward_pre_hooks  # the one-shot hook is gone
+    # The one-shot hook is gone; what remains is the hook that applies changes
+    # made to parameters after fully_shard (see docs/real_jobs.md).
+    assert list(m._forward_pre_hooks.values()) == [m._traceable_hsdp_state._sync_tree_before_forward]
     # On a nested unit it is the root's event: waited before the root's forward.
     e2 = RecordingEvent(device="cpu")
     m[0].set_post_optim_event(e2)
@@ -120,7 +123,14 @@ def test_post_optim_event(one_rank) -> None:
     # doesn't support events"); waiting on an unrecorded one is a no-op.
     m.set_post_optim_event(torch.Event(device="cpu"))
     m(x)
-    assert not m._forward_pre_hooks
+    assert len(m._forward_pre_hooks) == 1
+    # What torch.cpu.current_stream().record_event() returns (None) clears a pending
+    # event: nothing is waited for.
+    e3 = RecordingEvent(device="cpu")
+    m.set_post_optim_event(e3)
+    m.set_post_optim_event(torch.cpu.current_stream().record_event())
+    m(x)
+    assert e3.waits == 0 and len(m._forward_pre_hooks) == 1
 
 
 def test_post_optim_event_step_compiled_whole(one_rank) -> None:
@@ -356,3 +366,37 @@ def _managed_grads_held(model: nn.Module) -> list[str]:
     from _workers import _managed
 
     return [fp.fqn for fp in _managed(model) if fp.accumulated_grad is not None]
+
+
+def test_register_fsdp_forward_method(one_rank) -> None:
+    """A method other than forward that reads the parameters: without registration it
+    meets the sharded DTensors (as with torch's fully_shard); registered, it gathers,
+    trains and reshards like forward. A no-op on a module that is not sharded."""
+
+    class Sampler(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+        def sample(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.lin.weight) * 2
+
+    plain = Sampler()
+    th.register_fsdp_forward_method(plain, "sample")  # not sharded: nothing happens
+    assert "sample" not in plain.__dict__
+    m = th.fully_shard(Sampler(), mesh=one_rank)
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        m.sample(x)
+    with pytest.raises(ValueError, match="does not have a method 'nope'"):
+        th.register_fsdp_forward_method(m, "nope")
+    th.register_fsdp_forward_method(m, "sample")
+    w = m.lin.weight.full_tensor().clone()
+    out = m.sample(x)
+    torch.testing.assert_close(out, x @ w.T * 2, rtol=0, atol=0)
+    out.sum().backward()
+    torch.testing.assert_close(m.lin.weight.grad.full_tensor(), 2 * x.sum(0).expand(4, 4), rtol=0, atol=0)
+    assert isinstance(m.lin.weight, DTensor)  # resharded after the method

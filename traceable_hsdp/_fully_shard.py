@@ -20,7 +20,7 @@ from ._param_group import FSDPParamGroup
 from ._state import FSDPState
 from .passes import install as _install_passes
 
-__all__ = ["fully_shard", "FSDPModule"]
+__all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method"]
 
 _STATE_ATTR = "_traceable_hsdp_state"
 
@@ -257,17 +257,24 @@ class FSDPModule:
         [Note: The post-optimizer event] in ``_state.py``.
 
         Args:
-            event: a ``torch.Event`` (or ``torch.cuda.Event``).
+            event: a ``torch.Event`` (or ``torch.cuda.Event``), or ``None``: what
+                ``torch.cpu.current_stream().record_event()`` returns (the CPU has no
+                events; CPU work is ordered already), which clears an event set
+                before and waits for nothing.
 
         Raises:
-            TypeError: ``event`` is not an event.
+            TypeError: ``event`` is neither an event nor ``None``.
         """
-        if not isinstance(event, (torch.Event, torch.cuda.Event)):
+        if event is not None and not isinstance(event, (torch.Event, torch.cuda.Event)):
             raise TypeError(
                 "set_post_optim_event expects a torch.Event (or torch.cuda.Event) "
                 f"recorded after the optimizer step, got {type(event).__name__}."
             )
-        _require_state(self).root.set_post_optim_event(event)
+        root = _require_state(self).root
+        if event is None:
+            root.clear_post_optim_event()
+        else:
+            root.set_post_optim_event(event)
 
     def reset_iter_state(self) -> None:
         """Recovers from an exception that stopped a forward or backward midway:
@@ -790,6 +797,33 @@ def _fully_shard_impl(
 # the partitioner recompute views in the backward from the placeholder itself, after
 # the re-gather. fully_shard turns it on (it is a global config, read when a graph is
 # partitioned) and docs/compile.md says so.
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes ``module.<method_name>`` gather and reshard like its ``forward``: the
+    unit's pre-forward runs before it and its post-forward after it (for a model whose
+    generation or encoding method reads the parameters without calling ``forward``).
+    As torch's, a no-op when ``module`` is not a fully_shard module, so the call can
+    stay when sharding is off.
+
+    Args:
+        module: a module ``fully_shard`` was applied to.
+        method_name: the name of a method of it.
+
+    Raises:
+        ValueError: ``module`` has no such method.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}.")
+    orig_method = getattr(module, method_name)
+
+    @functools.wraps(orig_method)
+    def wrapped_method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _require_state(self).forward(orig_method, args, kwargs)
+
+    setattr(module, method_name, wrapped_method.__get__(module, type(module)))
 
 
 def _add_fsdp_class(module: nn.Module) -> None:

@@ -103,6 +103,12 @@ HELD_AFTER_SYNC_FIX = (
 _refuse_held_after_sync = refusal(HELD_AFTER_SYNC_FIX)
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward now (eagerly). See
+    [Note: Forward during the unit's backward]."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def _queue_final_callback(callback: Callable[[], None]) -> None:
     """Queues ``callback`` to run after the current backward, eagerly only.
     See [Note: Hooks and compiled autograd]."""
@@ -120,7 +126,12 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 # resharded the unit since) and cast inputs and outputs as the first forward did,
 # so the recompute computes what the forward computed; no reshard (which would free
 # what the recompute's own backward reads), no hooks on the recomputed tensors.
-# torch's FSDP2 does the same, for the same reasons.
+# torch's FSDP2 does the same, for the same reasons. "During the unit's backward" is
+# its PRE_BACKWARD state while the autograd engine runs a backward: a unit left in
+# PRE_BACKWARD after a backward ended (a compiled backward, or
+# ``set_is_last_backward(False)``) is finished by the next forward as usual. While
+# dynamo traces a forward no recompute runs (a checkpointed region compiled with the
+# forward is recomputed inside the compiled graphs).
 
 
 # [Note: Forward wrapper, not module hooks]
@@ -245,7 +256,7 @@ class FSDPState:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         pg = self.param_group
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             # See [Note: Forward during the unit's backward].
             if pg is not None and pg.unshard_in_backward:
                 pg.unshard()  # no-op unless something resharded it since
@@ -318,7 +329,7 @@ class FSDPState:
         self._final_callback_queued = False
 
     def _post_forward(self, output: Any) -> Any:
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             # See [Note: Forward during the unit's backward].
             return self._cast_output(output)
         pg = self.param_group
@@ -417,6 +428,12 @@ class FSDPState:
                 m.register_forward_pre_hook(self._wait_post_optim_event, prepend=True)
                 for m in self.modules
             ]
+
+    def clear_post_optim_event(self) -> None:
+        """Root only: drops an event set and not yet waited for (eagerly)."""
+        if self.post_optim_pending:
+            self.post_optim_event = None
+            self._wait_post_optim_event()
 
     # Disabled as a whole: dynamo must not compile the hook's own frame either (under
     # torch.compile(model, fullgraph=True) that is a hard error).
