@@ -275,6 +275,22 @@ def test_train_clip_one_rank_in_process(one_rank_group: str) -> None:
     assert [s[3] for s in _STEP.findall(out.getvalue())] == [""], out.getvalue()
 
 
+@pytest.mark.parametrize("losses, norms, message", [
+    ([1.0, float("nan")], None, "non-finite loss"),
+    ([1.0, 1.0], [0.5, float("inf")], "non-finite gradient norm"),
+])
+def test_non_finite_run_fails(losses: list[float], norms: list[float] | None, message: str,
+                              monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    from traceable_hsdp import _train
+
+    monkeypatch.setattr(_train, "launch", lambda cfg: TrainResult(losses, [0.1, 0.1], 2, 1, norms))
+    assert cli._launch(_CLIP_CFG, "train") == 1
+    assert message in capsys.readouterr().err
+    monkeypatch.setattr(_train, "launch", lambda cfg: TrainResult([1.0], [0.1], 2, 1, [0.5]))
+    assert cli._launch(_CLIP_CFG, "train") == 0
+
+
 def test_train_clip_eager_console_script() -> None:
     """``--clip`` on 2 ranks: every step line reports the step's norm before clipping,
     the norm of the whole gradient of the global batch's loss: the one-process
