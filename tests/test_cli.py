@@ -1,6 +1,7 @@
 """``traceable-hsdp train``: argument checks in process (no ranks started), the
-synthetic data, and two real runs of the console script (eager, and compiled with
-aot_eager) on 2 spawned gloo ranks.
+synthetic data, ``--clip`` in process on one rank, and three real runs of the console
+script (eager, eager with ``--clip``, and compiled with aot_eager) on 2 spawned gloo
+ranks.
 
 The real runs check that training works end to end, not parity: the losses printed by
 rank 0 must be finite and the last below the first (the data is learnable, see
@@ -10,6 +11,8 @@ deterministic). Parity with a single-process reference belongs to the runtime te
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import math
 import os
 import re
@@ -24,11 +27,15 @@ import torch
 from traceable_hsdp import cli
 from traceable_hsdp._train import (
     _BRANCHES,
+    TrainConfig,
     TrainResult,
     _global_batch,
+    _loss_fn,
     _successor_table,
     torchrun_env,
+    train_rank,
 )
+from traceable_hsdp.models import Llama, LlamaConfig
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")
@@ -63,6 +70,10 @@ def _parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["train", "--seq-len", "0"], "--seq-len: expected a positive integer"),
         (["train", "--lr", "0"], "--lr: expected a positive finite number, got 0"),
         (["train", "--lr", "nan"], "--lr: expected a positive finite number, got nan"),
+        (["train", "--clip", "0"], "--clip: expected a positive finite number, got 0"),
+        (["train", "--clip", "-1.5"], "--clip: expected a positive finite number"),
+        (["train", "--clip", "inf"], "--clip: expected a positive finite number, got inf"),
+        (["train", "--clip", "x"], "--clip: expected a positive number, got 'x'"),
         (["train", "--seed", "-3"], "--seed: expected a non-negative integer, got -3"),
         (["train", "--replicate", "3"], "--world-size 2 is not divisible by --replicate 3"),
         (["train", "--world-size", "6", "--replicate", "4"],
@@ -155,7 +166,10 @@ def test_median_step_time_skips_two_steps() -> None:
 
 # ------------------------------------------------------------------- real runs
 
-_STEP = re.compile(r"^step (\d+)/(\d+)  loss (\S+)  (compile\+step|step) (\S+) s$", re.M)
+# Groups: step, steps, loss, grad norm ("" without --clip), what, seconds.
+_STEP = re.compile(
+    r"^step (\d+)/(\d+)  loss (\S+)(?:  grad norm (\S+))?  (compile\+step|step) (\S+) s$", re.M
+)
 
 
 def _console_script() -> list[str]:
@@ -203,3 +217,92 @@ def test_train_compiled_aot_eager_console_script() -> None:
     _assert_trains(losses, 3, out)
     assert "compiled (aot_eager)" in out
     assert re.search(r"^step 1/3  loss \S+  compile\+step ", out, re.M), out
+
+
+# ------------------------------------------------------------------------ clip
+
+
+def _reference(cfg: TrainConfig, world: int) -> tuple[list[float], list[float]]:
+    """The job of ``cfg`` in one process on the global batch of ``world`` ranks, plain
+    tensors: each step's loss and gradient norm (before clipping, if ``cfg.clip``)."""
+    torch.manual_seed(cfg.seed)
+    model = Llama(LlamaConfig(vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.layers,
+                              n_heads=cfg.heads, max_seq_len=cfg.seq_len))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    table = _successor_table(cfg.vocab_size, cfg.seed)
+    losses, norms = [], []
+    for step in range(cfg.steps):
+        batch = _global_batch(table, world * cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        loss = _loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        if cfg.clip is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return losses, norms
+
+
+_CLIP_CFG = TrainConfig(layers=2, dim=32, steps=4, world_size=1, eager=True, progress=False,
+                        clip=0.1)
+
+
+def test_train_clip_one_rank_in_process(one_rank_group: str) -> None:
+    """train_rank with clip on a 1-rank group against the one-process reference:
+    bitwise (on one rank every collective is a copy and the average divides by 1), so
+    the check sees clipping under AdamW (which undoes most of a uniform scaling): the
+    unclipped reference's losses differ by ~3e-5 from the third step on."""
+    out = io.StringIO()
+    result = train_rank(_CLIP_CFG, torch.device("cpu"), out=out)
+    ref_losses, ref_norms = _reference(_CLIP_CFG, 1)
+    assert result.losses == ref_losses, (result.losses, ref_losses)
+    assert result.grad_norms == ref_norms, (result.grad_norms, ref_norms)
+    assert all(n > _CLIP_CFG.clip for n in ref_norms), ref_norms  # every step clipped
+    unclipped, _ = _reference(dataclasses.replace(_CLIP_CFG, clip=None), 1)
+    assert unclipped != ref_losses  # the comparison above can fail
+    text = out.getvalue()
+    assert "; clip grad norm 0.1" in text.splitlines()[0], text
+    printed = [s[3] for s in _STEP.findall(text)]
+    assert printed == [f"{n:#.4g}" for n in ref_norms], text
+    # Without clip: no norms, and the step lines have none.
+    out = io.StringIO()
+    plain = train_rank(dataclasses.replace(_CLIP_CFG, steps=1, clip=None), torch.device("cpu"),
+                       out=out)
+    assert plain.grad_norms is None and plain.losses == ref_losses[:1]
+    assert [s[3] for s in _STEP.findall(out.getvalue())] == [""], out.getvalue()
+
+
+@pytest.mark.parametrize("losses, norms, message", [
+    ([1.0, float("nan")], None, "non-finite loss"),
+    ([1.0, 1.0], [0.5, float("inf")], "non-finite gradient norm"),
+])
+def test_non_finite_run_fails(losses: list[float], norms: list[float] | None, message: str,
+                              monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    from traceable_hsdp import _train
+
+    monkeypatch.setattr(_train, "launch", lambda cfg: TrainResult(losses, [0.1, 0.1], 2, 1, norms))
+    assert cli._launch(_CLIP_CFG, "train") == 1
+    assert message in capsys.readouterr().err
+    monkeypatch.setattr(_train, "launch", lambda cfg: TrainResult([1.0], [0.1], 2, 1, [0.5]))
+    assert cli._launch(_CLIP_CFG, "train") == 0
+
+
+def test_train_clip_eager_console_script() -> None:
+    """``--clip`` on 2 ranks: every step line reports the step's norm before clipping,
+    the norm of the whole gradient of the global batch's loss: the one-process
+    reference's to the printed precision (4 significant digits; sharded and
+    one-process norms differ by ~1e-7 relative). Every step clips, and training works."""
+    cfg = dataclasses.replace(_CLIP_CFG, steps=3, world_size=2)
+    losses, out = _run_train("--eager", "--steps", "3", "--layers", "2", "--dim", "32",
+                             "--clip", "0.1")
+    _assert_trains(losses, 3, out)
+    assert "eager; batch 4/rank x seq 64; 3 steps; clip grad norm 0.1" in out, out
+    norms = [float(s[3]) for s in _STEP.findall(out)]
+    ref_losses, ref_norms = _reference(cfg, 2)
+    assert norms == pytest.approx(ref_norms, rel=1e-3), (norms, ref_norms)
+    assert losses == pytest.approx(ref_losses, abs=2e-4), (losses, ref_losses)
+    assert all(n > 0.1 for n in norms), norms

@@ -15,6 +15,18 @@ The loss starts near ``log(vocab)`` (5.55 for 256 tokens) and falls towards
 ``log(_BRANCHES)`` (1.39). Step ``i``'s global batch is drawn from a generator seeded
 with ``(seed, i)`` on every rank, so all ranks agree on it without communicating, and
 each rank trains on its own contiguous slice of ``batch_size`` rows.
+
+[Note: Gradient clipping]
+With ``clip`` set, each step calls ``torch.nn.utils.clip_grad_norm_(params, clip)``
+after ``loss.backward()`` and before ``optim.step()``, in eager code also when the
+model is compiled: the backward (compiled autograd's graph included) has reduced
+every gradient into ``.grad`` by then. The gradients are sharded ``DTensor``s, so
+torch's own function works unchanged: it takes the norm of each rank's shards and
+reduces the partial norms over the mesh, which gives the norm of the whole gradient
+of the global batch's loss, the same on every rank (a replicated ``DTensor``), and
+each rank scales its shards by the same factor. The printed norm is that value
+before clipping. ``tests/test_clip.py`` checks it against torch's ``fully_shard``
+and a one-process model.
 """
 
 from __future__ import annotations
@@ -57,6 +69,10 @@ class TrainConfig:
         world_size: ranks to spawn when not under torchrun (default 2).
         replicate: HSDP replicas; 1 is plain FSDP (default 1).
         lr: AdamW learning rate (default 3e-3).
+        clip: if set, every step clips the gradients to this total norm with
+            ``torch.nn.utils.clip_grad_norm_`` before the optimizer step, and rank 0
+            prints the step's norm (default ``None``: no clipping). See
+            [Note: Gradient clipping].
         backend: ``torch.compile`` backend (default ``"inductor"``).
         eager: run without ``torch.compile`` (default ``False``).
         seed: model init and data seed (default 0).
@@ -79,6 +95,7 @@ class TrainConfig:
     world_size: int = 2
     replicate: int = 1
     lr: float = 3e-3
+    clip: float | None = None
     backend: str = "inductor"
     eager: bool = False
     seed: int = 0
@@ -96,12 +113,15 @@ class TrainResult:
         step_times: wall seconds of each step; the first includes compilation.
         world_size: ranks that trained.
         replicate: HSDP replicas (1 for FSDP).
+        grad_norms: with ``TrainConfig.clip``, the total gradient norm of each step
+            before clipping (what ``clip_grad_norm_`` returned); ``None`` without.
     """
 
     losses: list[float]
     step_times: list[float]
     world_size: int
     replicate: int
+    grad_norms: list[float] | None = None
 
     @property
     def median_step_time(self) -> float | None:
@@ -238,7 +258,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         f"traceable-hsdp {command}: Llama {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
         f"{n_params / 1e6:.2f}M params; {layout} on {device.type} "
         f"({dist.get_backend()}); {mode}; batch {cfg.batch_size}/rank x seq {cfg.seq_len}; "
-        f"{cfg.steps} steps"
+        f"{cfg.steps} steps" + ("" if cfg.clip is None else f"; clip grad norm {cfg.clip:g}")
     )
 
     if cfg.dump_dir is not None and cfg.eager:
@@ -254,11 +274,11 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
                 print_summary=is_rank0, file=out,
             ))
             backend = dump.backend(cfg.backend)
-        losses, times = _train_loop(cfg, model, optim, backend, device, rank, world, say)
+        losses, times, norms = _train_loop(cfg, model, optim, backend, device, rank, world, say)
     if dump is not None:
         _compare_rank_dumps(cfg.dump_dir, world, say)
 
-    result = TrainResult(losses, times, world, cfg.replicate)
+    result = TrainResult(losses, times, world, cfg.replicate, norms)
     med = result.median_step_time
     med_text = (
         f"median step {med:.3f} s (steps 3-{cfg.steps})" if med is not None
@@ -277,8 +297,9 @@ def _train_loop(
     rank: int,
     world: int,
     say: Callable[[str], None],
-) -> tuple[list[float], list[float]]:
-    """Compiles (unless eager) and trains; returns the losses and step times."""
+) -> tuple[list[float], list[float], list[float] | None]:
+    """Compiles (unless eager) and trains; returns the losses, step times and (with
+    ``cfg.clip``) gradient norms."""
     from tqdm import tqdm
 
     import traceable_hsdp
@@ -295,6 +316,7 @@ def _train_loop(
     lo, hi = rank * cfg.batch_size, (rank + 1) * cfg.batch_size
     losses: list[float] = []
     times: list[float] = []
+    norms: list[float] | None = None if cfg.clip is None else []
     bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not (rank == 0 and cfg.progress),
                file=sys.stderr, dynamic_ncols=True)
     try:
@@ -306,6 +328,9 @@ def _train_loop(
             t0 = time.perf_counter()
             loss = _loss_fn(model(x), y)
             loss.backward()
+            if cfg.clip is not None:
+                # Outside the compiled region; see [Note: Gradient clipping].
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
             optim.step()
             optim.zero_grad()
             _sync(device)
@@ -315,8 +340,12 @@ def _train_loop(
             value = mean_loss.item() / world
             losses.append(value)
             times.append(dt)
+            norm_text = ""
+            if norms is not None:
+                norms.append(norm.item())  # replicated: the same on every rank
+                norm_text = f"  grad norm {norms[-1]:#.4g}"
             what = "compile+step" if step == 0 and not cfg.eager else "step"
-            say(f"step {step + 1}/{cfg.steps}  loss {value:.4f}  {what} {dt:.3f} s")
+            say(f"step {step + 1}/{cfg.steps}  loss {value:.4f}{norm_text}  {what} {dt:.3f} s")
             bar.set_postfix(loss=f"{value:.4f}")
             bar.update(1)
     finally:
@@ -324,7 +353,7 @@ def _train_loop(
         if enabled_here:
             traceable_hsdp.disable_compiled_autograd()
 
-    return losses, times
+    return losses, times, norms
 
 
 def _compare_rank_dumps(dump_dir: str, world: int, say: Callable[[str], None]) -> None:

@@ -107,6 +107,10 @@ def _add_job_arguments(p: argparse.ArgumentParser, *, steps: int | None, eager: 
                       help="optimizer steps (default %(default)s)")
     data.add_argument("--lr", type=_positive_float, default=d.lr,
                       help="AdamW learning rate (default %(default)s)")
+    data.add_argument("--clip", type=_positive_float, default=d.clip, metavar="MAX_NORM",
+                      help="clip the total gradient norm to MAX_NORM every step "
+                           "(torch.nn.utils.clip_grad_norm_) and print each step's norm "
+                           "before clipping (default: no clipping)")
     data.add_argument("--seed", type=_non_negative_int, default=d.seed,
                       help="model init and data seed (default %(default)s)")
     dist_ = p.add_argument_group("distribution")
@@ -168,8 +172,8 @@ def _train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return TrainConfig(
         layers=args.layers, dim=args.dim, heads=args.heads, seq_len=args.seq_len,
         batch_size=args.batch_size, steps=args.steps, world_size=world,
-        replicate=args.replicate, lr=args.lr, backend=args.backend, eager=args.eager,
-        seed=args.seed, progress=not args.no_progress,
+        replicate=args.replicate, lr=args.lr, clip=args.clip, backend=args.backend,
+        eager=args.eager, seed=args.seed, progress=not args.no_progress,
     )
 
 
@@ -193,6 +197,10 @@ def _launch(cfg: TrainConfig, command: str) -> int:
         return 1
     if result is not None and not all(math.isfinite(v) for v in result.losses):
         print(f"traceable-hsdp {command}: non-finite loss: {result.losses}", file=sys.stderr)
+        return 1
+    if result is not None and not all(math.isfinite(v) for v in result.grad_norms or []):
+        print(f"traceable-hsdp {command}: non-finite gradient norm: {result.grad_norms}",
+              file=sys.stderr)
         return 1
     return 0
 
