@@ -12,6 +12,8 @@ tolerantly, since the compiled graph may reorder reductions.
 from __future__ import annotations
 
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -238,10 +240,28 @@ def test_eager_list_unit_and_default_mesh(one_rank) -> None:
 
 
 # ------------------------------------------------- gloo: in-flight all-gathers
-def _inflight_worker(rank: int, world: int, rounds: int) -> int:
+class _Ops:
+    """A dispatch mode that lists the ops it sees (built lazily: spawned ranks import
+    this module)."""
+
+    def __new__(cls, seen: list[str]) -> Any:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        return Ops()
+
+
+def _inflight_worker(rank: int, world: int, rounds: int) -> tuple[int, list[str]]:
     from traceable_hsdp._collectives import all_gather_start, wait_all_gather
 
     group = dist.group.WORLD.group_name
+    seen: list[str] = []
+    with _Ops(seen):
+        wait_all_gather(all_gather_start(torch.ones(3), world, group))
     shards = [torch.full((n,), float(rank * 100 + i)) for i, n in enumerate([16, 33, 1000, 8] * 10)]
     for _ in range(rounds):
         pending = [all_gather_start(s, world, group) for s in shards]  # 40 in flight
@@ -249,7 +269,7 @@ def _inflight_worker(rank: int, world: int, rounds: int) -> int:
             out = wait_all_gather(t)
             for r in range(world):
                 assert bool((out[r * s.numel():(r + 1) * s.numel()] == r * 100 + i).all())
-    return rounds
+    return rounds, seen
 
 
 def test_eager_all_gathers_in_flight_on_gloo(one_rank) -> None:
@@ -257,24 +277,19 @@ def test_eager_all_gathers_in_flight_on_gloo(one_rank) -> None:
     the ``_out`` op (the allocating functional op corrupts the heap when several are
     in flight on torch 2.13 gloo); 40 in flight for 150 rounds on 2 ranks stay correct
     (with the allocating op this died within a few thousand rounds, so the stress
-    part alone may not catch a regression: the op check pins it)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    part alone may not catch a regression: the op check pins it). Over a group of one
+    rank nothing is issued (see [Note: Groups of one rank])."""
     from traceable_hsdp._collectives import all_gather_start, wait_all_gather
 
     seen: list[str] = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Ops():
+    with _Ops(seen):
         out = wait_all_gather(all_gather_start(torch.ones(3), 1, dist.group.WORLD.group_name))
     assert torch.equal(out, torch.ones(3))
-    assert any("all_gather_into_tensor_out" in s for s in seen), seen
-    assert not any(s.startswith("_c10d_functional.all_gather_into_tensor.") for s in seen), seen
-    assert run_ranks(_inflight_worker, 2, 150) == [150, 150]
+    assert not any("all_gather" in s for s in seen), seen
+    for rounds, seen in run_ranks(_inflight_worker, 2, 150):
+        assert rounds == 150
+        assert any("all_gather_into_tensor_out" in s for s in seen), seen
+        assert not any(s.startswith("_c10d_functional.all_gather_into_tensor.") for s in seen), seen
 
 
 def test_error_bad_shard_placement_and_offload(one_rank) -> None:
@@ -300,3 +315,39 @@ def test_error_bad_shard_placement_and_offload(one_rank) -> None:
                        shard_placement_fn=lambda p: Shard(-1) if p.dim() == 2 else None)
     assert m.weight.placements == (Shard(1),)
     assert m._traceable_hsdp_state.param_group.fsdp_params[0].offload == th.CPUOffloadPolicy(False)
+
+
+def test_world_size_1_issues_no_collectives(one_rank) -> None:
+    """As torch's fully_shard: over a group of one rank nothing is communicated (see
+    [Note: Groups of one rank]); gradients equal the plain model's bitwise."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    m = copy.deepcopy(ref)
+    th.fully_shard(m[0], mesh=one_rank)
+    th.fully_shard(m, mesh=one_rank)
+    x = torch.randn(3, 4)
+    seen: list[str] = []
+    with _Ops(seen):
+        m(x).sum().backward()
+    assert not any("c10d" in s for s in seen), sorted(set(seen))
+    ref(x).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("raf", [None, False])
+def test_parameters_registered_after_forward(one_rank, raf: bool | None) -> None:
+    """Eagerly, as torch's: after a forward with reshard_after_forward=False the
+    modules hold the gathered (plain) parameters until backward; ``None`` is False for
+    the root unit and True for the others. After backward every module holds the
+    sharded DTensors again."""
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    th.fully_shard(m[0], mesh=one_rank, reshard_after_forward=raf)
+    th.fully_shard(m, mesh=one_rank, reshard_after_forward=raf)
+    out = m(torch.randn(3, 4)).sum()
+    assert not isinstance(m[2].weight, DTensor)  # the root unit: kept gathered
+    assert isinstance(m[0].weight, DTensor) is (raf is None)
+    out.backward()
+    assert all(isinstance(p, DTensor) for p in m.parameters())

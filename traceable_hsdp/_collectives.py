@@ -33,10 +33,20 @@ _c10d = torch.ops._c10d_functional
 #   keeps at most one in flight (plus reduce-scatters).
 
 
+# [Note: Groups of one rank]
+# A group of one rank needs no communication: gathering, reducing (sum or average)
+# and scattering over it return the input. Each function below returns its input
+# then and issues nothing, eagerly and in the traced graphs, as torch's FSDP2 issues
+# no collective at world size 1.
+
+
 def all_gather_start(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """Issues an all-gather of ``shard`` along dim 0 (``world_size * shard.size(0)``
-    rows); pass the result to :func:`wait` before reading it. While tracing, the
-    result is already waited for. See [Note: In-flight all-gathers on gloo]."""
+    rows); pass the result to :func:`wait_all_gather` before reading it. While
+    tracing, the result is already waited for. See [Note: In-flight all-gathers on
+    gloo] and [Note: Groups of one rank]."""
+    if world_size == 1:
+        return shard
     shard = shard.contiguous()
     if torch.compiler.is_compiling() or not _has_device_backend(group_name, shard.device):
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
@@ -62,7 +72,7 @@ def wait_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     result (while tracing it was waited for at issue: returned as it is)."""
     if torch.compiler.is_compiling():
         return tensor
-    return _c10d.wait_tensor(tensor)
+    return _c10d.wait_tensor(tensor)  # a no-op on a tensor no collective produced
 
 
 def reduce_scatter(
@@ -70,9 +80,14 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
     rank's 1/world_size of dim 0."""
+    if world_size == 1:
+        return full
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(full.contiguous(), op, world_size, group_name))
 
 
-def all_reduce(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
-    """Reduces ``tensor`` over the group with ``op`` (out of place)."""
+def all_reduce(tensor: torch.Tensor, op: str, group_name: str, group_size: int) -> torch.Tensor:
+    """Reduces ``tensor`` over the group (of ``group_size`` ranks) with ``op`` (out of
+    place, except over one rank: see [Note: Groups of one rank])."""
+    if group_size == 1:
+        return tensor
     return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))

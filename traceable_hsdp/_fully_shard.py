@@ -642,7 +642,8 @@ def fully_shard(
             Default ``None``: a 1-D mesh over the default process group.
         reshard_after_forward: free the unsharded parameters after forward and
             re-gather them for backward (default ``True``). ``False`` keeps them from
-            forward to backward. ``None`` means ``True``. An int k dividing the shard
+            forward to backward. ``None``, as torch's: ``False`` for the root unit (its
+            backward comes first), ``True`` for the others. An int k dividing the shard
             group's size keeps 1/k of each parameter per rank after forward and
             re-gathers over groups of k ranks for backward.
         shard_placement_fn: called with each managed parameter; returns the
@@ -747,7 +748,7 @@ def _fully_shard_impl(
         for p in order
     ]
     post_forward = None
-    if not isinstance(raf, bool):
+    if raf is not None and not isinstance(raf, bool):
         post_forward = _post_forward_info(mesh_info, raf)
     for fp in fsdp_params:
         fp.keep_storage = keep_storage
@@ -858,13 +859,12 @@ def _check_modules(module: Any) -> list[nn.Module]:
     return mods
 
 
-def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int:
+def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int | None:
     """``True``/``False``/``None``, or an int k dividing the shard group's size (see
     [Note: Reshard to a smaller world] in ``_param.py``): k equal to that size is
-    ``True``, k = 1 keeps the whole parameter (``False``)."""
-    if value is None:
-        return True
-    if isinstance(value, bool):
+    ``True``, k = 1 keeps the whole parameter (``False``). ``None`` stays: ``False``
+    while the unit is a root, else ``True`` (decided at each forward), as torch's."""
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         size = mesh_info.shard_size
@@ -885,20 +885,24 @@ def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int:
     )
 
 
-_POST_FORWARD_MESHES: dict[tuple[DeviceMesh, int], DeviceMesh] = {}
+# Set on a DeviceMesh object: {k: the mesh of groups of k ranks built from it}.
+_POST_FORWARD_MESHES_ATTR = "_traceable_hsdp_post_forward_meshes"
 
 
 def _post_forward_info(mesh_info: MeshInfo, k: int) -> PostForwardInfo:
     """Groups of ``k`` consecutive ranks of each shard group (one DeviceMesh per mesh
-    and k, built once: building it creates process groups on every rank)."""
+    object and k, built once: building it creates process groups on every rank). The
+    cache lives on the mesh object, not in a module-level table keyed by its value:
+    a mesh built again after the process group was destroyed and re-created compares
+    equal to the old one, whose cached groups no longer exist."""
     mesh = mesh_info.mesh
-    key = (mesh, k)
-    pf_mesh = _POST_FORWARD_MESHES.get(key)
+    cache: dict[int, DeviceMesh] = mesh.__dict__.setdefault(_POST_FORWARD_MESHES_ATTR, {})
+    pf_mesh = cache.get(k)
     if pf_mesh is None:
         ranks = mesh.mesh
         shape = (*ranks.shape[:-1], ranks.shape[-1] // k, k)
         pf_mesh = DeviceMesh(mesh.device_type, ranks.reshape(shape))
-        _POST_FORWARD_MESHES[key] = pf_mesh
+        cache[k] = pf_mesh
     return PostForwardInfo(
         group_name=pf_mesh.get_group(pf_mesh.ndim - 1).group_name,
         size=k,

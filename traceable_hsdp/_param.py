@@ -20,10 +20,11 @@ Each managed parameter has two ``nn.Parameter``s:
 
 [Note: The module holds the placeholder only in forward]
 The modules hold the placeholder from a unit's pre-forward to its post-forward,
-between an explicit ``unshard()`` and ``reshard()``, and, in an eager backward, from
-the unit's pre-backward (its re-gather) until its backward is done; at every other
-time they hold the sharded parameter, whether or not the placeholder's storage is
-full. The eager backward needs it for activation checkpointing: the recompute calls
+between an explicit ``unshard()`` and ``reshard()``, and, eagerly, from the unit's
+pre-backward (its re-gather) until its backward is done and from the end of a forward
+with ``reshard_after_forward=False`` (as torch's: its parameters are the unsharded
+ones then) until its backward is done; at every other time they hold the sharded
+parameter, whether or not the placeholder's storage is full. The eager backward needs it for activation checkpointing: the recompute calls
 the modules' forward again, which must read the gathered parameters (torch's FSDP2
 registers its unsharded parameters there too). A compiled backward does not
 register them: autograd reads saved tensors, a checkpointed region compiled with the
@@ -34,8 +35,9 @@ which compiled autograd has already emptied: ``IndexError: list index out of
 range``, seen with gradient sync off). Finishing a unit's backward registers the
 sharded parameters again even when it keeps the data gathered
 (``set_reshard_after_backward(False)``), so ``state_dict()``, ``parameters()`` and
-``clip_grad_norm_`` see the sharded parameters between steps, even with
-``reshard_after_forward=False``.
+``clip_grad_norm_`` see the sharded parameters between steps. Compiled, a forward
+with ``reshard_after_forward=False`` registers the sharded parameters again at its
+end, so that backward swaps nothing.
 
 [Note: Changes after fully_shard]
 What a user does to a parameter after ``fully_shard`` is honoured, as in torch's FSDP2,
@@ -271,7 +273,9 @@ class FSDPParam:
 
     def wait_gathered(self, issued: torch.Tensor) -> torch.Tensor:
         """Waits for what :meth:`all_gather_start` returned."""
-        return issued if self.replicate else wait_all_gather(issued)
+        if self.replicate or self.mesh_info.shard_size == 1:  # nothing was issued
+            return issued
+        return wait_all_gather(issued)
 
     def fill_unsharded(self, gathered: torch.Tensor) -> None:
         """Grows the placeholder to full and copies the gathered rows into it."""
@@ -370,9 +374,9 @@ class FSDPParam:
         op = "avg" if divide_factor is None else "sum"
         grad = unsharded_grad.to(self.reduce_dtype)
         if self.replicate:  # DDP-style: all-reduce over every data-parallel rank
-            local = all_reduce(grad, op, mi.shard_group_name)
+            local = all_reduce(grad, op, mi.shard_group_name, ws)
             if mi.replicate_group_name is not None:
-                local = all_reduce(local, op, mi.replicate_group_name)
+                local = all_reduce(local, op, mi.replicate_group_name, mi.replicate_size)
             self._finish_reduced(local, divide_factor, reduced_hook)
             return
         if self.shard_dim != 0:
@@ -397,7 +401,7 @@ class FSDPParam:
                 local = sp.grad.to_local().to(local.device, local.dtype) + local
                 sp.grad = None
                 self.replicas_pending = False
-            local = all_reduce(local, op, mi.replicate_group_name)
+            local = all_reduce(local, op, mi.replicate_group_name, mi.replicate_size)
         self._finish_reduced(local, divide_factor, reduced_hook)
 
     def _finish_reduced(

@@ -170,7 +170,7 @@ class FSDPState:
         self,
         modules: list[nn.Module],
         param_group: FSDPParamGroup | None,
-        reshard_after_forward: bool | int,
+        reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
@@ -335,10 +335,16 @@ class FSDPState:
         pg = self.param_group
         if pg is not None:
             raf = self.reshard_after_forward
+            if raf is None:  # torch's default for None: keep the root gathered
+                raf = not self.is_root
             if raf is True:
                 pg.reshard()
             elif raf is False:
-                pg.register_sharded()  # data stays gathered for backward
+                # The data stays gathered for backward. Eagerly the modules keep
+                # holding it, as torch's; see [Note: The module holds the placeholder
+                # only in forward] (_param.py).
+                if torch.compiler.is_compiling():
+                    pg.register_sharded()
             else:  # an int: keep 1/raf for a smaller re-gather in backward
                 pg.post_forward_reshard()
             pg.training_state = TrainingState.IDLE
@@ -352,10 +358,13 @@ class FSDPState:
 
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        # Runs once per output tensor; every step below is idempotent.
-        if self.is_root and not self._final_callback_queued:
-            self._final_callback_queued = True
-            _queue_final_callback(self._root_post_backward_final)
+        # Runs once per output tensor; every step below is idempotent. Any unit's
+        # backward queues its root's final callback: a nested unit may run a backward
+        # of its own (a module of it called outside the root's forward).
+        root = self.root
+        if not root._final_callback_queued:
+            root._final_callback_queued = True
+            _queue_final_callback(root._root_post_backward_final)
         pg = self.param_group
         if (
             pg is not None
