@@ -146,24 +146,29 @@ def test_tied_embeddings_parity_eager() -> None:
 
 def test_error_tied_weight_split_across_units(one_rank) -> None:
     """A nested unit on the head would shard the tied weight alone; the root would
-    then shard the embedding's original again (silently untied): refused."""
+    then shard the embedding's original again (silently untied): refused at the first
+    forward, as torch's fully_shard refuses it ("already managed by another")."""
     torch.manual_seed(0)
     model = Llama(TIED_CFG)
     th.fully_shard(model.output, mesh=one_rank)
     for layer in model.layers:
         th.fully_shard(layer, mesh=one_rank)
+    th.fully_shard(model, mesh=one_rank)
     with pytest.raises(
         ValueError,
-        match=r"'tok_embeddings.weight' of Llama is shared with 'weight' of the fully_shard "
-        r"unit Linear.*one fully_shard unit only.*fully_shard\(\[module_a, module_b\]\)",
+        match=r"'tok_embeddings.weight' of Llama is already managed by another fully_shard "
+        r"unit: it is shared with 'weight' of the fully_shard unit Linear.*one fully_shard "
+        r"unit only.*fully_shard\(\[module_a, module_b\]\)",
     ):
-        th.fully_shard(model, mesh=one_rank)
-    # Two sibling units sharing a weight: the same error at the second one.
+        model(torch.zeros(1, 4, dtype=torch.long))
+    # Two sibling units sharing a weight: the second one's forward raises (also when
+    # called on its own, not through a root).
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
     th.fully_shard(a, mesh=one_rank)
-    with pytest.raises(ValueError, match=r"'weight' of Linear is shared with"):
-        th.fully_shard(b, mesh=one_rank)
+    th.fully_shard(b, mesh=one_rank)
+    with pytest.raises(ValueError, match=r"'weight' of Linear is already managed by another"):
+        b(torch.randn(1, 4))
 
 
 def test_error_module_in_nested_unit_and_parent(one_rank) -> None:

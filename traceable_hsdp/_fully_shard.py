@@ -518,14 +518,15 @@ def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
 
 
 def _managed_params(
-    module: nn.Module, ignored: set[nn.Parameter]
+    module: nn.Module, ignored: set[nn.Parameter], conflicts: list[str]
 ) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]]:
     """Parameters of ``module``'s subtree not owned by a nested unit nor ignored, in
-    registration order, with every place each is registered.
+    registration order, with every place each is registered. A parameter an earlier
+    unit already sharded is left out, and why is appended to ``conflicts``.
 
     Raises:
-        ValueError: a parameter is split between units. See [Note: One unit per
-            parameter].
+        ValueError: a module of a nested unit is reachable outside it. See
+            [Note: One unit per parameter].
     """
     owned_elsewhere: set[int] = set()  # every parameter in a nested unit's subtree
     nested_managed: dict[int, str] = {}  # a nested unit's managed tensors -> its FQN
@@ -558,13 +559,16 @@ def _managed_params(
                 continue
             prior = getattr(p, _SHARDED_AS_ATTR, None)
             if prior is not None:
-                raise ValueError(
-                    f"Parameter {fqn!r} of {type(module).__name__} is shared with "
-                    f"{prior}, which an earlier fully_shard call already sharded; "
-                    "sharding it again here would make an independent copy (silently "
-                    "untied). A parameter can belong to one fully_shard unit only. "
-                    f"{_SHARED_FIX}"
+                # Raised at the first forward, as torch's; see [Note: One unit per
+                # parameter]. The parameter stays out of this unit.
+                conflicts.append(
+                    f"Parameter {fqn!r} of {type(module).__name__} is already managed by "
+                    f"another fully_shard unit: it is shared with {prior}, which an "
+                    "earlier fully_shard call sharded; sharding it again would make an "
+                    "independent copy (silently untied). A parameter can belong to one "
+                    f"fully_shard unit only. {_SHARED_FIX}"
                 )
+                continue
             if p not in where:
                 order.append(p)
                 where[p] = []
@@ -592,14 +596,16 @@ _SHARDED_AS_ATTR = "_traceable_hsdp_sharded_as"
 # gathered once per forward into one placeholder that every one of them holds, and
 # autograd sums the gradients of all uses into that placeholder's gradient before its
 # post-accumulate-grad hook reduces it. A unit gathers only for its own forward, so a
-# parameter cannot be split between units. The two ways to split it are refused when
-# the second unit is built (neither fails clearly by itself):
+# parameter cannot be split between units. The two ways to split it are refused
+# (neither fails clearly by itself):
 # - the original parameter is still registered outside an earlier unit: fully_shard
 #   swapped it for a DTensor only on that unit's modules, so a later unit would shard
-#   the original again into an independent copy: silently untied;
+#   the original again into an independent copy: silently untied. Refused at the
+#   first forward, as torch's (its message says "already managed by another"): the
+#   later unit leaves the parameter out and records why;
 # - a module inside a nested unit is also reachable from the parent outside it: the
 #   parent's forward would read the nested unit's sharded DTensor ("got mixed
-#   torch.Tensor and DTensor" deep in the forward).
+#   torch.Tensor and DTensor" deep in the forward). Refused when the parent is built.
 
 
 def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -707,8 +713,9 @@ def _fully_shard_impl(
     owner = modules[0]
     order: list[nn.Parameter] = []
     where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]] = {}
+    conflicts: list[str] = []
     for m in modules:
-        o, w = _managed_params(m, ignored)
+        o, w = _managed_params(m, ignored, conflicts)
         for p in o:
             if p not in where:
                 order.append(p)
@@ -759,6 +766,7 @@ def _fully_shard_impl(
         setattr(p, _SHARDED_AS_ATTR, f"{fp.fqn!r} of the fully_shard unit {label}")
     group = FSDPParamGroup(fsdp_params, mesh_info, label) if fsdp_params else None
     state = FSDPState(modules, group, raf, mp_policy)
+    state.init_errors = conflicts
     owner.__dict__[_STATE_ATTR] = state
     for m in modules[1:]:
         m.__dict__[_STATE_ATTR] = state

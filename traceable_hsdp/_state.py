@@ -193,6 +193,9 @@ class FSDPState:
         self.post_optim_pending = False  # an event is set (what dynamo guards on)
         self._post_optim_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked: set[int] = set()  # ids of the FSDPParams with a post-acc hook
+        # Why fully_shard left parameters out of this unit, raised at its first
+        # forward. See [Note: One unit per parameter] (_fully_shard.py).
+        self.init_errors: list[str] = []
         if param_group is not None:
             self._register_post_acc_hooks()
             for m in modules:
@@ -266,6 +269,8 @@ class FSDPState:
             return self._cast_inputs(args, kwargs)
         if self.is_root:
             self._root_pre_forward()
+        if self.init_errors:
+            raise ValueError(self.init_errors[0])
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         if pg is not None:
@@ -299,6 +304,9 @@ class FSDPState:
         return output
 
     def _root_pre_forward(self) -> None:
+        for state in self.states:
+            if state.init_errors:
+                raise ValueError(state.init_errors[0])
         needs_backward = torch.is_grad_enabled() and any(
             s.param_group is not None and s.param_group.trainable for s in self.states
         )
