@@ -339,41 +339,51 @@ def _freeze_midway(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
-# ------------------------------------------------- compiled, one model, one run
+# ------------------------------------------------------------------ compiled
 def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
-    """Our Llama with activation checkpointing (checkpoint_wrapper, then fully_shard)
-    and the weight-reuse model, compiled (``torch.compile(model)`` + compiled
-    autograd); the same models eager are the reference. The Llama's first block is
-    frozen after its first compiled step (fullgraph: the change is applied before
-    dynamo traces)."""
+    """Compiled (``torch.compile(model, fullgraph=True)`` with compiled autograd)
+    against the same flow eager: the weight-reuse model (each unit three times per
+    forward), dataclass activations, and our Llama frozen in part after its first
+    compiled step (block 0 and the output head). ``backend`` "aot_eager" records the
+    collectives of every graph; "inductor" runs the passes."""
     from _workers import GraphRecorder
 
-    out: dict[str, Any] = {}
-    for mode in ("eager", "compiled"):
-        torch.manual_seed(0)
-        model = _ac_llama(th.fully_shard, "wrap_then_shard")
-        rec = GraphRecorder() if backend == "aot_eager" else None
-        if mode == "compiled":
-            th.enable_compiled_autograd(backend=rec or backend)
-            fwd = torch.compile(model, backend=rec or backend, fullgraph=True)
-        else:
-            fwd = model
-
-        def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return _loss(fwd(x), y)
-
-        def before(i: int, model: Llama = model) -> None:
+    def freeze(model: nn.Module) -> Callable[[int], None]:
+        def before(i: int) -> None:
             if i == 1:
                 model.layers[0].requires_grad_(False)
+                model.output.weight.requires_grad_(False)
+        return before
 
-        losses, params = _train(model, rank, world, step, before_step=before)
-        out[mode] = (losses, params)
-        if mode == "compiled":
-            th.disable_compiled_autograd()
-            out["fwd_counts"] = rec.forward if rec else None
-            out["bwd_counts"] = rec.backward if rec else None
-        out[f"bytes_after_{mode}"] = _placeholder_bytes(model)
-        torch._dynamo.reset()
+    cases: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any]]] = {
+        "reuse": (lambda: _shard_children(_Reuse(), "layers", th.fully_shard), lambda m: None),
+        "dataclass": (lambda: _shard_children(_DCModel(), "blocks", th.fully_shard), lambda m: None),
+        "freeze": (lambda: _shard_llama(Llama(CFG), th.fully_shard), freeze),
+    }
+    out: dict[str, Any] = {}
+    for name, (build, before) in cases.items():
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            model = build()
+            rec = GraphRecorder() if backend == "aot_eager" else None
+            fwd = model
+            if mode == "compiled":
+                torch._dynamo.reset()
+                th.enable_compiled_autograd(backend=rec or backend)
+                fwd = torch.compile(model, backend=rec or backend, fullgraph=True)
+
+            def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor, fwd: Any = fwd) -> torch.Tensor:
+                return _loss(fwd(x), y)
+
+            try:
+                out[f"{name}_{mode}"] = _train(model, rank, world, step, before_step=before(model))
+            finally:
+                if mode == "compiled":
+                    th.disable_compiled_autograd()
+            out[f"{name}_{mode}_bytes_after"] = _placeholder_bytes(model)
+            if mode == "compiled" and rec is not None:
+                out[f"{name}_graphs"] = (rec.forward, rec.backward)
+    torch._dynamo.reset()
     return out
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _conformance_workers import conformance_eager, conformance_hf
+from _conformance_workers import conformance_compiled, conformance_eager, conformance_hf
 from _dist import run_ranks
 
 BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "cast_float64", "freeze_after_shard",
@@ -84,3 +84,49 @@ def test_conformance_hf_llama_vs_torch_fully_shard() -> None:
         _same(r["hf_ac"]["ours"], r["hf_ac"]["torch"], "hf_ac")
         assert r["hf_ac"]["bytes_after"] == 0
         _same(r["hf_meta_ours"], r["hf_meta_torch"], "hf_meta")
+
+
+# Each _Sub unit (w, b) runs three times per forward; the root holds the embedding
+# and the head (weight, bias).
+REUSE_UNIT_PARAMS, REUSE_ROOT_PARAMS, REUSE_CALLS = 3 * 2, 3, 3
+
+
+@pytest.mark.slow
+def test_conformance_compiled_aot_eager() -> None:
+    """Compiled with compiled autograd (aot_eager: the same ops as eager, so bitwise
+    equal to the eager run): weight reuse, dataclass activations, freezing after the
+    first compiled step (fullgraph=True holds: the change is applied before dynamo
+    traces). Collectives counted from the captured graphs."""
+    for r in run_ranks(conformance_compiled, 2, "aot_eager"):
+        for name in ("reuse", "dataclass", "freeze"):
+            _same(r[f"{name}_compiled"], r[f"{name}_eager"], name)
+            assert r[f"{name}_compiled_bytes_after"] == 0, name
+        fwd, bwd = r["reuse_graphs"]
+        # One forward and one backward graph: no recompiles after the first step.
+        assert len(fwd) == len(bwd) == 1, (fwd, bwd)
+        # Every call gathers (resharded after each); backward re-gathers each unit
+        # once and keeps it until its first use's backward, then reduces once.
+        assert fwd[0]["all_gather_into_tensor"] == REUSE_CALLS * REUSE_UNIT_PARAMS + REUSE_ROOT_PARAMS
+        assert bwd[0]["all_gather_into_tensor"] == REUSE_UNIT_PARAMS + REUSE_ROOT_PARAMS
+        assert bwd[0]["reduce_scatter_tensor"] == REUSE_UNIT_PARAMS + REUSE_ROOT_PARAMS
+        # Freezing recompiles once (dynamo's guards on requires_grad), and the
+        # backward after it reduces only the trainable parameters: 21 managed, block
+        # 0 (9) and the head frozen.
+        fwd, bwd = r["freeze_graphs"]
+        assert len(fwd) == len(bwd) == 2, (fwd, bwd)
+        assert bwd[0]["reduce_scatter_tensor"] == 21
+        assert bwd[1]["reduce_scatter_tensor"] == 21 - 9 - 1
+
+
+@pytest.mark.slow
+def test_conformance_compiled_inductor() -> None:
+    """The same three cases under Inductor with every pass on, against the eager run:
+    losses rtol 1e-5 and parameters atol 2e-5 (Inductor fuses and reorders float
+    arithmetic)."""
+    for r in run_ranks(conformance_compiled, 2, "inductor"):
+        for name in ("reuse", "dataclass", "freeze"):
+            c, e = r[f"{name}_compiled"], r[f"{name}_eager"]
+            torch.testing.assert_close(c[0], e[0], rtol=1e-5, atol=0, msg=name)
+            for k, v in e[1].items():
+                torch.testing.assert_close(c[1][k], v, rtol=0, atol=2e-5, msg=f"{name} {k}")
+            assert r[f"{name}_compiled_bytes_after"] == 0, name
