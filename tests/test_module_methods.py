@@ -109,9 +109,7 @@ def test_post_optim_event(one_rank) -> None:
     m(x)
     m(x)
     assert e.waits == 1  # once, then dropped
-    # The one-shot hook is gone; what remains is the hook that applies changes
-    # made to parameters after fully_shard (see docs/real_jobs.md).
-    assert list(m._forward_pre_hooks.values()) == [m._traceable_hsdp_state._sync_tree_before_forward]
+    assert not m._forward_pre_hooks  # the one-shot hook is gone
     # On a nested unit it is the root's event: waited before the root's forward.
     e2 = RecordingEvent(device="cpu")
     m[0].set_post_optim_event(e2)
@@ -123,14 +121,14 @@ def test_post_optim_event(one_rank) -> None:
     # doesn't support events"); waiting on an unrecorded one is a no-op.
     m.set_post_optim_event(torch.Event(device="cpu"))
     m(x)
-    assert len(m._forward_pre_hooks) == 1
+    assert not m._forward_pre_hooks
     # What torch.cpu.current_stream().record_event() returns (None) clears a pending
     # event: nothing is waited for.
     e3 = RecordingEvent(device="cpu")
     m.set_post_optim_event(e3)
     m.set_post_optim_event(torch.cpu.current_stream().record_event())
     m(x)
-    assert e3.waits == 0 and len(m._forward_pre_hooks) == 1
+    assert e3.waits == 0 and not m._forward_pre_hooks
 
 
 def test_post_optim_event_step_compiled_whole(one_rank) -> None:

@@ -54,11 +54,19 @@ parameter again (``FSDPParam.reset_sharded_param``):
   parameter freezes it (the placeholder follows, so no gradient is computed or
   reduced and the optimizer skips it), a DTensor assigned to the module is adopted,
   a plain tensor assigned is refused (``TypeError``), and a shard left on the meta
-  device or moved off the mesh's device is refused (``ValueError``). The change is
-  applied outside the graph (dynamo cannot trace ``requires_grad_``): the root's
-  forward pre-hook applies it for the whole tree before ``torch.compile(model)``
-  traces (so ``fullgraph=True`` holds), and a step compiled whole graph-breaks once,
-  in the step that sees the change; the next trace sees no change.
+  device or moved off the mesh's device is refused (``ValueError``).
+
+Dynamo cannot trace ``requires_grad_`` (a graph break), so a change is applied by a
+dynamo-disabled function: eagerly at once; while tracing, that is a graph break in
+the step that sees the change (dynamo's guards on the parameters then recompile the
+next step, which sees none). Freezing, the common case, needs no break: while
+tracing, a parameter frozen after ``fully_shard`` keeps a placeholder that requires
+grad, and its post-accumulate-grad hook drops the gradient instead of reducing it
+(the right numbers; the gradient is computed and thrown away until an eager forward
+applies the change). So ``torch.compile(model, fullgraph=True)`` trains on through a
+freeze; unfreezing, a cast or an assigned DTensor under ``fullgraph=True`` raise
+dynamo's graph-break error, whose reason names the change (compile without
+``fullgraph``, or run one step eagerly).
 
 The same path serves ``load_state_dict(assign=True)``.
 
@@ -454,6 +462,19 @@ class FSDPParam:
             sp.requires_grad is not self.unsharded_param.requires_grad
             or sp.dtype is not self.orig_dtype
             or sp.device.type != self._shard_device_type()
+        )
+
+    def only_frozen(self) -> bool:
+        """The one change a compiled step follows without applying it: the sharded
+        parameter was frozen while its placeholder still requires grad (its gradient
+        is then dropped instead of reduced). See [Note: Changes after fully_shard]."""
+        sp = self.sharded_param
+        return (
+            not sp.requires_grad
+            and self.unsharded_param.requires_grad
+            and sp.dtype is self.orig_dtype
+            and sp.device.type == self._shard_device_type()
+            and all(info.module._parameters[info.param_name] is sp for info in self.module_infos)
         )
 
     def _shard_device_type(self) -> str:

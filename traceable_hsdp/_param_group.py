@@ -231,6 +231,12 @@ class FSDPParamGroup:
         backward: reduces it into the sharded gradient (unless gradient sync is off,
         when it stays on the placeholder and accumulates over micro-batches)."""
         p = fsdp_param.unsharded_param
+        if not fsdp_param.sharded_param.requires_grad:
+            # Frozen after fully_shard, seen while tracing: see [Note: Changes after
+            # fully_shard] (_param.py).
+            p.grad = None
+            self._count_down()
+            return
         grad = p.grad.to(fsdp_param.reduce_dtype)
         p.grad = None
         # Gradients held back by set_requires_gradient_sync(False) accumulate here,

@@ -212,8 +212,6 @@ class FSDPState:
                 )
         for m in modules:
             m.register_load_state_dict_pre_hook(self._before_load_subtree)
-            # See [Note: Changes after fully_shard] (_param.py).
-            m.register_forward_pre_hook(self._sync_tree_before_forward, prepend=True)
 
     def _register_post_acc_hooks(self) -> None:
         """A post-accumulate-grad hook on every trainable placeholder that has none
@@ -229,15 +227,14 @@ class FSDPState:
 
     # ------------------------------------------------- changes after fully_shard
     # See [Note: Changes after fully_shard] (_param.py).
-    def _sync_tree_before_forward(self, *hook_args: Any) -> None:
-        """Forward pre-hook: applies user changes to the parameters of every unit of
-        this unit's tree (eagerly, before ``torch.compile(model)`` traces)."""
-        for state in self.root.states:
-            state._sync_user_changes()
-
     def _sync_user_changes(self) -> None:
         pg = self.param_group
-        if pg is not None and any(fp.changed_by_user() for fp in pg.fsdp_params):
+        if pg is None:
+            return
+        changed = [fp for fp in pg.fsdp_params if fp.changed_by_user()]
+        if changed and not (
+            torch.compiler.is_compiling() and all(fp.only_frozen() for fp in changed)
+        ):
             self._apply_user_changes()
 
     @torch._dynamo.disable(reason="traceable_hsdp: a parameter changed after fully_shard")
