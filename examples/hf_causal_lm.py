@@ -20,8 +20,8 @@ shards it, and checks that every rank's shards equal, bitwise, those of step 5 (
 check for the example, not part of a real job). Needs transformers 5 (pip install
 "transformers>=5").
 
-Eager only: activation checkpointing of a compiled fully_shard model is not
-supported yet, so this script does not call torch.compile.
+Eager only: activation checkpointing in a compiled fully_shard model is still
+being worked on, so this script does not call torch.compile.
 """
 
 import argparse
