@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import traceable_hsdp
@@ -35,8 +36,10 @@ from traceable_hsdp.models import Llama, LlamaConfig
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpt_dir", help="checkpoint directory (created; files in it are overwritten)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR",
+                   help="checkpoint directory (created; files in it are overwritten)")
     p.add_argument("--save-at", type=int, default=3, help="steps before the checkpoint")
     p.add_argument("--resume-steps", type=int, default=3, help="steps after it")
     p.add_argument("--layers", type=int, default=2)
@@ -63,23 +66,26 @@ def init_distributed() -> torch.device:
     return device
 
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """Every rank calls it; each writes its own shards."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
-def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """Every rank calls it; the model and the optimizer may be fresh."""
     # The structure to fill in: the model's DTensors and the optimizer's state keyed
     # by parameter name (a plain optimizer.state_dict() is empty before a step).
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)  # reads this rank's shards, in place
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
 
 
-def synthetic_batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    args: argparse.Namespace, step: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each rank its own sequences; token t + 1 is token t's id plus one. The same
     (step, rank) always gives the same batch, so both runs see the same data."""
     g = torch.Generator().manual_seed(1000 * step + rank)

@@ -37,7 +37,8 @@ from traceable_hsdp import fully_shard
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
@@ -80,14 +81,17 @@ def init_rotary(model: LlamaForCausalLM) -> None:
     rotary.original_inv_freq.copy_(inv_freq)
 
 
-def check_init(model: LlamaForCausalLM, config: LlamaConfig, seed: int, device: torch.device) -> None:
+def check_init(
+    model: LlamaForCausalLM, config: LlamaConfig, seed: int, device: torch.device
+) -> None:
     """Every rank builds the model whole with rank 0's seed and shards it: its shards
     must equal the loaded ones, bitwise."""
     torch.manual_seed(seed)
     reference = shard(LlamaForCausalLM(config).to(device))
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         if not torch.equal(p.to_local(), q.to_local()):
-            raise RuntimeError(f"rank {dist.get_rank()}: {name} differs from the CPU-built model's shard")
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: {name} differs from the CPU-built model's shard")
     for (name, b), (_, c) in zip(model.named_buffers(), reference.named_buffers()):
         if not torch.equal(b, c):
             raise RuntimeError(f"rank {dist.get_rank()}: buffer {name} differs")
@@ -128,18 +132,21 @@ def main() -> None:
 
     # 4-5: buffers, then the weights: rank 0 holds the full state dict, the others
     # pass {} and receive their shards by broadcast.
-    with torch.no_grad():
-        init_rotary(model)
+    init_rotary(model)
     full_sd = {}
     if rank == 0:
         torch.manual_seed(args.seed)
         full_sd = LlamaForCausalLM(config).state_dict()
-    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full_sd,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
     del full_sd
     if args.check_init:
         check_init(model, config, args.seed, device)
         if rank == 0:
-            print("check-init: every rank's shards equal those of the model built whole", flush=True)
+            print("check-init: every rank's shards equal those of the model built whole",
+                  flush=True)
 
     model.train()  # HF checkpoints the layers only in training mode
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -157,7 +164,8 @@ def main() -> None:
         if not math.isfinite(mean_loss):  # the same on every rank: all stop together
             raise RuntimeError(f"step {step + 1}: non-finite loss {mean_loss}")
         if rank == 0:
-            print(f"step {step + 1}  loss {mean_loss:.4f}  grad norm {grad_norm.item():.4f}", flush=True)
+            print(f"step {step + 1}  loss {mean_loss:.4f}  grad norm {grad_norm.item():.4f}",
+                  flush=True)
 
     dist.destroy_process_group()
 

@@ -32,8 +32,10 @@ from traceable_hsdp.models import Llama, LlamaConfig
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicate", type=int, default=2, help="replicas; must divide the world size")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicate", type=int, default=2,
+                   help="replicas; must divide the world size")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=64)
@@ -59,7 +61,9 @@ def init_distributed() -> torch.device:
     return device
 
 
-def synthetic_batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    args: argparse.Namespace, step: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each rank its own sequences; token t + 1 is token t's id plus one."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     start = torch.randint(0, args.vocab, (args.batch_size, 1), generator=g)
@@ -88,7 +92,8 @@ def main() -> None:
     wq = model.layers[0].attn.wq.weight
     if rank == 0:
         print(f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}; layers.0.attn.wq.weight: "
-              f"{wq.placements}, local {tuple(wq.to_local().shape)} of {tuple(wq.shape)}", flush=True)
+              f"{wq.placements}, local {tuple(wq.to_local().shape)} of {tuple(wq.shape)}",
+              flush=True)
 
     step_model = model
     if not args.eager:
@@ -120,7 +125,8 @@ def main() -> None:
         if not all(torch.equal(c, local) for c in copies):
             raise RuntimeError(f"rank {rank}: the replicas of {name} differ")
     if rank == 0:
-        print(f"replicas in sync: every shard equal across the {args.replicate} replicas", flush=True)
+        print(f"replicas in sync: every shard equal across the {args.replicate} replicas",
+              flush=True)
 
     dist.destroy_process_group()
 

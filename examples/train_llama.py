@@ -28,7 +28,8 @@ from traceable_hsdp.models import Llama, LlamaConfig
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=64)
@@ -55,7 +56,9 @@ def init_distributed() -> torch.device:
     return device
 
 
-def synthetic_batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    args: argparse.Namespace, step: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each rank its own sequences; token t + 1 is token t's id plus one."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     start = torch.randint(0, args.vocab, (args.batch_size, 1), generator=g)
@@ -101,7 +104,8 @@ def main() -> None:
         if not math.isfinite(mean_loss):  # the same on every rank: all stop together
             raise RuntimeError(f"step {step + 1}: non-finite loss {mean_loss}")
         if rank == 0:
-            print(f"step {step + 1}  loss {mean_loss:.4f}  grad norm {grad_norm.item():.4f}", flush=True)
+            print(f"step {step + 1}  loss {mean_loss:.4f}  grad norm {grad_norm.item():.4f}",
+                  flush=True)
 
     dist.destroy_process_group()
 
