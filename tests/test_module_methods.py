@@ -398,3 +398,17 @@ def test_register_fsdp_forward_method(one_rank) -> None:
     out.sum().backward()
     torch.testing.assert_close(m.lin.weight.grad.full_tensor(), 2 * x.sum(0).expand(4, 4), rtol=0, atol=0)
     assert isinstance(m.lin.weight, DTensor)  # resharded after the method
+
+
+def test_share_comm_ctx_and_state(one_rank) -> None:
+    """torch's module-level helpers: share_comm_ctx checks its argument as torch's and
+    has no streams to share; fully_shard.state(module) returns the unit's state."""
+    a = th.fully_shard(nn.Linear(2, 2), mesh=one_rank)
+    b = th.fully_shard(nn.Linear(2, 2), mesh=one_rank)
+    th.share_comm_ctx([a, b])
+    with pytest.raises(ValueError, match="Expects list of FSDPModules"):
+        th.share_comm_ctx([a, nn.Linear(2, 2)])
+    state = th.fully_shard.state(a)
+    assert state is a._traceable_hsdp_state and state.is_root
+    assert [fp.fqn for fp in state.param_group.fsdp_params] == ["weight", "bias"]
+    assert th.fully_shard.state(nn.Linear(2, 2)) is None

@@ -5,7 +5,7 @@ A drop-in for ``torch.distributed.fsdp``: ``from traceable_hsdp import fully_sha
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._compile import compiled_autograd, disable_compiled_autograd, enable_compiled_autograd
-from ._fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method
+from ._fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._dump import dump_graphs
 from ._hsdp import hsdp
 
@@ -13,6 +13,7 @@ __all__ = [
     "fully_shard",
     "FSDPModule",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "hsdp",
     "dump_graphs",
     "MixedPrecisionPolicy",

@@ -20,7 +20,7 @@ from ._param_group import FSDPParamGroup
 from ._state import FSDPState
 from .passes import install as _install_passes
 
-__all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
 
 _STATE_ATTR = "_traceable_hsdp_state"
 
@@ -685,6 +685,16 @@ def fully_shard(
     )
 
 
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``, as torch's: the unit's state object, or ``None``
+    for a module fully_shard was not applied to. Its attributes are ours, not torch's
+    (``param_group``, ``training_state``, ``is_root``)."""
+    return _get_state(module)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]
+
+
 def _fully_shard_impl(
     module: nn.Module | list[nn.Module],
     *,
@@ -833,6 +843,20 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return _require_state(self).forward(orig_method, args, kwargs)
 
     setattr(module, method_name, wrapped_method.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """torch's: makes several roots (pipeline-parallel model chunks) share their CUDA
+    streams. Ours has no streams to share: every collective runs on the current stream
+    (see [Note: torch's communication tuning methods]), which the roots already
+    share. It checks its argument as torch's does and changes nothing.
+
+    Raises:
+        ValueError: an entry is not a fully_shard module.
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
 
 
 def _add_fsdp_class(module: nn.Module) -> None:
