@@ -275,6 +275,21 @@ def test_train_clip_one_rank_in_process(one_rank_group: str) -> None:
     assert [s[3] for s in _STEP.findall(out.getvalue())] == [""], out.getvalue()
 
 
+@pytest.mark.parametrize("init, ac", [("cpu", "none"), ("meta", "full"), ("cpu", "selective")])
+def test_train_init_and_ac_one_rank_in_process(one_rank_group: str, init: str, ac: str) -> None:
+    """--init meta (rank 0's weights loaded into shards materialized from meta) and
+    --init cpu give the same weights, and activation checkpointing does not change the
+    numbers: each run equals the one-process reference bitwise (one rank: every
+    collective is a copy; the recompute repeats the same ops)."""
+    cfg = dataclasses.replace(_CLIP_CFG, steps=2, clip=None, init=init, ac=ac)
+    out = io.StringIO()
+    result = train_rank(cfg, torch.device("cpu"), out=out)
+    ref_losses, _ = _reference(cfg, 1)
+    assert result.losses == ref_losses, (result.losses, ref_losses)
+    first = out.getvalue().splitlines()[0]
+    assert f"init on {init}" in first and (ac == "none") == ("checkpointing" not in first), first
+
+
 @pytest.mark.parametrize("losses, norms, message", [
     ([1.0, float("nan")], None, "non-finite loss"),
     ([1.0, 1.0], [0.5, float("inf")], "non-finite gradient norm"),

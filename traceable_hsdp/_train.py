@@ -40,7 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,15 @@ class TrainConfig:
         world_size: ranks to spawn when not under torchrun (default 2).
         replicate: HSDP replicas; 1 is plain FSDP (default 1).
         lr: AdamW learning rate (default 3e-3).
+        ac: activation checkpointing on every block: ``"none"`` (default),
+            ``"full"`` (``checkpoint_wrapper``, then fully_shard, torchtitan's order) or
+            ``"selective"`` (the same with a policy that saves the matmuls). See
+            [Note: Demo initialization and activation checkpointing].
+        init: ``"meta"`` (default): build on the meta device, shard, ``to_empty``,
+            then load the initial weights rank 0 built with
+            ``set_model_state_dict(..., broadcast_from_rank0=True)``; ``"cpu"``:
+            every rank builds the whole model, then shards it. Both give the same
+            weights.
         clip: if set, every step clips the gradients to this total norm with
             ``torch.nn.utils.clip_grad_norm_`` before the optimizer step, and rank 0
             prints the step's norm (default ``None``: no clipping). See
@@ -95,6 +104,8 @@ class TrainConfig:
     world_size: int = 2
     replicate: int = 1
     lr: float = 3e-3
+    ac: Literal["none", "full", "selective"] = "none"
+    init: Literal["meta", "cpu"] = "meta"
     clip: float | None = None
     backend: str = "inductor"
     eager: bool = False
@@ -189,6 +200,70 @@ def _build_mesh(device_type: str, world: int, replicate: int) -> DeviceMesh:
     )
 
 
+# [Note: Demo initialization and activation checkpointing]
+# ``init="meta"`` is FSDP2's flow for models larger than one device: the model is
+# built on the meta device (no memory), sharded, materialized with ``to_empty`` (each
+# rank allocates its shards only) and given its initial values by
+# ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` from a
+# model only rank 0 builds (seeded, so the weights equal ``init="cpu"``'s, where every
+# rank builds the whole model and shards it; the tests compare both with a one-process
+# model). The rotary tables are buffers no state dict holds: recomputed. With ``ac``
+# every block is wrapped in ``checkpoint_wrapper`` before it is sharded (torchtitan's
+# order); ``"selective"`` saves the matmuls' outputs and recomputes the rest.
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _build_sharded(
+    cfg: TrainConfig, model_cfg: Any, mesh: DeviceMesh, device: torch.device, rank: int
+) -> torch.nn.Module:
+    """The demo Llama, sharded; see [Note: Demo initialization and activation
+    checkpointing]."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    import traceable_hsdp
+    from traceable_hsdp.models import Llama
+
+    full_sd: dict[str, torch.Tensor] = {}
+    if cfg.init == "cpu" or rank == 0:
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        full = Llama(model_cfg)
+        full_sd = full.state_dict()
+    if cfg.init == "cpu":
+        model = full.to(device)
+    else:
+        with torch.device("meta"):
+            model = Llama(model_cfg)
+    for i, layer in enumerate(model.layers):
+        if cfg.ac != "none":
+            kw = {}
+            if cfg.ac == "selective":
+                kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            layer = checkpoint_wrapper(layer, **kw)
+            model.layers[i] = layer
+        traceable_hsdp.fully_shard(layer, mesh=mesh)
+    traceable_hsdp.fully_shard(model, mesh=mesh)
+    if cfg.init == "meta":
+        model.to_empty(device=device)
+        model.reset_buffers()
+        # checkpoint_wrapper's state dict hooks keep the unwrapped keys: full_sd fits.
+        set_model_state_dict(
+            model, full_sd,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+    return model
+
+
 def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -216,7 +291,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     from tqdm import tqdm
 
     import traceable_hsdp
-    from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+    from traceable_hsdp.models import LlamaConfig
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -243,9 +318,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
         max_seq_len=cfg.seq_len,
     )
-    model = Llama(model_cfg).to(device)
+    model = _build_sharded(cfg, model_cfg, mesh, device, rank)
     n_params = sum(p.numel() for p in model.parameters())
-    shard_llama(model, traceable_hsdp.fully_shard, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
     mode = "eager" if cfg.eager else f"compiled ({cfg.backend})"
@@ -258,7 +332,9 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         f"traceable-hsdp {command}: Llama {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
         f"{n_params / 1e6:.2f}M params; {layout} on {device.type} "
         f"({dist.get_backend()}); {mode}; batch {cfg.batch_size}/rank x seq {cfg.seq_len}; "
-        f"{cfg.steps} steps" + ("" if cfg.clip is None else f"; clip grad norm {cfg.clip:g}")
+        f"{cfg.steps} steps; init on {cfg.init}"
+        + ("" if cfg.ac == "none" else f"; {cfg.ac} activation checkpointing")
+        + ("" if cfg.clip is None else f"; clip grad norm {cfg.clip:g}")
     )
 
     if cfg.dump_dir is not None and cfg.eager:

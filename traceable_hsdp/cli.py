@@ -107,6 +107,13 @@ def _add_job_arguments(p: argparse.ArgumentParser, *, steps: int | None, eager: 
                       help="optimizer steps (default %(default)s)")
     data.add_argument("--lr", type=_positive_float, default=d.lr,
                       help="AdamW learning rate (default %(default)s)")
+    data.add_argument("--ac", choices=("none", "full", "selective"), default=d.ac,
+                      help="activation checkpointing on every block: full, or selective "
+                           "(saves the matmuls, recomputes the rest) (default: none)")
+    data.add_argument("--init", choices=("meta", "cpu"), default=d.init,
+                      help="meta: build on the meta device, shard, materialize the shards "
+                           "and load rank 0's initial weights; cpu: every rank builds the "
+                           "whole model first (same weights) (default: meta)")
     data.add_argument("--clip", type=_positive_float, default=d.clip, metavar="MAX_NORM",
                       help="clip the total gradient norm to MAX_NORM every step "
                            "(torch.nn.utils.clip_grad_norm_) and print each step's norm "
@@ -172,7 +179,8 @@ def _train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return TrainConfig(
         layers=args.layers, dim=args.dim, heads=args.heads, seq_len=args.seq_len,
         batch_size=args.batch_size, steps=args.steps, world_size=world,
-        replicate=args.replicate, lr=args.lr, clip=args.clip, backend=args.backend,
+        replicate=args.replicate, lr=args.lr, ac=args.ac, init=args.init, clip=args.clip,
+        backend=args.backend,
         eager=args.eager, seed=args.seed, progress=not args.no_progress,
     )
 

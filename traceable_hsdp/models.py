@@ -150,6 +150,15 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recomputes the rotary tables in place, on their device: after
+        ``to_empty()`` from the meta device they hold garbage, and no state dict
+        holds them (non-persistent)."""
+        cos, sin = _rotary_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
