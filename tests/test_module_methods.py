@@ -284,9 +284,11 @@ def test_all_reduce_hook_compiled_2_ranks() -> None:
         n_params = 2 * 4 + 2  # two blocks of two linears, the head
         (fwd,), (bwd,) = r["fwd_counts"], r["bwd_counts"]
         assert "all_reduce" not in fwd, fwd
-        # One reduce-scatter (over the size-1 shard group) and one hook all-reduce
-        # per parameter, in the backward graph.
-        assert bwd["reduce_scatter_tensor"] == n_params and bwd["all_reduce"] == n_params, bwd
+        # No collective over the size-1 shard group (see [Note: Groups of one rank]
+        # in _collectives.py), and one hook all-reduce per parameter, in the
+        # backward graph.
+        assert "reduce_scatter_tensor" not in bwd and "all_gather_into_tensor" not in fwd, (fwd, bwd)
+        assert bwd["all_reduce"] == n_params, bwd
         assert r["bytes_after_bwd"] == [0, 0, 0]
 
 
