@@ -10,6 +10,11 @@ it in place and does nothing when nothing matches:
 - :func:`overlap`: each all-gather is issued one unit early (before the previous
   unit's compute), each reduce-scatter waited for just before the next one.
 
+and one pass over AOTAutograd joint graphs (any backend), not switchable:
+
+- :func:`save_checkpoint_outputs`: what leaves an activation-checkpoint region is
+  saved for backward, not recomputed before the unit's re-gather.
+
 :func:`install` (called by ``fully_shard``) runs them on every graph Inductor
 compiles, configured by ``traceable_hsdp.passes.config`` (a :class:`PassConfig`, from
 the environment variables ``TRACEABLE_HSDP_PASSES`` and
@@ -23,6 +28,7 @@ from typing import Any
 
 from ._install import (
     PassConfig,
+    TraceableHSDPJointPass,
     TraceableHSDPPass,
     get_config,
     install,
@@ -33,9 +39,11 @@ from ._install import (
 from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
+from .save_checkpoint_outputs import save_checkpoint_outputs
 
 __all__ = [
     "PassConfig",
+    "TraceableHSDPJointPass",
     "TraceableHSDPPass",
     "bucket_all_gathers",
     "bucket_reduce_scatters",
@@ -45,6 +53,7 @@ __all__ = [
     "overlap",
     "remove_resize_copy",
     "run_passes",
+    "save_checkpoint_outputs",
     "set_config",
     "uninstall",
 ]

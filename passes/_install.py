@@ -17,6 +17,15 @@ gets the passes without any user code.
 - Cache-safe: ``uuid()`` hashes every ``passes/*.py`` source together with the
   current :class:`PassConfig`, so a changed pass or configuration misses the cache.
 
+:func:`install` also sets ``torch._functorch.config.joint_custom_pass`` to a
+:class:`TraceableHSDPJointPass`, which runs :func:`save_checkpoint_outputs` on every
+AOTAutograd joint graph before it is partitioned, for every backend (aot_eager too):
+it is a correctness fix for activation checkpointing, not an optimisation, so
+:class:`PassConfig` does not switch it (see [Note: Checkpoint outputs are saved]).
+A joint pass already set there runs first, then ours. It changes graphs with a
+``BackwardState`` input only, and those bypass AOTAutograd's cache (whose key
+ignores ``joint_custom_pass``), so no cached graph is ever partitioned without it.
+
 [Note: Pass configuration]
 ``traceable_hsdp.passes.config`` is the :class:`PassConfig` in effect, read when a
 graph is compiled (so it may change between compiles; the cache key follows). Its
@@ -45,6 +54,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
@@ -52,9 +62,11 @@ from torch._inductor import custom_graph_pass as _cgp
 from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
+from .save_checkpoint_outputs import save_checkpoint_outputs
 
 __all__ = [
     "PassConfig",
+    "TraceableHSDPJointPass",
     "TraceableHSDPPass",
     "get_config",
     "set_config",
@@ -269,6 +281,26 @@ class TraceableHSDPPass(_InferenceAwareBase):  # type: ignore[misc, valid-type]
         return _cgp.get_hash_for_files(_sources(), extra)
 
 
+class TraceableHSDPJointPass:
+    """The ``joint_custom_pass`` :func:`install` sets: the pass that was there
+    (``user_pass``), if any, then :func:`save_checkpoint_outputs`. See
+    [Note: Installing the passes].
+
+    Args:
+        user_pass: what ``torch._functorch.config.joint_custom_pass`` held before
+            (default ``None``): a callable ``(joint_gm, joint_inputs) -> joint_gm``.
+    """
+
+    def __init__(self, user_pass: Any = None) -> None:
+        self.user_pass = user_pass
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
+        if callable(self.user_pass):
+            gm = self.user_pass(gm, joint_inputs)
+        save_checkpoint_outputs(gm)
+        return gm
+
+
 def _is_ours(value: object) -> bool:
     if isinstance(value, TraceableHSDPPass):
         return True
@@ -276,9 +308,10 @@ def _is_ours(value: object) -> bool:
 
 
 def install(config: PassConfig | None = None) -> None:
-    """Makes Inductor run the passes on every post-grad graph. Idempotent; keeps and
-    runs a user's ``post_grad_custom_pre_pass`` after ours. See [Note: Installing the
-    passes].
+    """Makes Inductor run the passes on every post-grad graph, and AOTAutograd run
+    :func:`save_checkpoint_outputs` on every joint graph. Idempotent; keeps and runs a
+    user's ``post_grad_custom_pre_pass`` after ours (a user's ``joint_custom_pass``
+    before ours). See [Note: Installing the passes].
 
     Args:
         config: if given, :func:`set_config` it first (default ``None``: keep).
@@ -288,6 +321,10 @@ def install(config: PassConfig | None = None) -> None:
     """
     if config is not None:
         set_config(config)
+    if not isinstance(functorch_config.joint_custom_pass, TraceableHSDPJointPass):
+        functorch_config.joint_custom_pass = TraceableHSDPJointPass(
+            functorch_config.joint_custom_pass
+        )
     if get_config().overlap and inductor_config.reorder_for_peak_memory:
         # See [Note: Overlap and Inductor's scheduler] (overlap.py): with it on,
         # Inductor puts every wait back next to its collective.
@@ -301,9 +338,12 @@ def install(config: PassConfig | None = None) -> None:
 
 
 def uninstall() -> None:
-    """Puts back what ``post_grad_custom_pre_pass`` held before :func:`install`.
-    Does nothing if ours is not installed there."""
+    """Puts back what ``post_grad_custom_pre_pass`` and ``joint_custom_pass`` held
+    before :func:`install`. Does nothing where ours is not installed."""
     current = inductor_config.post_grad_custom_pre_pass
     if isinstance(current, TraceableHSDPPass):
         inductor_config.post_grad_custom_pre_pass = current.user_pass
+    joint = functorch_config.joint_custom_pass
+    if isinstance(joint, TraceableHSDPJointPass):
+        functorch_config.joint_custom_pass = joint.user_pass
 

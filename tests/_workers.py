@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp as th
@@ -117,6 +118,7 @@ def parity_worker(
     # This rank's slice of the global batch: ranks are laid out (replicate, shard) in
     # row-major order, so the global rank is the data-parallel index.
     rec = GraphRecorder()
+    counters.clear()
     if mode == "compiled":
         th.enable_compiled_autograd(backend=rec)
         fwd = torch.compile(model, backend=rec, fullgraph=True)
@@ -170,4 +172,5 @@ def parity_worker(
         pf_bytes_after_fwd=pf_bytes_after_fwd,
         pf_bytes_after_bwd=pf_bytes_after_bwd,
         placements={k: tuple(str(p) for p in v.placements) for k, v in model.state_dict().items()},
+        graph_breaks={k.splitlines()[0]: v for k, v in counters["graph_break"].items()},
     )

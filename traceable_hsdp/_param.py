@@ -104,6 +104,22 @@ gradient on the CPU: the all-gather input is copied to the mesh's device first, 
 the reduced gradient shard is copied back. The placeholder lives on the device.
 With ``pin_memory=True`` the CPU shard is pinned when an accelerator is present
 (pinning needs one; on a CPU-only machine it is skipped).
+
+[Note: The forward reads the local shard, not the DTensor]
+The all-gather input is read from the sharded parameter's ``_local_tensor`` (a plain
+tensor that does not require grad and shares the DTensor's storage, so optimizer
+steps and in-place loads are seen), not through ``to_local()``. Through the DTensor,
+the sharded parameter, a leaf that requires grad, becomes an input of the compiled
+forward: AOTAutograd's autograd node gets an edge to its AccumulateGrad, and compiled
+autograd lifts the DTensor as an input of the backward graph. Lifting fakeifies it
+(``DTensor.__tensor_unflatten__``, from ``begin_capture`` -> ``wrap_fake`` in
+``torch/_dynamo/compiled_autograd.py``) in Python while the whole step's
+``torch.compile`` is active, so dynamo compiles that frame on its own and
+graph-breaks on ``DTensor(local, spec, requires_grad)`` ("Failed to convert
+args/kwargs to proxy", twice per step compiled whole). Through ``_local_tensor`` the
+forward graph has no DTensor input and no gradient edge to the sharded parameter
+(none is needed: the post-accumulate-grad hook sets its gradient). torch's FSDP2
+gathers from the local tensor too.
 """
 
 from __future__ import annotations
@@ -254,7 +270,8 @@ class FSDPParam:
     def all_gather_input(self) -> torch.Tensor:
         """This rank's shard in ``param_dtype`` on the compute device, with the shard
         dim moved first and padded to ``chunk_rows`` rows (ND)."""
-        local = self.sharded_param.to_local()
+        # See [Note: The forward reads the local shard, not the DTensor].
+        local = self.sharded_param._local_tensor
         if local.device != self.device:  # CPU offload: copy in for the gather
             local = local.to(self.device, non_blocking=True)
         local = local.to(self.dtype)

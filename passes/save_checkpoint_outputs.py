@@ -1,0 +1,162 @@
+"""Save what leaves an activation-checkpoint region, in graphs whose backward runs hooks.
+
+[Note: Checkpoint outputs are saved]
+Compiled, ``torch.utils.checkpoint`` (and ``checkpoint_wrapper``, and selective
+checkpointing) is traced by dynamo as the ``tag_activation_checkpoint`` higher-order
+op: every op inside the region carries ``meta["recompute"]`` (``PREFER_RECOMPUTE``
+unless a policy says otherwise) and AOTAutograd's partitioner recomputes those ops in
+the backward graph instead of saving them. It recomputes the region's *output* too:
+a ``*_RECOMPUTE`` node is never saved (``solve_min_cut`` in
+``torch/_functorch/partitioners.py`` ties it to the backward side). Eager
+checkpointing differs: the region's output is an ordinary tensor, saved by whatever
+op outside the region needs it.
+
+With fully_shard that difference is fatal. A unit whose forward is checkpointed
+(``fully_shard(checkpoint_wrapper(block))``) returns the region's output ``y``, and
+the unit's re-gather is a hook on ``y``'s gradient. When an op after the unit needs
+``y`` for its own backward (the final norm after the last block), the partitioner
+schedules the region's recompute for that op, which runs *before* ``y``'s gradient
+exists, so before the hook that re-gathers the unit's parameters: the recompute reads
+placeholders whose storage is 0 bytes (aot_eager: SIGSEGV; seen with HF Llama and
+with ``traceable_hsdp.models.Llama``). Before the pass, backward graph order (the
+hook and its re-gather inlined by compiled autograd)::
+
+    out_norm_bwd needs y
+    mm  = mm(x, permute(wq, [1, 0]))          # recompute of the region: wq is 0 bytes
+    ...
+    y_grad = norm_backward(...)
+    call_hook(y_grad)                         # all_gather, resize wq, fsdp.copy_(wq, ..)
+
+After: ``y`` is saved by the forward, the norm's backward reads it, and the region's
+recompute is needed only by the region's own backward, which consumes the hook's
+output, so it comes after the re-gather::
+
+    y_grad = norm_backward(y, ...)
+    call_hook(y_grad)                         # re-gather fills wq
+    mm  = mm(x, permute(wq, [1, 0]))          # recompute reads the gathered wq
+
+torch knows this cycle: ``cleanup_recompute_tags`` marks a region output
+``MUST_SAVE`` when dynamo set ``meta["has_backward_hook"]`` on it. On torch 2.13
+dynamo sets that on the ``getitem`` of the higher-order op's result, which produces
+no ATen node, so the mark never reaches the joint graph. This pass does the same
+thing structurally: in a joint graph whose backward runs compiled-autograd hooks (a
+``BackwardState`` input), every forward node of a checkpoint region with a forward
+user outside its region (another region, a plain op, or the graph output) becomes
+``MUST_SAVE``. That is eager checkpointing's contract (what leaves a region is kept
+if needed; what stays inside is recomputed); region boundaries between two regions
+were already kept by torch's ``cleanup_recompute_tags``. A region output that no
+backward needs is still not saved (``MUST_SAVE`` forbids recomputing, it does not
+add outputs). Graphs without compiled-autograd hooks are left alone.
+
+It is a joint-graph pass, run on every AOTAutograd partition whatever the backend
+(aot_eager too), through ``torch._functorch.config.joint_custom_pass``; see
+[Note: Installing the passes] in ``_install.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+from torch import fx
+from torch.fx.experimental._backward_state import BackwardState
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ._predicates import is_view, tensor_val
+
+log = logging.getLogger(__name__)
+
+_RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def is_recomputed(node: fx.Node) -> bool:
+    """A node the checkpoint tags for recomputation (``*_RECOMPUTE``)."""
+    return node.meta.get("recompute") in _RECOMPUTE
+
+
+def is_forward(node: fx.Node) -> bool:
+    """A node of the forward part of a joint graph (AOTAutograd tags both parts)."""
+    return node.meta.get("partitioner_tag") == "is_forward"
+
+
+def has_backward_state(graph: fx.Graph) -> bool:
+    """Whether the graph takes a ``BackwardState``: hooks that dynamo deferred to
+    compiled autograd run in its backward."""
+    return any(
+        isinstance(n.meta.get("val"), BackwardState) for n in graph.find_nodes(op="placeholder")
+    )
+
+
+def _is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _leaves_region(node: fx.Node, region: object) -> bool:
+    """Whether a forward user of ``node`` lies outside checkpoint region ``region``
+    (any op of another region or of none, or the graph output; untagged ``getitem``s
+    are looked through)."""
+    for user in node.users:
+        if user.op == "output":
+            return True
+        if user.op != "call_function" or not is_forward(user):
+            continue
+        if region is not None and user.meta.get("ac_graph_id") == region:
+            continue  # inside, whatever its policy (selective checkpointing saves some)
+        if _is_getitem(user) and "recompute" not in user.meta:
+            if _leaves_region(user, region):
+                return True
+            continue
+        return True
+    return False
+
+
+def _to_save(node: fx.Node) -> list[fx.Node]:
+    """The nodes to mark so that ``node`` is available to the backward without
+    recomputing its region. A view is never saved (the partitioner recomputes views,
+    and cannot ban them), so its recomputed base is; a multi-output op's outputs are
+    saved through its ``getitem``s, and the op itself must not be recomputed."""
+    base = node
+    while is_view(base) and isinstance(base.args[0], fx.Node) and is_recomputed(base.args[0]):
+        base = base.args[0]
+    if is_view(base):
+        return []  # a view of something outside the region: nothing recomputed to keep
+    parent = base.args[0] if _is_getitem(base) else None
+    if isinstance(parent, fx.Node) and is_recomputed(parent):
+        return [parent, *(u for u in parent.users if _is_getitem(u))]
+    return [base]
+
+
+def save_checkpoint_outputs(gm: fx.GraphModule) -> int:
+    """Marks ``MUST_SAVE`` what leaves each activation-checkpoint region of the
+    forward (read by a forward node outside the region), when ``gm`` (a joint graph)
+    has compiled-autograd hooks. See [Note: Checkpoint outputs are saved]. Changes
+    node metadata only.
+
+    Args:
+        gm: an AOTAutograd joint graph (forward and backward, before partitioning).
+
+    Returns:
+        How many region outputs were found (each marked with what it needs).
+    """
+    graph = gm.graph
+    if not has_backward_state(graph):
+        return 0
+    outputs = [
+        node
+        for node in graph.nodes
+        if node.op == "call_function"
+        and is_recomputed(node)
+        and is_forward(node)
+        and tensor_val(node) is not None  # a multi-output op: its getitems are looked at
+        and _leaves_region(node, node.meta.get("ac_graph_id"))
+    ]
+    for node in outputs:
+        for target in _to_save(node):
+            target.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    if outputs:
+        log.info(
+            "save_checkpoint_outputs: %d checkpoint-region outputs saved: %s",
+            len(outputs),
+            ", ".join(n.name for n in outputs),
+        )
+    return len(outputs)

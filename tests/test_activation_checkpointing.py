@@ -1,0 +1,325 @@
+"""Activation checkpointing with a compiled step: the joint-graph pass that keeps what
+leaves a checkpoint region (see [Note: Checkpoint outputs are saved] in
+``passes/save_checkpoint_outputs.py``), in three tiers.
+
+1. The pass on hand-built joint graphs: which nodes it marks ``MUST_SAVE``.
+2. A tiny compile (no processes): checkpoint + a compiled-autograd hook on the
+   region's output; the forward saves the output and the backward runs the hook
+   before the region's recompute. Plus a pin of a torch bug we work around.
+3. Two gloo ranks, ``traceable_hsdp.models.Llama`` with ``checkpoint_wrapper`` on
+   every block (and selective / inner checkpointing), whole step compiled and plain
+   loop: parity with the eager run without checkpointing, graph contents, saved
+   activation bytes, recompiles. See the tolerance note on the test.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental._backward_state import BackwardState
+from torch.utils.checkpoint import CheckpointPolicy
+
+import traceable_hsdp.passes as passes
+from traceable_hsdp.passes import save_checkpoint_outputs
+
+aten = torch.ops.aten
+RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+SAVE = CheckpointPolicy.MUST_SAVE
+
+
+# --------------------------------------------------------------------- tier 1
+class _Joint:
+    """A joint graph built by hand: fake values, AOTAutograd's forward/backward tags
+    and the checkpoint's ``recompute`` / ``ac_graph_id`` metadata."""
+
+    def __init__(self, backward_state: bool = True) -> None:
+        self.graph = fx.Graph()
+        self.mode = FakeTensorMode()
+        self.x = self.input("primals_1", 4, 8)
+        self.w = self.input("primals_2", 8, 8)
+        if backward_state:
+            bw = self.graph.placeholder("primals_3")
+            bw.meta["val"] = BackwardState()
+            bw.meta["partitioner_tag"] = "is_forward"
+        self.tangent = self.input("tangents_1", 4, 8, tag="is_backward")
+
+    def input(self, name: str, *shape: int, tag: str = "is_forward") -> fx.Node:
+        node = self.graph.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty(shape)
+        node.meta["partitioner_tag"] = tag
+        return node
+
+    def op(self, target: Any, *args: Any, region: int | None = None,
+           policy: CheckpointPolicy = RECOMPUTE, bw: bool = False) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        vals = fx.node.map_arg(args, lambda a: a.meta["val"])
+        with self.mode:
+            node.meta["val"] = target(*vals)
+        node.meta["partitioner_tag"] = "is_backward" if bw else "is_forward"
+        if region is not None:
+            node.meta["recompute"] = policy
+            node.meta["ac_graph_id"] = region
+        return node
+
+    def done(self, *outputs: fx.Node) -> fx.GraphModule:
+        self.graph.output(tuple(outputs))
+        return fx.GraphModule(torch.nn.Module(), self.graph)
+
+
+def _policies(gm: fx.GraphModule) -> dict[str, CheckpointPolicy | None]:
+    return {n.name: n.meta.get("recompute") for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def _block(j: _Joint, x: fx.Node, region: int) -> tuple[fx.Node, fx.Node, fx.Node]:
+    t = j.op(aten.permute.default, j.w, [1, 0], region=region)
+    mm = j.op(aten.mm.default, x, t, region=region)
+    return t, mm, j.op(aten.relu.default, mm, region=region)
+
+
+@pytest.mark.parametrize("backward_state", [True, False])
+def test_save_checkpoint_outputs_marks_the_region_output(backward_state: bool) -> None:
+    """Region (permute, mm, relu) read by a plain op (sin) and by backward nodes:
+    relu is saved, the rest stays recomputed; nothing changes without compiled-autograd
+    hooks (no BackwardState input)."""
+    j = _Joint(backward_state)
+    t, mm, relu = _block(j, j.x, 1)
+    s = j.op(aten.sin.default, relu)
+    grad = j.op(aten.mul.Tensor, j.tangent, j.op(aten.cos.default, relu, bw=True), bw=True)
+    gm = j.done(j.op(aten.sum.default, s), grad)
+    before = _policies(gm)
+    n = save_checkpoint_outputs(gm)
+    after = _policies(gm)
+    if not backward_state:
+        assert n == 0 and after == before
+        return
+    assert n == 1
+    assert after == {**before, relu.name: SAVE}
+    assert after[mm.name] is RECOMPUTE and after[t.name] is RECOMPUTE
+    assert save_checkpoint_outputs(gm) == 0  # idempotent: nothing left to mark
+
+
+def test_save_checkpoint_outputs_only_backward_users_is_no_output() -> None:
+    """A region value read only by backward nodes (its own gradient formula) stays
+    recomputed: that is what checkpointing is for."""
+    j = _Joint()
+    _, mm, relu = _block(j, j.x, 1)
+    grad = j.op(aten.threshold_backward.default, j.tangent, relu, 0.0, bw=True)
+    gm = j.done(j.op(aten.sum.default, j.x), grad)
+    assert save_checkpoint_outputs(gm) == 0
+    assert _policies(gm)[relu.name] is RECOMPUTE
+
+
+def test_save_checkpoint_outputs_consecutive_regions_and_graph_output() -> None:
+    """Region 1's output feeds region 2; region 2's output is a graph output: both
+    saved; the ops inside stay recomputed."""
+    j = _Joint()
+    _, mm1, relu1 = _block(j, j.x, 1)
+    _, mm2, relu2 = _block(j, relu1, 2)
+    gm = j.done(relu2)
+    assert save_checkpoint_outputs(gm) == 2
+    p = _policies(gm)
+    assert p[relu1.name] is SAVE and p[relu2.name] is SAVE
+    assert p[mm1.name] is RECOMPUTE and p[mm2.name] is RECOMPUTE
+
+
+def test_save_checkpoint_outputs_view_output_saves_its_base() -> None:
+    """The partitioner never bans a view from recomputation: the region's last
+    non-view node is saved instead, the view recomputed from it."""
+    j = _Joint()
+    _, _, relu = _block(j, j.x, 1)
+    v = j.op(aten.view.default, relu, [32], region=1)
+    gm = j.done(j.op(aten.sin.default, v))
+    assert save_checkpoint_outputs(gm) == 1
+    p = _policies(gm)
+    assert p[relu.name] is SAVE and p[v.name] is RECOMPUTE
+
+
+def test_save_checkpoint_outputs_multi_output_op() -> None:
+    """A region ending in a multi-output op (layer norm): the op and all its getitems
+    are saved-not-recomputed (the tuple itself cannot be saved, a getitem cannot be
+    banned)."""
+    j = _Joint()
+    _, _, relu = _block(j, j.x, 1)
+    ln = j.op(aten.native_layer_norm.default, relu, [8], None, None, 1e-5, region=1)
+    outs = [j.op(operator.getitem, ln, i, region=1) for i in range(3)]
+    gm = j.done(j.op(aten.sin.default, outs[0]))
+    assert save_checkpoint_outputs(gm) == 1
+    p = _policies(gm)
+    assert p[ln.name] is SAVE and all(p[o.name] is SAVE for o in outs)
+    assert p[relu.name] is RECOMPUTE
+
+
+def test_save_checkpoint_outputs_selective_policy_is_inside() -> None:
+    """Selective checkpointing: an op the policy saves is still inside its region, so
+    what only it reads is no region output."""
+    j = _Joint()
+    _, mm, relu = _block(j, j.x, 1)
+    mm.meta["recompute"] = SAVE  # the policy saves matmuls
+    mm2 = j.op(aten.mm.default, relu, j.w, region=1, policy=SAVE)
+    out = j.op(aten.mul.Tensor, mm2, 2.0, region=1)
+    gm = j.done(j.op(aten.sin.default, out))
+    assert save_checkpoint_outputs(gm) == 1
+    p = _policies(gm)
+    assert p[out.name] is SAVE and p[relu.name] is RECOMPUTE
+
+
+@pytest.fixture
+def restore_joint_pass():
+    import torch._functorch.config as fc
+
+    saved = fc.joint_custom_pass
+    yield fc
+    fc.joint_custom_pass = saved
+
+
+def test_install_sets_the_joint_pass_and_composes(restore_joint_pass) -> None:
+    fc = restore_joint_pass
+    seen: list[int] = []
+
+    def user(gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
+        seen.append(sum(1 for n in gm.graph.nodes if n.meta.get("recompute") is SAVE))
+        return gm
+
+    fc.joint_custom_pass = user
+    passes.install()
+    installed = fc.joint_custom_pass
+    assert isinstance(installed, passes.TraceableHSDPJointPass) and installed.user_pass is user
+    passes.install()
+    assert fc.joint_custom_pass is installed  # idempotent
+    j = _Joint()
+    _, _, relu = _block(j, j.x, 1)
+    gm = j.done(j.op(aten.sin.default, relu))
+    assert installed(gm, None) is gm
+    assert seen == [0]  # the user's pass ran first
+    assert _policies(gm)[relu.name] is SAVE
+    passes.uninstall()
+    assert fc.joint_custom_pass is user
+
+
+# --------------------------------------------------------------------- tier 2
+def test_compiled_checkpoint_output_saved_and_hook_before_recompute(restore_joint_pass) -> None:
+    """A real joint graph: checkpoint(relu(linear) * 2), a hook on its output (deferred
+    to compiled autograd), a layer norm after it. With the pass the forward saves the
+    region's output and the backward's hook call precedes the recomputed addmm;
+    without it the addmm comes first (the order that reads a freed placeholder under
+    fully_shard)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import checkpoint
+
+    def run(with_pass: bool) -> tuple[list[str], list[str]]:
+        restore_joint_pass.joint_custom_pass = (
+            passes.TraceableHSDPJointPass() if with_pass else None
+        )
+        seen: dict[str, list[str]] = {}
+
+        def partition(joint: fx.GraphModule, inputs: Any, **kw: Any) -> Any:
+            fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
+            out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+            seen["saved"] = [n.name for n in out[kw["num_fwd_outputs"]:] if n.op != "placeholder"]
+            seen["bw"] = [
+                "HOOK" if "_trace_wrapped" in getattr(n.target, "__module__", "") else str(n.target)
+                for n in bw.graph.nodes
+                if n.op == "call_function"
+            ]
+            return fw, bw
+
+        backend = aot_autograd(
+            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+            keep_inference_input_mutations=True,
+        )
+        torch.manual_seed(0)
+        lin, norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            y = checkpoint(lambda t: torch.relu(lin(t)) * 2, x, use_reentrant=False)
+            y.register_hook(lambda g: g)
+            loss = norm(y).sum()
+            loss.backward()
+            return loss
+
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(step, backend=backend)(torch.randn(4, 8, requires_grad=True))
+        return seen["saved"], seen["bw"]
+
+    saved, bw = run(with_pass=True)
+    assert "mul" in saved, saved
+    assert bw.index("HOOK") < bw.index("aten.addmm.default"), bw
+    saved, bw = run(with_pass=False)  # the control: torch 2.13 alone
+    assert "mul" not in saved, saved
+    assert bw.index("aten.addmm.default") < bw.index("HOOK"), bw
+    torch._dynamo.reset()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AttributeError,
+    reason="torch 2.13 compiled autograd: a tensor hook on an output whose gradient is "
+    "undefined is recorded as call_hook(hook, None); reorder_tensor_pre_hook_nodes "
+    "(torch/_dynamo/compiled_autograd.py) then calls is_placeholder(None). Eager "
+    "autograd calls the hook with None. Strict: tells us when torch fixes it.",
+)
+def test_torch_compiled_autograd_hook_on_unused_output() -> None:
+    from torch._dynamo import compiled_autograd
+
+    x = torch.randn(4, requires_grad=True)
+    a, b = torch.ops.aten.split.Tensor(x * 1.0, 2)  # one SplitBackward, two outputs
+    a.register_hook(lambda g: g)  # `a` is never used: its gradient is undefined
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        b.sum().backward()
+
+
+# --------------------------------------------------------------------- tier 3
+VARIANTS = [
+    ("none", "eager"),
+    ("none", "step"),
+    ("wrapper", "step"),
+    ("wrapper", "loop"),
+    ("sac", "loop"),
+    ("inner", "step"),
+]
+
+
+@pytest.mark.slow
+def test_checkpointed_llama_compiled_2_ranks() -> None:
+    """Each checkpointed variant, compiled (aot_eager), against our eager run without
+    checkpointing on the same data: losses and final parameters within 1e-6 (seen:
+    bitwise; recomputation repeats the same ops on the same inputs, but the compiled
+    graphs may order reductions differently, so the check is tolerant). Every
+    backward graph holds the re-gathers and reduce-scatters and reads no placeholder
+    before refilling it; the forward graph saves fewer activation bytes than the
+    compiled run without checkpointing; no graph is compiled after step 1."""
+    from _ac_workers import ac_worker
+    from _dist import run_ranks
+    from _workers import CFG
+
+    n_params = 2 + 9 * CFG.n_layers + 1
+    r = run_ranks(ac_worker, 2, VARIANTS)[0]
+    ref = r["none/eager"]
+    base = r["none/step"]
+    for name, run in r.items():
+        if name == "none/eager":
+            continue
+        torch.testing.assert_close(run["losses"], ref["losses"], rtol=0, atol=1e-6, msg=name)
+        assert run["params"].keys() == ref["params"].keys()
+        for k, v in ref["params"].items():
+            torch.testing.assert_close(run["params"][k], v, rtol=0, atol=1e-6, msg=f"{name} {k}")
+        assert run["graphs"] == [run["graphs"][0]] * len(run["graphs"]), (name, run["graphs"])
+        fwd, bwd = run["forward"][0], run["backward"][0]
+        assert len(run["backward"]) == 1, name
+        assert fwd["all_gather"] == n_params and bwd["all_gather"] == n_params, (name, fwd, bwd)
+        assert bwd["reduce_scatter"] == n_params, (name, bwd)
+        assert bwd["early_reads"] == [], (name, bwd["early_reads"])
+        if name != "none/step":
+            assert fwd["saved_bytes"] < base["forward"][0]["saved_bytes"], (name, fwd, base["forward"][0])
+        if name.split("/")[0] in ("wrapper", "inner"):
+            # Their matmuls are recomputed in the backward (the policy of "sac" saves them).
+            assert bwd["mm"] > base["backward"][0]["mm"], (name, bwd, base["backward"][0])
