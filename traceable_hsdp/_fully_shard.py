@@ -748,8 +748,11 @@ def _fully_shard_impl(
             )
         if isinstance(p, torch.distributed.tensor.DTensor):
             raise ValueError(
-                f"Parameter {fqn!r} is already a DTensor; composing fully_shard with "
-                "tensor parallelism is not supported."
+                f"Parameter {fqn!r} is already a DTensor (placements {p.placements}, "
+                "e.g. from parallelize_module): traceable_hsdp does not yet compose "
+                "fully_shard with tensor parallelism. For an FSDP x TP model use "
+                "torch.distributed.fsdp.fully_shard for now, or apply traceable_hsdp's "
+                "fully_shard to a model without parallelize_module. See docs/api.md."
             )
     fsdp_params = [
         FSDPParam(
