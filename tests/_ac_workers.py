@@ -30,7 +30,7 @@ from traceable_hsdp.passes._predicates import (
     is_resize,
     is_view,
 )
-from _workers import CFG, LR, STEPS, _data, _loss, _mean_over_ranks
+from _workers import CFG, LR, STEPS, _data, _loss, _mean_over_ranks, compile_for
 
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -136,18 +136,7 @@ def _run(rank: int, world: int, kind: str, mode: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rec = ACRecorder()
     torch._dynamo.reset()
-    if mode == "loop":
-        th.enable_compiled_autograd(backend=rec)
-        fwd = torch.compile(model, backend=rec, fullgraph=True)
-    elif mode == "step":
-        torch._dynamo.config.compiled_autograd = True
-
-        def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = _loss(model(x), y)
-            loss.backward()
-            return loss.detach()
-
-        compiled_step = torch.compile(step_fn, backend=rec)
+    fwd, compiled_step = compile_for(model, mode, rec)
     losses, graphs = [], []
     try:
         for x, y in _data(world, STEPS):
@@ -155,7 +144,7 @@ def _run(rank: int, world: int, kind: str, mode: str) -> dict[str, Any]:
             if mode == "step":
                 loss = compiled_step(xs, ys)
             else:
-                loss = _loss((fwd if mode == "loop" else model)(xs), ys)
+                loss = _loss(fwd(xs), ys)
                 loss.backward()
             graphs.append((len(rec.forward), len(rec.backward)))
             opt.step()

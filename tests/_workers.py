@@ -102,6 +102,27 @@ def _post_forward_bytes(model: torch.nn.Module) -> int:
     )
 
 
+def compile_for(model: torch.nn.Module, how: str, backend: Any) -> tuple[Any, Any]:
+    """The two ways in (docs/compile.md): ``how="loop"`` turns compiled autograd on
+    and returns ``(torch.compile(model, fullgraph=True), None)``; ``how="step"`` sets
+    ``compiled_autograd = True`` and returns ``(model, compiled step(x, y) -> loss)``,
+    forward, loss and backward in one compiled function. Anything else: ``(model,
+    None)``, eager."""
+    if how == "loop":
+        th.enable_compiled_autograd(backend=backend)
+        return torch.compile(model, backend=backend, fullgraph=True), None
+    if how == "step":
+        torch._dynamo.config.compiled_autograd = True
+
+        def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = _loss(model(x), y)
+            loss.backward()
+            return loss.detach()
+
+        return model, torch.compile(step_fn, backend=backend)
+    return model, None
+
+
 def parity_worker(
     rank: int, world: int, mesh_shape: tuple[int, ...], mode: str, raf: bool | int = True
 ) -> dict[str, Any]:
@@ -119,18 +140,7 @@ def parity_worker(
     # row-major order, so the global rank is the data-parallel index.
     rec = GraphRecorder()
     counters.clear()
-    if mode == "compiled":
-        th.enable_compiled_autograd(backend=rec)
-        fwd = torch.compile(model, backend=rec, fullgraph=True)
-    elif mode == "compiled_step":
-        torch._dynamo.config.compiled_autograd = True
-
-        def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = _loss(model(x), y)
-            loss.backward()
-            return loss.detach()
-
-        compiled_step = torch.compile(step_fn, backend=rec)
+    fwd, compiled_step = compile_for(model, {"compiled": "loop", "compiled_step": "step"}.get(mode, ""), rec)
     losses, bytes_after_fwd, bytes_after_bwd, graphs_after_step = [], [], [], []
     pf_bytes_after_fwd, pf_bytes_after_bwd = [], []
     for x, y in _data(world, STEPS):
@@ -140,7 +150,7 @@ def parity_worker(
             loss = compiled_step(xs, ys)
             bytes_after_fwd.append(None)
         else:
-            out = (fwd if mode == "compiled" else model)(xs)
+            out = fwd(xs)
             bytes_after_fwd.append(_placeholder_bytes(model))
             pf_bytes_after_fwd.append(_post_forward_bytes(model))
             loss = _loss(out, ys)
