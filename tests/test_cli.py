@@ -315,7 +315,7 @@ def test_train_clip_eager_console_script() -> None:
     losses, out = _run_train("--eager", "--steps", "3", "--layers", "2", "--dim", "32",
                              "--clip", "0.1")
     _assert_trains(losses, 3, out)
-    assert "eager; batch 4/rank x seq 64; 3 steps; clip grad norm 0.1" in out, out
+    assert "eager; batch 4/rank x seq 64; 3 steps; init on meta; clip grad norm 0.1" in out, out
     norms = [float(s[3]) for s in _STEP.findall(out)]
     ref_losses, ref_norms = _reference(cfg, 2)
     assert norms == pytest.approx(ref_norms, rel=1e-3), (norms, ref_norms)
