@@ -3,14 +3,18 @@
 
     python benchmarks/compile_time.py [--layers 4,8,16] [--repeats N] [--out DIR]
                                       [--variants a,b] [--compile-threads N]
+                                      [--model demo|hf_llama]
 
 For each layer count, each repeat and each variant, two fresh processes run one after
 the other on one Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``), new and empty
 for that repeat and variant: the first compiles **cold** (empty cache), the second
 **warm** (what a restart of the same job gets). Each process joins a 1-rank gloo
-group, builds the demo Llama (dim 64, 4 heads, vocab 256, seq 32, batch 2; the
-``--layers`` count) from the same seed, and times its first training step (forward,
-cross-entropy, backward, AdamW step, ``zero_grad``), then a second one. Variants:
+group, builds the model from the same seed (``--model demo``: the demo Llama of
+``traceable_hsdp.models``, dim 64, 4 heads; ``--model hf_llama``: Hugging Face
+``LlamaForCausalLM``, hidden 64, 4 heads, MLP 128; both vocab 256, seq 32, batch 2,
+``--layers`` blocks), and times its first training step (forward, cross-entropy,
+backward, AdamW step, ``zero_grad``), then a second one. Variants (a "block" is a
+decoder layer):
 
 - ``plain_whole``: the unsharded model under ``torch.compile(model, fullgraph=True)``,
   compiled autograd on (no sharding);
@@ -29,9 +33,9 @@ counted from ``torch._dynamo.utils.counters`` (:class:`~traceable_hsdp._cache.Ca
 ``--compile-threads`` (default 1) sets ``TORCHINDUCTOR_COMPILE_THREADS``: with one
 thread the kernels compile in the timed process, so the kernel column is theirs.
 
-Writes ``<out>/compile_time.md`` (the table, also printed), ``compile_time.json`` (every
-process's numbers) and ``compile_time.png`` (when matplotlib is importable) to ``--out``
-(default: ``traceable_hsdp_compile_time`` in the system's temporary folder).
+Writes ``<out>/compile_time_<model>.md`` (the table, also printed), ``.json`` (every
+process's numbers) and ``.png`` (when matplotlib is importable) to ``--out`` (default:
+``traceable_hsdp_compile_time`` in the system's temporary folder).
 """
 
 from __future__ import annotations
@@ -91,10 +95,47 @@ BY_NAME = {v.name: v for v in VARIANTS}
 REF = "plain_whole"
 
 
+MODELS = ("demo", "hf_llama")
+
+
 def shape_for(layers: int) -> Any:
     import _harness as H
 
     return H.Shape(f"compile{layers}", layers=layers, dim=64, heads=4, vocab=256, seq=32, batch=2)
+
+
+def build_hf_llama(
+    v: CompileVariant, shape: Any, mesh: Any, backend: str, seed: int
+) -> tuple[Any, Any]:
+    """Hugging Face ``LlamaForCausalLM`` of ``shape`` (MLP twice the width), built and
+    sharded as :func:`_harness.build_model` does the demo Llama (per decoder layer, then
+    the root); the callable returns the logits."""
+    import torch
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import traceable_hsdp
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=2 * shape.dim,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads, max_position_embeddings=shape.seq,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    layers = model.model.layers
+    if v.impl != "unsharded":
+        fs = traceable_hsdp.fully_shard if v.impl == "ours" else torch_fully_shard
+        if v.compile == "blocks":
+            for i, layer in enumerate(layers):
+                layers[i] = torch.compile(layer, backend=backend, fullgraph=True)
+        for layer in layers:
+            fs(layer, mesh=mesh)
+        fs(model, mesh=mesh)
+    run = (torch.compile(model, backend=backend, fullgraph=True)
+           if v.compile == "whole" else model)
+    return model, lambda x: run(input_ids=x).logits
 
 
 def _int_list(text: str) -> list[int]:
@@ -126,6 +167,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma list (default all: {', '.join(v.name for v in VARIANTS)})")
     p.add_argument("--compile-threads", type=int, default=1,
                    help="TORCHINDUCTOR_COMPILE_THREADS of every process (default 1)")
+    p.add_argument("--model", choices=MODELS, default="demo",
+                   help="demo: traceable_hsdp.models.Llama; hf_llama: transformers' "
+                        "LlamaForCausalLM (default demo)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     p.add_argument("--timeout", type=int, default=3600,
@@ -174,7 +218,10 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
             import traceable_hsdp
 
             mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
-            model, fwd = H.build_model(v.harness_variant(), shape, mesh, device, backend, seed)
+            if spec["model"] == "hf_llama":
+                model, fwd = build_hf_llama(v, shape, mesh, backend, seed)
+            else:
+                model, fwd = H.build_model(v.harness_variant(), shape, mesh, device, backend, seed)
             opt = torch.optim.AdamW(model.parameters(), lr=H.LR)
             if v.compiled_autograd:
                 traceable_hsdp.enable_compiled_autograd(backend=backend)
@@ -215,7 +262,8 @@ def spawn_child(
     env.update(v.env)
     env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
-    spec = dict(variant=v.name, layers=layers, backend=args.backend, seed=args.seed)
+    spec = dict(variant=v.name, layers=layers, backend=args.backend, seed=args.seed,
+                model=args.model)
     t0 = time.time()
     try:
         proc = subprocess.run(
@@ -306,11 +354,13 @@ def _cache_cell(slot: dict[str, Any], kind: str) -> str:
 
 
 def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) -> str:
+    model = ("demo Llama (`traceable_hsdp.models`), dim 64" if args.model == "demo"
+             else "HF `LlamaForCausalLM`, hidden 64, MLP 128")
     lines = [
         f"### Compile time, first training step, 1 rank ({meta['cpu']}, {meta['cpus']} cores; "
         f"torch {meta['torch']}, Python {meta['python']})",
         "",
-        f"Demo Llama, dim 64, 4 heads, vocab 256, seq 32, batch 2; backend `{args.backend}`; "
+        f"Model: {model}, 4 heads, vocab 256, seq 32, batch 2; backend `{args.backend}`; "
         f"`TORCHINDUCTOR_COMPILE_THREADS={args.compile_threads}`; medians over "
         f"{args.repeats} repeat(s), each a cold process on an empty cache dir then a warm one "
         "on the same dir. Phases (s) from `torch._dynamo.utils.compilation_time_metrics`: "
@@ -463,14 +513,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(md, flush=True)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "compile_time")
+    stem = os.path.join(args.out, f"compile_time_{args.model}")
     with open(stem + ".md", "w") as f:
         f.write(md)
     with open(stem + ".json", "w") as f:
         json.dump(dict(args={k: v for k, v in vars(args).items() if k != "variant_list"},
                        variants=[v.name for v in args.variant_list], meta=meta, summary=s,
                        raw=runs), f, indent=1, default=str)
-    png = plot(s, stem + ".png", f"first-step compile time, 1 rank, torch {meta['torch']}")
+    png = plot(s, stem + ".png",
+               f"first-step compile time, {args.model} model, 1 rank, torch {meta['torch']}")
     print(f"wrote {stem}.md, {stem}.json" + (f", {png}" if png else " (no matplotlib: no plot)"))
     failed = any(row["errors"] for row in s["rows"].values())
     return 1 if failed else 0

@@ -302,9 +302,9 @@ def test_compile_time_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
                             "--backend", "aot_eager", "--out", str(out)])
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
-    md = (out / "compile_time.md").read_text()
+    md = (out / "compile_time_demo.md").read_text()
     assert "| 1 | ours_compiled |" in md
-    report = json.loads((out / "compile_time.json").read_text())
+    report = json.loads((out / "compile_time_demo.json").read_text())
     (run,) = report["raw"]
     for phase in ("cold", "warm"):
         res = run[phase]
