@@ -577,6 +577,33 @@ def _passes_config(items: tuple[tuple[str, Any], ...]) -> Iterator[None]:
         P.set_config(old)
 
 
+def build_model(
+    variant: Variant, shape: Shape, mesh: Any, device: torch.device, backend: str, seed: int,
+) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The variant's model (the same initial weights for every variant: built on the CPU
+    from ``seed``, moved to ``device``), sharded over ``mesh`` as the variant says, and
+    the callable that runs its forward (compiled with ``backend`` as the variant says).
+    Sets no process-wide switch (see :meth:`Runner.active` for those)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import traceable_hsdp
+    from traceable_hsdp.models import Llama, shard_llama
+
+    torch.manual_seed(seed)
+    model = Llama(shape.model_config()).to(device)
+    if variant.impl == "ours":
+        shard_llama(model, traceable_hsdp.fully_shard, mesh=mesh)
+    elif variant.impl == "torch":
+        if variant.compile == "blocks":
+            # torchtitan's recipe: compile each block, then shard per block and root.
+            for i, block in enumerate(model.layers):
+                model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
+        shard_llama(model, torch_fully_shard, mesh=mesh)
+    if variant.compile == "whole":
+        return model, torch.compile(model, backend=backend, fullgraph=True)
+    return model, model
+
+
 class Runner:
     """One variant on this rank: its model, optimizer, settings and step counter.
 
@@ -660,27 +687,10 @@ class Runner:
                 RECORDER.variant = "?"
 
     def _build(self) -> None:
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-        import traceable_hsdp
-        from traceable_hsdp.models import Llama, shard_llama
-
-        torch.manual_seed(self.seed)  # the same initial weights for every variant
-        model = Llama(self.shape.model_config()).to(self.device)
-        if self.v.impl == "ours":
-            shard_llama(model, traceable_hsdp.fully_shard, mesh=self.mesh)
-        elif self.v.impl == "torch":
-            if self.v.compile == "blocks":
-                # torchtitan's recipe: compile each block, then shard per block and root.
-                for i, block in enumerate(model.layers):
-                    model.layers[i] = torch.compile(block, backend=self.backend, fullgraph=True)
-            shard_llama(model, torch_fully_shard, mesh=self.mesh)
-        self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        if self.v.compile == "whole":
-            self.fwd = torch.compile(model, backend=self.backend, fullgraph=True)
-        else:
-            self.fwd = model
+        self.model, self.fwd = build_model(
+            self.v, self.shape, self.mesh, self.device, self.backend, self.seed
+        )
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward, loss, backward, AdamW step, zero_grad. Returns the detached loss."""

@@ -26,6 +26,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import _harness as H  # noqa: E402
+import compile_time  # noqa: E402
 import profile_step  # noqa: E402
 import step_time  # noqa: E402
 
@@ -237,3 +238,75 @@ def test_step_time_smoke_on_cpu(
         assert len(row["peak_mem_mib"]) == 2 and all(m > 0 for m in row["peak_mem_mib"])
         assert row["peak_above_block_start_mib"] == [None, None]  # CUDA only
     assert [r["device"]["type"] for r in report["raw"]] == ["cpu", "cpu"]
+
+
+# ------------------------------------------------------------------ compile_time
+
+
+def _ct_run(layers: int, variant: str, cold: float, warm: float, hit: int) -> dict[str, Any]:
+    def res(first: float, fx: tuple[int, int, int]) -> dict[str, Any]:
+        return dict(
+            first_step_s=first, recompiles=0,
+            compile=dict(total=first - 1, dynamo=1.0, aot=2.0, inductor=3.0, kernels=first - 7),
+            cache=dict(fx_hit=fx[0], fx_miss=fx[1], fx_bypass=fx[2], aot_hit=0, aot_miss=0,
+                       aot_bypass=2),
+        )
+    return dict(layers=layers, repeat=0, variant=variant, cold=res(cold, (0, 1, 1)),
+                warm=res(warm, (hit, 1 - hit, 1)))
+
+
+def test_compile_time_summary_ratios_and_goals() -> None:
+    runs = [
+        _ct_run(8, "plain_whole", 40.0, 10.0, 1),
+        _ct_run(8, "ours_compiled", 50.0, 25.0, 1),  # 1.25x cold, 2.5x warm: both met
+        _ct_run(8, "ours_compiled_nofix", 70.0, 35.0, 0),  # 1.75x, 3.5x: neither
+        _ct_run(4, "ours_compiled", 30.0, 12.0, 1),
+    ]
+    runs.append(dict(_ct_run(4, "torch_block_compiled", 1, 1, 0), warm={"error": "exit 1: boom"}))
+    s = compile_time.summarize(runs)
+    row = s["rows"]["8/ours_compiled"]
+    assert row["cold"]["vs_plain"] == pytest.approx(1.25)
+    assert row["warm"]["vs_plain"] == pytest.approx(2.5)
+    assert s["rows"]["4/ours_compiled"]["warm"]["vs_plain"] is None  # no plain at 4 layers
+    g = s["goals"]
+    assert g["ours_compiled"]["warm_met"] and g["ours_compiled"]["cold_met"]
+    assert not g["ours_compiled_nofix"]["warm_met"] and not g["ours_compiled_nofix"]["cold_met"]
+    args = compile_time.parse_args(["--layers", "4,8"])
+    meta = dict(torch="2.13", python="3.11", cpu="cpu", cpus=2, wall_s=1.0,
+                loadavg_before=(0.0, 0.0, 0.0), loadavg_after=(0.0, 0.0, 0.0),
+                code=dict(head="abc1234", dirty_runtime=""))
+    md = compile_time.markdown(s, meta, args)
+    assert "| 8 | ours_compiled | 50.0 | 25.0 | 1.25x | 2.50x |" in md
+    assert "| 0/1/1 | 1/0/1 | 0/0/2 |" in md  # FX cold, FX warm, AOT warm
+    assert ("ours_compiled: warm 2.50x (goal <= 3x): **met**; cold 1.25x (goal <= 1.5x): "
+            "**met**") in md
+    assert "ours_compiled_nofix: warm 3.50x (goal <= 3x): **not met**" in md
+    assert "**4 layers, torch_block_compiled failed** (warm: exit 1: boom)" in md
+
+
+def test_compile_time_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert compile_time.parse_args([]).layers == [4, 8, 16]
+    err = _parse_error(compile_time.parse_args, ["--variants", "ours_compiled,nope"], capsys)
+    assert "unknown variant(s) ['nope']" in err
+    err = _parse_error(compile_time.parse_args, ["--layers", "4,x"], capsys)
+    assert "comma-separated layer counts" in err
+    err = _parse_error(compile_time.parse_args, ["--repeats", "0"], capsys)
+    assert "--repeats must be >= 1" in err
+
+
+@pytest.mark.slow
+def test_compile_time_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # aot_eager: no Inductor, so no FX graph cache lookups; the harness end to end.
+    out = tmp_path / "ct"
+    rc = compile_time.main(["--layers", "1", "--variants", "ours_compiled",
+                            "--backend", "aot_eager", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
+    md = (out / "compile_time_demo.md").read_text()
+    assert "| 1 | ours_compiled |" in md
+    report = json.loads((out / "compile_time_demo.json").read_text())
+    (run,) = report["raw"]
+    for phase in ("cold", "warm"):
+        res = run[phase]
+        assert res["first_step_s"] > 0 and res["compile"]["dynamo"] > 0, res
+        assert res["stable_mesh_key"] and res["recompiles"] == 0, res

@@ -208,6 +208,7 @@ def test_train_eager_console_script() -> None:
     _assert_trains(losses, 3, out)
     assert "FSDP over 2 ranks on cpu (gloo); eager" in out
     assert "compile+step" not in out
+    assert "FX graph cache" not in out  # no compile report when eager
 
 
 @pytest.mark.slow
@@ -217,6 +218,13 @@ def test_train_compiled_aot_eager_console_script() -> None:
     _assert_trains(losses, 3, out)
     assert "compiled (aot_eager)" in out
     assert re.search(r"^step 1/3  loss \S+  compile\+step ", out, re.M), out
+    # The compile report (aot_eager: no Inductor, so no FX graph cache lookups).
+    report = re.search(
+        r"^first step: compile (\S+) s: dynamo (\S+), AOTAutograd \S+, Inductor \S+, kernels "
+        r"\S+; FX graph cache: 0 hit, 0 miss, 0 bypass; AOTAutograd cache: \d+ hit, \d+ miss, "
+        r"\d+ bypass \(rank 0\)$", out, re.M)
+    assert report, out
+    assert float(report.group(1)) > 0 and float(report.group(2)) > 0, out
 
 
 # ------------------------------------------------------------------------ clip

@@ -27,6 +27,20 @@ of the global batch's loss, the same on every rank (a replicated ``DTensor``), a
 each rank scales its shards by the same factor. The printed norm is that value
 before clipping. ``tests/test_clip.py`` checks it against torch's ``fully_shard``
 and a one-process model.
+
+[Note: Compile report]
+A compiled run prints, after step 1, what that step compiled on rank 0: seconds in
+dynamo's tracing, AOTAutograd, Inductor's lowering and code generation, and C++ kernel
+compiles (torch's own timers), and how many graphs hit, missed or bypassed the FX graph
+cache and the AOTAutograd cache (``torch._dynamo.utils.counters``); see
+:class:`~traceable_hsdp._cache.CompileTimes` and
+:class:`~traceable_hsdp._cache.CacheCounts`. A first run on an empty
+``TORCHINDUCTOR_CACHE_DIR`` shows misses; a rerun on the same directory should show
+the compiled-autograd backward as a hit, and the forward as a bypass (torch refuses its
+``BackwardState`` input; [Note: FX graph cache keys across processes] in
+``_cache.py``). Kernel seconds count only compiles in the rank's own process
+(``TORCHINDUCTOR_COMPILE_THREADS=1``); with a worker pool the wait for them is in the
+Inductor figure.
 """
 
 from __future__ import annotations
@@ -126,6 +140,11 @@ class TrainResult:
         replicate: HSDP replicas (1 for FSDP).
         grad_norms: with ``TrainConfig.clip``, the total gradient norm of each step
             before clipping (what ``clip_grad_norm_`` returned); ``None`` without.
+        first_step_compile: compiled runs: what rank 0's first step compiled, with
+            ``"times"`` (seconds per phase, :class:`~traceable_hsdp._cache.CompileTimes`)
+            and ``"cache"`` (FX graph and AOTAutograd cache hits, misses and bypasses,
+            :class:`~traceable_hsdp._cache.CacheCounts`); ``None`` when eager. See
+            [Note: Compile report].
     """
 
     losses: list[float]
@@ -133,6 +152,7 @@ class TrainResult:
     world_size: int
     replicate: int
     grad_norms: list[float] | None = None
+    first_step_compile: dict[str, dict[str, float]] | None = None
 
     @property
     def median_step_time(self) -> float | None:
@@ -350,11 +370,13 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
                 print_summary=is_rank0, file=out,
             ))
             backend = dump.backend(cfg.backend)
-        losses, times, norms = _train_loop(cfg, model, optim, backend, device, rank, world, say)
+        losses, times, norms, compiled = _train_loop(
+            cfg, model, optim, backend, device, rank, world, say
+        )
     if dump is not None:
         _compare_rank_dumps(cfg.dump_dir, world, say)
 
-    result = TrainResult(losses, times, world, cfg.replicate, norms)
+    result = TrainResult(losses, times, world, cfg.replicate, norms, compiled)
     med = result.median_step_time
     med_text = (
         f"median step {med:.3f} s (steps 3-{cfg.steps})" if med is not None
@@ -373,13 +395,16 @@ def _train_loop(
     rank: int,
     world: int,
     say: Callable[[str], None],
-) -> tuple[list[float], list[float], list[float] | None]:
-    """Compiles (unless eager) and trains; returns the losses, step times and (with
-    ``cfg.clip``) gradient norms."""
+) -> tuple[
+    list[float], list[float], list[float] | None, dict[str, dict[str, float]] | None
+]:
+    """Compiles (unless eager) and trains; returns the losses, step times, (with
+    ``cfg.clip``) gradient norms, and (compiled) the first step's compile report."""
     from tqdm import tqdm
 
     import traceable_hsdp
     from traceable_hsdp import _compile
+    from traceable_hsdp._cache import CacheCounts, CompileTimes
 
     # Turn compiled autograd off at the end only if this function turned it on.
     enabled_here = not cfg.eager and not _compile._enabled
@@ -393,6 +418,8 @@ def _train_loop(
     losses: list[float] = []
     times: list[float] = []
     norms: list[float] | None = None if cfg.clip is None else []
+    compiled: dict[str, dict[str, float]] | None = None
+    counts0, times0 = CacheCounts.now(), CompileTimes.now()
     bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not (rank == 0 and cfg.progress),
                file=sys.stderr, dynamic_ncols=True)
     try:
@@ -422,6 +449,11 @@ def _train_loop(
                 norm_text = f"  grad norm {norms[-1]:#.4g}"
             what = "compile+step" if step == 0 and not cfg.eager else "step"
             say(f"step {step + 1}/{cfg.steps}  loss {value:.4f}{norm_text}  {what} {dt:.3f} s")
+            if step == 0 and not cfg.eager:
+                # See [Note: Compile report].
+                counts, ctimes = CacheCounts.now() - counts0, CompileTimes.now() - times0
+                compiled = {"times": asdict(ctimes), "cache": asdict(counts)}
+                say(f"first step: {ctimes.summary()}; {counts.summary()} (rank {rank})")
             bar.set_postfix(loss=f"{value:.4f}")
             bar.update(1)
     finally:
@@ -429,7 +461,7 @@ def _train_loop(
         if enabled_here:
             traceable_hsdp.disable_compiled_autograd()
 
-    return losses, times, norms
+    return losses, times, norms, compiled
 
 
 def _compare_rank_dumps(dump_dir: str, world: int, say: Callable[[str], None]) -> None:

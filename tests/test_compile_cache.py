@@ -1,0 +1,183 @@
+"""Compile caches across processes. See [Note: FX graph cache keys across processes]
+in ``traceable_hsdp/_cache.py``.
+
+Fast (no compile): the ``DeviceMesh`` reducer's pickle keeps everything but the
+cached ``_hash``, round-trips, and gives the same bytes in two fresh processes; with
+``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` two fresh processes give different bytes (what
+made the compiled-autograd backward miss the FX graph cache), so the check can fail.
+
+Slow (Inductor compiles of a 2-linear model in fresh spawned processes, each with its
+own ``TORCHINDUCTOR_CACHE_DIR``): Mega-Cache (``torch.compiler.save_cache_artifacts``
+in one process, ``load_cache_artifacts`` in a fresh one whose FX graph cache is empty)
+gives an FX graph cache hit, and no hit with the reducer off; and a changed pass
+configuration (``TRACEABLE_HSDP_PASSES``, ``TRACEABLE_HSDP_BUCKET_CAP_MB``), model
+shape or world size misses where an unchanged compile hits. Counts come from
+``torch._dynamo.utils.counters``. The forward's bypass (its ``BackwardState`` input)
+is expected in every compile.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from _dist import run_ranks
+from traceable_hsdp import _cache
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A fresh process: a 1-rank mesh, hashed as fully_shard's nn.Parameter(DTensor) does,
+# pickled by Inductor's cache-key pickler as its opaque-object path does (fast off).
+_PICKLE_MESH = r"""
+import hashlib, sys, tempfile
+import torch, torch.distributed as dist
+import traceable_hsdp
+from torch._inductor.codecache import FxGraphCachePickler
+from torch.distributed.device_mesh import init_device_mesh
+with tempfile.TemporaryDirectory() as d:
+    dist.init_process_group("gloo", init_method=f"file://{d}/s", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    hash(mesh)
+    pickler = FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+    pickler.fast = False
+    print(hashlib.sha256(pickler.dumps(mesh)).hexdigest())
+    dist.destroy_process_group()
+"""
+
+
+def _mesh_pickle_digests(stable: bool, n: int = 2) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env[_cache.ENV_STABLE_MESH_KEY] = "1" if stable else "0"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _PICKLE_MESH], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(n)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr
+        out.append(stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_mesh_pickle_is_the_same_in_every_process() -> None:
+    a, b = _mesh_pickle_digests(stable=True)
+    assert a == b
+
+
+def test_mesh_pickle_without_the_reducer_differs_between_processes() -> None:
+    # What the FX graph cache key held before the fix: a per-process hash().
+    a, b = _mesh_pickle_digests(stable=False)
+    assert a != b
+
+
+def test_reducer_drops_only_the_cached_hash(one_rank: DeviceMesh) -> None:
+    assert _cache.stable_mesh_key_installed()  # on by default, on import
+    mesh = one_rank
+    h = hash(mesh)
+    assert mesh._hash == h
+    state = _cache._reduce_device_mesh(mesh)[2]
+    assert "_hash" not in state
+    assert set(state) == set(mesh.__getstate__()) - {"_hash"}
+    copy = pickle.loads(pickle.dumps(mesh))
+    assert copy == mesh and hash(copy) == h
+    assert mesh._hash == h  # the original keeps its cache
+
+
+def test_install_is_idempotent_and_env_switch(one_rank: DeviceMesh) -> None:
+    try:
+        _cache.uninstall_stable_mesh_key()
+        assert not _cache.stable_mesh_key_installed()
+        hash(one_rank)  # without the reducer, the cached hash travels with the pickle
+        assert pickle.loads(pickle.dumps(one_rank)).__dict__["_hash"] == one_rank._hash
+        _cache._install_from_env({_cache.ENV_STABLE_MESH_KEY: "0"})
+        assert not _cache.stable_mesh_key_installed()
+        _cache._install_from_env({_cache.ENV_STABLE_MESH_KEY: ""})
+        assert _cache.stable_mesh_key_installed()
+        assert _cache.install_stable_mesh_key() and _cache.stable_mesh_key_installed()
+        with pytest.raises(ValueError, match="TRACEABLE_HSDP_STABLE_MESH_KEY='maybe'"):
+            _cache._install_from_env({_cache.ENV_STABLE_MESH_KEY: "maybe"})
+    finally:
+        _cache.install_stable_mesh_key()
+
+
+def test_counts_and_times_subtract() -> None:
+    a = _cache.CacheCounts(fx_hit=3, fx_miss=1, aot_bypass=2)
+    b = _cache.CacheCounts(fx_hit=1, aot_bypass=2)
+    assert a - b == _cache.CacheCounts(fx_hit=2, fx_miss=1)
+    assert "FX graph cache: 2 hit, 1 miss, 0 bypass" in (a - b).summary()
+    t = _cache.CompileTimes(total=5.0, dynamo=2.0) - _cache.CompileTimes(total=1.0)
+    assert t.total == 4.0 and t.dynamo == 2.0
+
+
+# ----------------------------------------------------------------- compiles
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Inductor cache dir for the spawned ranks; one compile thread."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stable", [True, False], ids=["reducer", "no_reducer"])
+def test_mega_cache_second_process_hits(
+    stable: bool, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import _cache_workers as W
+
+    monkeypatch.setenv(_cache.ENV_STABLE_MESH_KEY, "1" if stable else "0")
+    art = str(fresh_cache / "artifacts.bin")
+    (saved,) = run_ranks(W.mega_cache_save, 1, art)
+    assert saved["fx_miss"] == 1 and saved["fx_hit"] == 0, saved
+    # A fresh process, and the FX graph cache emptied: only the artifacts can carry the
+    # entry. (The C++ kernel files stay, to save their compile: on the CPU the artifacts
+    # do not carry them; see docs/compile.md, Mega-Cache.)
+    shutil.rmtree(fresh_cache / "inductor" / "fxgraph")
+    (loaded,) = run_ranks(W.mega_cache_load, 1, art)
+    assert loaded["fx_bypass"] == 1, loaded  # the forward: BackwardState, in torch
+    if stable:
+        assert loaded["fx_hit"] == 1 and loaded["fx_miss"] == 0, loaded
+    else:
+        assert loaded["fx_hit"] == 0 and loaded["fx_miss"] == 1, loaded
+
+
+@pytest.mark.slow
+def test_changed_configuration_shape_or_world_misses(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each compile in fresh processes on the same cache dir. (Within one process, a
+    # second compile after torch._dynamo.reset() orders the backward's inputs
+    # differently and misses anyway, so it could not show a wrong hit.)
+    import _cache_workers as W
+
+    def one(world: int = 1, dim: int = 16, **env: str) -> list[dict[str, int]]:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            return run_ranks(W.compile_step, world, dim)
+
+    (first,) = one()
+    assert first["fx_miss"] == 1 and first["fx_bypass"] == 1, first
+    (again,) = one()  # nothing changed: the backward hits (the check can see a hit)
+    assert again["fx_hit"] == 1 and again["fx_miss"] == 0, again
+    for changed in (
+        one(TRACEABLE_HSDP_PASSES="remove_resize_copy,bucket"),  # overlap off
+        one(TRACEABLE_HSDP_BUCKET_CAP_MB="1"),
+        one(dim=24),
+        one(world=2),
+    ):
+        for counts in changed:
+            assert counts["fx_hit"] == 0 and counts["fx_miss"] == 1, changed
