@@ -33,8 +33,10 @@ Build = Callable[[Callable[..., Any]], nn.Module]
 Step = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _fs(lib: str) -> Callable[..., Any]:
-    return th.fully_shard if lib == "ours" else torch_fsdp.fully_shard
+def _fs(lib: str, mesh: Any = None) -> Callable[..., Any]:
+    """``fully_shard`` of ``lib`` ("ours" or "torch"), bound to ``mesh`` when given."""
+    fs = th.fully_shard if lib == "ours" else torch_fsdp.fully_shard
+    return fs if mesh is None else functools.partial(fs, mesh=mesh)
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -70,12 +72,15 @@ def _train(
     return losses, _full(model)
 
 
-def _both(rank: int, world: int, build: Build, step: Step = _llama_step) -> dict[str, Any]:
-    """``build(fully_shard)`` with torch's and with ours, trained alike."""
+def _both(
+    rank: int, world: int, build: Build, step: Step = _llama_step, mesh: Any = None
+) -> dict[str, Any]:
+    """``build(fully_shard)`` with torch's and with ours (on ``mesh``, default the
+    1-D mesh over every rank), trained alike."""
     out: dict[str, Any] = {}
     for lib in ("torch", "ours"):
         torch.manual_seed(0)
-        model = build(_fs(lib))
+        model = build(_fs(lib, mesh))
         out[lib] = _train(model, rank, world, step)
         if lib == "ours":
             out["bytes_after"] = _placeholder_bytes(model)
@@ -210,14 +215,14 @@ class _Allocs(TorchDispatchMode):
         return out
 
 
-def _meta_flow(rank: int, world: int, lib: str) -> dict[str, Any]:
+def _meta_flow(rank: int, world: int, lib: str, mesh: Any = None) -> dict[str, Any]:
     """FSDP2's meta-device flow: build on meta, shard, to_empty, load a full state
     dict (every rank passes the same full values); then train."""
     torch.manual_seed(0)
     cpu_model = Llama(CFG)
     full_sd = {k: v.detach().clone() for k, v in cpu_model.state_dict().items()}
-    cpu_sharded = _shard_llama(cpu_model, _fs(lib))
-    fs = _fs(lib)
+    cpu_sharded = _shard_llama(cpu_model, _fs(lib, mesh))
+    fs = _fs(lib, mesh)
     with torch.device("meta"):
         model = Llama(CFG)
     rec = _Allocs()
@@ -300,6 +305,39 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
         out[f"meta_{lib}"] = _meta_flow(rank, world, lib)
         out[f"meta_random_{lib}"] = _meta_random_init(rank, world, lib)
     out["freeze_midway"] = _freeze_midway(rank, world)
+    return out
+
+
+def conformance_2x2(rank: int, world: int) -> dict[str, Any]:
+    """On a 2x2 (replicate, shard) mesh: the meta-device flow and the three AC forms,
+    eager, torch's fully_shard and ours; and ours built on meta with checkpoint_wrapper
+    on every block, compiled (aot_eager, plain loop) against the same eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _workers import compile_for
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out: dict[str, Any] = {}
+    for form in ("wrap_then_shard", "shard_then_wrap", "selective"):
+        out[f"ac_{form}"] = _both(rank, world, functools.partial(_ac_llama, form=form), mesh=mesh)
+    for lib in ("torch", "ours"):
+        out[f"meta_{lib}"] = _meta_flow(rank, world, lib, mesh)
+    for how in ("", "loop"):
+        torch.manual_seed(0)
+        full_sd = Llama(CFG).state_dict()
+        with torch.device("meta"):
+            model = _ac_llama(_fs("ours", mesh), "wrap_then_shard")
+        model.to_empty(device="cpu")
+        model.reset_buffers()
+        set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True))
+        fwd, _ = compile_for(model, how, "aot_eager")
+        try:
+            out[f"meta_ac_{how or 'eager'}"] = _train(
+                model, rank, world, lambda _m, x, y, fwd=fwd: _loss(fwd(x), y)
+            )
+        finally:
+            th.disable_compiled_autograd()
+            torch._dynamo.reset()
     return out
 
 
