@@ -343,8 +343,7 @@ def conformance_2x2(rank: int, world: int) -> dict[str, Any]:
 
 def _freeze_midway(rank: int, world: int) -> dict[str, Any]:
     """Freezing and unfreezing between steps, after the first forward, against a
-    one-process model on the global batch (torch's fully_shard does not follow a
-    change made after its first forward). ``norm.weight`` is frozen before
+    one-process model on the global batch. ``norm.weight`` is frozen before
     fully_shard and unfrozen at step 2; block 1 and the output head are frozen at
     step 1."""
     results: dict[str, Any] = {}

@@ -16,8 +16,8 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
   dict): the shards equal those of the model built on the CPU and sharded, no op
   allocates a parameter's full size, and training matches torch's same flow; a
   seeded random init of the shards matches torch's same flow;
-- freezing and unfreezing between steps after the first forward, which torch's
-  fully_shard does not follow: against a one-process model (tolerance below).
+- freezing and unfreezing between steps after the first forward: against a
+  one-process model (tolerance below).
 """
 
 from __future__ import annotations
