@@ -15,6 +15,9 @@ leaves a checkpoint region (see [Note: Checkpoint outputs are saved] in
 from __future__ import annotations
 
 import operator
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import pytest
@@ -268,13 +271,26 @@ def test_compiled_checkpoint_output_saved_and_hook_before_recompute(restore_join
     "autograd calls the hook with None. Strict: tells us when torch fixes it.",
 )
 def test_torch_compiled_autograd_hook_on_unused_output() -> None:
-    from torch._dynamo import compiled_autograd
+    # In a child process: the failure leaves torch's compile context entered, and every
+    # later compile in this process would then count as a compiled-autograd one.
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch._dynamo import compiled_autograd
 
-    x = torch.randn(4, requires_grad=True)
-    a, b = torch.ops.aten.split.Tensor(x * 1.0, 2)  # one SplitBackward, two outputs
-    a.register_hook(lambda g: g)  # `a` is never used: its gradient is undefined
-    with compiled_autograd._enable(torch.compile(backend="eager")):
-        b.sum().backward()
+        x = torch.randn(4, requires_grad=True)
+        a, b = torch.ops.aten.split.Tensor(x * 1.0, 2)  # one SplitBackward, two outputs
+        a.register_hook(lambda g: g)  # `a` is never used: its gradient is undefined
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            b.sum().backward()
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1]
+        if last.startswith("AttributeError"):
+            raise AttributeError(last)
+        raise RuntimeError(proc.stderr[-2000:])
 
 
 # --------------------------------------------------------------------- tier 3
