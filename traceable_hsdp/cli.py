@@ -252,7 +252,13 @@ def _add_dump_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_dump(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import dataclasses
+    import os
 
+    from ._dump_env import ENV_DUMP
+
+    if os.environ.get(ENV_DUMP, "").strip():
+        parser.error(f"{ENV_DUMP} is set: traceable-hsdp dump writes its own dump (to "
+                     f"OUT_DIR), and the two would wrap each other. Unset {ENV_DUMP}.")
     try:
         import depyf  # noqa: F401
     except ImportError:
