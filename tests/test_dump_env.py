@@ -89,3 +89,28 @@ def test_env_switch_dumps_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyP
                if "all_gather_into_tensor" in text and "reduce_scatter_tensor" not in text]
         bwd = [n for n, text in graphs.items() if "reduce_scatter_tensor" in text]
         assert len(fwd) == 1 and len(bwd) == 1, sorted(p.name for p in depyf.iterdir())
+    # The ranks' dumps compare (aot_eager records no graph tables: nothing to differ).
+    assert cli.main(["compare", str(out)]) == 0
+
+
+def test_compare_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``traceable-hsdp compare DIR`` finds DIR/rank<r> and reports whether the ranks'
+    collectives agree (exit 0) or where they first differ (exit 1)."""
+    def table(shape: list[int]) -> str:
+        row = dict(op="all_gather_into_tensor", reduce_op=None, group_size=2, dtype="float32",
+                   in_shape=shape, out_shape=[2 * shape[0]], unit="Block", params=["w"])
+        return json.dumps(dict(graphs=[dict(name="00_fwd", stage="after_passes",
+                                            collectives=[row])]))
+
+    for r, shape in enumerate([[4], [4], [8]]):
+        (tmp_path / f"rank{r}").mkdir()
+        (tmp_path / f"rank{r}" / "collectives.json").write_text(table(shape))
+    assert cli.main(["compare", str(tmp_path)]) == 1
+    assert "ranks DISAGREE in graph 00_fwd (after passes)" in capsys.readouterr().out
+    (tmp_path / "rank2" / "collectives.json").write_text(table([4]))
+    assert cli.main(["compare", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("ranks agree: all 3 dumps")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["compare", str(tmp_path / "rank0")])
+    assert exc.value.code == 2
+    assert "holds 0 rank<r> dump directories" in capsys.readouterr().err

@@ -270,6 +270,35 @@ def _run_dump(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return _launch(cfg, "dump")
 
 
+# ------------------------------------------------------------------------ compare
+
+
+def _add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dump_dir", metavar="DUMP_DIR",
+                   help="a directory holding one dump per rank, DUMP_DIR/rank<r> (what "
+                        "traceable-hsdp dump and TRACEABLE_HSDP_DUMP=DUMP_DIR write)")
+
+
+def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import os
+    import re
+
+    try:
+        names = os.listdir(args.dump_dir)
+    except OSError as e:
+        parser.error(f"cannot read {args.dump_dir}: {e.strerror}")
+    ranks = sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"rank(\d+)", n))
+                   and os.path.isdir(os.path.join(args.dump_dir, n)))
+    if len(ranks) < 2:
+        parser.error(f"{args.dump_dir} holds {len(ranks)} rank<r> dump directories; "
+                     "comparing needs at least 2.")
+    from ._dump import compare_dumps
+
+    line = compare_dumps([os.path.join(args.dump_dir, f"rank{r}") for r in ranks])
+    print(line)
+    return 0 if line.startswith("ranks agree") else 1
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand(
         name="train",
@@ -284,6 +313,13 @@ SUBCOMMANDS: list[Subcommand] = [
              "graphs, collectives, graph breaks and recompiles (see docs/debugging.md)",
         add_arguments=_add_dump_arguments,
         run=_run_dump,
+    ),
+    Subcommand(
+        name="compare",
+        help="compare the ranks' dumps in a directory: the same collectives in the same "
+             "order on every rank? (exit status 1 when they differ)",
+        add_arguments=_add_compare_arguments,
+        run=_run_compare,
     ),
 ]
 
