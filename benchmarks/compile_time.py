@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """First-step compile time of a training step, cold and warm, on one rank.
 
-    python benchmarks/compile_time.py [--layers 4,8,16] [--repeats N] [--out DIR]
+    python benchmarks/compile_time.py --out DIR [--layers 4,8,16] [--repeats N]
                                       [--variants a,b] [--compile-threads N]
                                       [--model demo|hf_llama]
 
@@ -19,7 +19,8 @@ decoder layer):
 - ``plain_whole``: the unsharded model under ``torch.compile(model, fullgraph=True)``,
   compiled autograd on (no sharding);
 - ``torch_block_compiled``: torch's ``fully_shard`` per block and root, each block
-  ``torch.compile(block, fullgraph=True)`` first (torchtitan's recipe); eager backward;
+  ``torch.compile(block, fullgraph=True)`` first (torchtitan's recipe): each block's
+  forward and backward compiled, one graph reused by every block;
 - ``ours_compiled``: ``traceable_hsdp.fully_shard`` per block and root,
   ``torch.compile(model, fullgraph=True)`` with ``enable_compiled_autograd()``;
 - ``ours_compiled_nofix``: the same with ``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` (the
@@ -34,8 +35,8 @@ counted from ``torch._dynamo.utils.counters`` (:class:`~traceable_hsdp._cache.Ca
 thread the kernels compile in the timed process, so the kernel column is theirs.
 
 Writes ``<out>/compile_time_<model>.md`` (the table, also printed), ``.json`` (every
-process's numbers) and ``.png`` (when matplotlib is importable) to ``--out`` (default:
-``traceable_hsdp_compile_time`` in the system's temporary folder).
+process's numbers) and ``.png`` (when matplotlib is importable) to the folder ``--out``
+names (required). Names and empty cells as in ``_report.py``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import _report as R  # noqa: E402
+
 RESULT_TAG = "COMPILE_TIME_RESULT "
 PHASES = ("dynamo", "aot", "inductor", "kernels")
 PHASE_LABELS = {"dynamo": "dynamo", "aot": "AOT", "inductor": "Inductor", "kernels": "kernels"}
@@ -174,12 +179,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     p.add_argument("--timeout", type=int, default=3600,
                    help="seconds one process may take before it counts as failed (default 3600)")
-    p.add_argument("--out",
-                   default=os.path.join(tempfile.gettempdir(), "traceable_hsdp_compile_time"),
-                   help="output folder (default <tmp>/traceable_hsdp_compile_time)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one process
+    R.add_out_argument(p, required=False)  # required of the parent, checked below
     a = p.parse_args(argv)
     if a.child is None:
+        if a.out is None:
+            p.error("the following arguments are required: --out")
         names = [n.strip() for n in a.variants.split(",") if n.strip()]
         bad = [n for n in names if n not in BY_NAME]
         if bad or not names:
@@ -337,7 +342,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _f(x: float | None, spec: str = ".1f") -> str:
-    return "–" if x is None else format(x, spec)
+    return R.num(x, spec)
 
 
 def _phases(slot: dict[str, Any]) -> str:
@@ -369,15 +374,16 @@ def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) 
         "`compile_file`. Caches (hit/miss/bypass, one count per graph) from "
         "`torch._dynamo.utils.counters`.",
         "",
-        "| layers | variant | cold first step (s) | warm first step (s) | cold vs plain "
-        "| warm vs plain | cold: dynamo / AOT / Inductor / kernels | warm: dynamo / AOT / "
+        "| layers | variant | cold first step (s) | warm first step (s) | cold vs unsharded "
+        "| warm vs unsharded | cold: dynamo / AOT / Inductor / kernels | warm: dynamo / AOT / "
         "Inductor / kernels | FX cache cold | FX cache warm | AOT cache warm |",
         "|" + "---|" * 11,
     ]
     for row in sorted(s["rows"].values(), key=lambda r: (r["layers"], _order(r["variant"]))):
         c, w = row["cold"], row["warm"]
         lines.append(
-            f"| {row['layers']} | {row['variant']} | {_f(c['median_s'])} | {_f(w['median_s'])} "
+            f"| {row['layers']} | {R.row_name(row['variant'])} | {_f(c['median_s'])} "
+            f"| {_f(w['median_s'])} "
             f"| {_f(c['vs_plain'], '.2f')}x | {_f(w['vs_plain'], '.2f')}x | {_phases(c)} "
             f"| {_phases(w)} | {_cache_cell(c, 'fx')} | {_cache_cell(w, 'fx')} "
             f"| {_cache_cell(w, 'aot')} |"
@@ -386,12 +392,12 @@ def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) 
     for row in s["rows"].values():
         for e in row["errors"]:
             first = e.splitlines()[0][:200]
-            lines.append(f"- **{row['layers']} layers, {row['variant']} failed** ({first})")
+            lines.append(f"- **{row['layers']} layers, {R.label(row['variant'])} failed** ({first})")
     if s["goals"]:
-        lines.append(f"Goals at {GOAL_LAYERS} layers (ours / plain_whole):")
+        lines.append(f"Goals at {GOAL_LAYERS} layers (against {R.label(REF)}):")
         for name, g in s["goals"].items():
             lines.append(
-                f"- {name}: warm {g['warm_ratio']:.2f}x (goal <= {g['warm_goal']:g}x): "
+                f"- {R.label(name)}: warm {g['warm_ratio']:.2f}x (goal <= {g['warm_goal']:g}x): "
                 f"**{'met' if g['warm_met'] else 'not met'}**; cold {g['cold_ratio']:.2f}x "
                 f"(goal <= {g['cold_goal']:g}x): **{'met' if g['cold_met'] else 'not met'}**."
             )
@@ -423,7 +429,7 @@ def plot(s: dict[str, Any], path: str, title: str) -> str | None:
     layers = sorted({r["layers"] for r in rows.values()})
     names = sorted({r["variant"] for r in rows.values()}, key=_order)
     colors = {"plain_whole": "tab:gray", "torch_block_compiled": "tab:orange",
-              "ours_compiled": "tab:blue", "ours_compiled_nofix": "tab:cyan"}
+              "ours_compiled": "tab:blue", "ours_compiled_nofix": "tab:cyan"}  # by key
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     width = 0.8 / max(1, len(names))
     for ax, phase in zip(axes, ("cold", "warm")):
@@ -438,13 +444,13 @@ def plot(s: dict[str, Any], path: str, title: str) -> str | None:
                 ys.append(m)
                 lo.append(m - row[phase]["min_s"])
                 hi.append(row[phase]["max_s"] - m)
-            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name,
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=R.label(name),
                    color=colors.get(name, None))
         ax.set_xticks(range(len(layers)), [f"{n} layers" for n in layers])
         ax.set_ylabel("first step (s), median; bars min-max")
         where = "empty cache dir" if phase == "cold" else "same cache dir, new process"
         ax.set_title(f"{phase} ({where})")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,9 +2,9 @@
 """Where a training step's time goes: torch.profiler on rank 0 of 2 gloo ranks (CPU) or
 of one NCCL rank per GPU (CUDA).
 
-    python benchmarks/profile_step.py [--shape overhead|compute]
+    python benchmarks/profile_step.py --out DIR [--shape overhead|compute]
         [--variants ours_compiled,torch_block_compiled] [--warmup 3] [--steps 5]
-        [--out DIR] [--trace] [--device auto|cpu|cuda] [--world N]
+        [--trace] [--device auto|cpu|cuda] [--world N]
 
 Builds the named variants exactly as ``step_time.py`` does (``_harness.Runner``, on
 the ranks and devices of ``--device``/``--world`` as there), warms each up, times
@@ -29,8 +29,9 @@ report adds the GPU time per step: NCCL kernels and all other kernels and copies
 summed per kind (kernels on different streams overlap, so the two may add up to more
 than the step).
 
-Writes ``<out>/profile_<shape>.md`` (printed too) and ``.json``; ``--trace`` also
-writes a Chrome trace per variant.
+Writes ``<out>/profile_<shape>.md`` (printed too) and ``.json`` into the folder
+``--out`` names (required), with the commit the code ran at; ``--trace`` also writes a
+Chrome trace per variant. Names as in ``_report.py``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import _report as R  # noqa: E402
+
 PHASES = ("forward", "loss", "backward", "optimizer")
 _COLL_OPS = (
     "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor",
@@ -215,7 +220,7 @@ def _gpu_ms(events: Any, steps: int) -> dict[str, float] | None:
 
 
 def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
-              device: dict[str, Any]) -> str:
+              device: dict[str, Any], code: dict[str, Any] | None = None) -> str:
     cats = ("graph_compute", "graph_collectives", "eager_collectives", "eager_aten", "python_framework")
     lines = [
         f"### Profile, shape `{shape.name}` ({shape.layers} layers, dim {shape.dim}, seq "
@@ -237,8 +242,10 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
             row = r["ms_per_step"][ph]
             for c in tot:
                 tot[c] += row[c]
-            lines.append(f"| {name} | {ph} | {row['wall']:.1f} | " + " | ".join(f"{row[c]:.1f}" for c in cats) + " |")
-        lines.append(f"| **{name}** | **step** | **{tot['wall']:.1f}** | " + " | ".join(f"**{tot[c]:.1f}**" for c in cats) + " |")
+            lines.append(f"| {R.row_name(name)} | {ph} | {R.num(row['wall'], '.1f')} | "
+                         + " | ".join(R.num(row[c], ".1f") for c in cats) + " |")
+        lines.append(f"| **{R.row_name(name)}** | **step** | **{R.num(tot['wall'], '.1f')}** | "
+                     + " | ".join(f"**{R.num(tot[c], '.1f')}**" for c in cats) + " |")
     lines.append("")
     for name, r in res.items():
         calls = ", ".join(f"{k.split('::')[-1]} {v:g}" for k, v in sorted(r["collective_calls_per_step"].items()))
@@ -248,10 +255,13 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
             f"copies {gpu['other']:.1f} ms" if gpu else ""
         )
         lines.append(
-            f"- {name}: unprofiled median step {r['unprofiled_median_ms']:.1f} ms, profiled "
+            f"- {R.label(name)}: unprofiled median step {r['unprofiled_median_ms']:.1f} ms, profiled "
             f"{r['profiled_median_ms']:.1f} ms; collective calls per step (rank 0): {calls or 'none seen'}; "
             f"compiles while profiling (dynamo, inductor): {r['compiles_while_profiling']}{gpu_part}."
         )
+    if code is not None:
+        lines.append("")
+        lines.append(R.code_line(code) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -268,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--backend", default="inductor")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    R.add_out_argument(p)
     p.add_argument("--trace", action="store_true", help="also write Chrome traces")
     H.add_placement_args(p)
     args = p.parse_args(argv)
@@ -293,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         _profile_rank, args.placement, shape_name=args.shape, variants=names, warmup=args.warmup,
         steps=args.steps, out=args.out, trace=args.trace, backend=args.backend,
     )
+    from step_time import _code_state
+
     res, device = ranks[0]["variants"], ranks[0]["device"]
-    md = _markdown(H.SHAPES[args.shape], res, args, device)
+    code = _code_state()
+    md = _markdown(H.SHAPES[args.shape], res, args, device, code)
     print(md)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"profile_{args.shape}")
@@ -302,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(md)
     with open(stem + ".json", "w") as f:
         json.dump(dict(args={**vars(args), "placement": dict(vars(args.placement))},
-                       device=device, results=res), f, indent=1)
+                       device=device, code=code, results=res), f, indent=1)
     print(f"wrote {stem}.md, {stem}.json")
     return 0
 

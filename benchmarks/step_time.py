@@ -2,8 +2,8 @@
 """Training step time of traceable_hsdp against torch's fully_shard, on 2 gloo ranks
 (CPU) or one NCCL rank per GPU (CUDA).
 
-    python benchmarks/step_time.py [--shape overhead|compute|both] [--steps N]
-                                   [--rounds R] [--out DIR] [--smoke] [--backend B]
+    python benchmarks/step_time.py --out DIR [--shape overhead|compute|both] [--steps N]
+                                   [--rounds R] [--smoke] [--backend B]
                                    [--device auto|cpu|cuda] [--world N]
 
 Spawns the ranks (``--device auto``: CUDA when ``torch.cuda.is_available()``, else the
@@ -22,14 +22,18 @@ same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same 
   collectives merged up to 1 MiB);
 - ``torch_eager``: ``torch.distributed.fsdp.fully_shard`` per block then root, eager;
 - ``torch_block_compiled``: torchtitan's recipe, every block
-  ``torch.compile(block, fullgraph=True)`` then torch's fully_shard; eager backward;
+  ``torch.compile(block, fullgraph=True)`` then torch's fully_shard: each block's
+  forward and backward compiled, fully_shard's collectives run between the blocks;
 - ``unsharded_compiled_1rank``: the plain model compiled, on rank 0 alone with the same
   per-rank batch (the other ranks wait in a barrier meanwhile): the no-communication
   floor.
 
 Writes ``<out>/step_time_<shape>.md`` (the table, also printed), ``.json`` (every raw
 step time, every rank, losses, graph and collective counts, the device and the memory
-metric) and ``.png`` (when matplotlib is importable). The memory column is the peak
+metric) and ``.png`` (when matplotlib is importable) into the folder ``--out`` names
+(required). Tables and plots name the variants as ``_report.label`` does ([Note:
+Report names] in ``_report.py``), and a cell that cannot be measured says why ([Note:
+Cells that cannot be measured]). The memory column is the peak
 RSS on the CPU and ``torch.cuda.max_memory_allocated()`` on CUDA (see
 [Note: Memory per variant] in ``_harness.py``).
 """
@@ -47,6 +51,10 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import _report as R  # noqa: E402
+
 LOSS_TOL = 1e-4
 REF_BLOCK, REF_EAGER = "torch_block_compiled", "torch_eager"
 
@@ -74,8 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed steps per variant at the start of each round, after the "
                         "compile step of round 1 (default 1)")
-    p.add_argument("--out", default=os.path.join(HERE, "results"),
-                   help="output folder (default benchmarks/results/)")
+    R.add_out_argument(p)
     p.add_argument("--backend", default="inductor",
                    help="torch.compile backend of every compiled variant (default inductor; "
                         "collectives are only counted with inductor)")
@@ -210,7 +217,7 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], placement: Any) -> dict[s
 
 
 def _fmt(x: float | None, spec: str) -> str:
-    return "–" if x is None else format(x, spec)
+    return R.num(x, spec)
 
 
 def _ratio(x: float | None) -> str:
@@ -219,7 +226,7 @@ def _ratio(x: float | None) -> str:
 
 def _coll_cells(c: dict[str, Any] | None) -> tuple[str, str]:
     if not c or not c.get("inductor_graphs"):
-        return "–", "–"
+        return R.NOT_COUNTED, R.NOT_COUNTED
     per = c["per_step"]
     n = "/".join(str(per.get(k, {}).get("count", 0)) for k in ("all_gather", "reduce_scatter", "all_reduce"))
     mb = sum(v["bytes"] for v in per.values()) / 2**20
@@ -246,6 +253,26 @@ def per_rank_cell(values: list[Any], spec: str, sep: str = " / ", idle: str | No
         return f"{first}{sep}{idle}"
     rest = [v for v in values[1:] if v is not None]
     return f"{first}{sep}{_fmt(max(rest) if rest else None, spec)}"
+
+
+def payback_cell(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """After how many steps a compiled variant's extra compile time against torch's
+    per-block compiled ``fully_shard`` (``ref``) is paid back by its faster steps."""
+    if ref is None or row is ref:
+        return "–"
+    if not row.get("compiled", True):
+        return R.NO_COMPILE
+    if row["compile_s"] is None or ref["compile_s"] is None:
+        return "–"
+    extra = row["compile_s"] - ref["compile_s"]
+    saved = ref["median_s"] - row["median_s"]
+    if extra <= 0:
+        return "0 (compiles faster)"
+    if saved <= 0:
+        return "never (steps not faster)"
+    import math
+
+    return str(math.ceil(extra / saved))
 
 
 def device_line(dev: dict[str, Any]) -> str:
@@ -275,35 +302,41 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         f"{max([r['n_timed'] for r in rows.values()] or [0])} timed steps, rank 0's clock. "
         f"{meta['passes']}.",
         "",
-        "| variant | median step (ms) | p25-p75 (ms) | tokens/s | vs torch_block_compiled "
-        f"| vs torch_eager | compile (s) "
+        "| variant | median step (ms) | p25-p75 (ms) | tokens/s "
+        f"| vs {R.label(REF_BLOCK)} | vs {R.label(REF_EAGER)} | compile (s) "
+        f"| steps to pay back the compile vs {R.label(REF_BLOCK)} "
         f"| recompiles after warm-up ({ranks_label(world).replace('/', ', ')}) "
         "| graphs/step (dynamo / inductor) | collectives/step AG/RS/AR | collective MiB/step "
         f"| {metric['column']}, {ranks_label(world)} | loss step 1 (rank 0) |",
-        "|" + "---|" * 13,
+        "|" + "---|" * 14,
     ]
     for name, r in rows.items():
         gc = r["graph_calls"]
-        graphs = f"{gc['dynamo_frames']} / {gc['inductor_graphs']}" if gc else "–"
+        compiled = r.get("compiled", True)
+        graphs = (f"{gc['dynamo_frames']} / {gc['inductor_graphs']}" if gc
+                  else R.NO_COMPILE if not compiled
+                  else "not counted (--no-graph-count)" if args.no_graph_count else "–")
         coll_n, coll_mb = _coll_cells(r["collectives"])
         unsharded = name.startswith("unsharded")
         mem_cell = per_rank_cell(r["peak_mem_mib"], ".0f", idle="idle" if unsharded else None)
         recompiles_cell = per_rank_cell(
             r["recompiles_after_warmup"], "d", sep=", ", idle="–" if unsharded else None
         )
-        compile_cell = _fmt(r["compile_s"], ".1f")
+        compile_cell = _fmt(r["compile_s"], ".1f") if compiled else R.NO_COMPILE
+        payback = payback_cell(r, rows.get(REF_BLOCK))
         lines.append(
-            f"| {name} | {r['median_s'] * 1e3:.1f} | {r['p25_s'] * 1e3:.1f}-{r['p75_s'] * 1e3:.1f} "
+            f"| {R.row_name(name)} | {r['median_s'] * 1e3:.1f} "
+            f"| {r['p25_s'] * 1e3:.1f}-{r['p75_s'] * 1e3:.1f} "
             f"| {r['tokens_per_s']:.0f}{' (1 rank)' if unsharded else ''} "
             f"| {_ratio(r.get('vs_' + REF_BLOCK))} | {_ratio(r.get('vs_' + REF_EAGER))} "
-            f"| {compile_cell} | {recompiles_cell} "
+            f"| {compile_cell} | {payback} | {recompiles_cell} "
             f"| {graphs} | {coll_n} | {coll_mb} | {mem_cell} | {r['loss_step1']:.6f} |"
         )
     for name, f in s["failed"].items():
         first = f["error"].splitlines()[0][:160]
         lines.append(
-            f"| {name} | FAILED after {f['steps_done']} step(s) on rank(s) "
-            f"{f['failed_on_rank']}: `{first}` |" + " |" * 12
+            f"| {R.row_name(name)} | FAILED after {f['steps_done']} step(s) on rank(s) "
+            f"{f['failed_on_rank']}: `{first}` |" + " |" * 13
         )
     lines.append("")
     if s.get("incomplete"):
@@ -320,8 +353,8 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
     if s["loss_traj_max_diff_vs_torch_eager"]:
         worst = max(s["loss_traj_max_diff_vs_torch_eager"].items(), key=lambda kv: kv[1])
         lines.append(
-            f"Sharded variants over all their steps vs torch_eager: max |loss diff| "
-            f"{worst[1]:.2e} ({worst[0]})."
+            f"Sharded variants over all their steps vs {R.label(REF_EAGER)}: max |loss diff| "
+            f"{worst[1]:.2e} ({R.label(worst[0])})."
         )
     lines.append(f"Memory metric: {metric['label']}: {metric['what']}.")
     above = {
@@ -332,7 +365,7 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         lines.append(
             "GPU peak above the allocation at the block's start (the variant's own model, "
             "optimizer state and activations in its first block), rank 0: "
-            + ", ".join(f"{n} +{v:.0f} MiB" for n, v in above.items()) + "."
+            + ", ".join(f"{R.label(n)} +{v:.0f} MiB" for n, v in above.items()) + "."
         )
     rss_end = ", ".join(f"rank {i} {v:.0f} MiB" for i, v in enumerate(s["peak_rss_mib"]))
     host = " (host)" if meta["device"]["type"] == "cuda" else ""
@@ -341,6 +374,20 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
 
 
 def plot(shape: Any, s: dict[str, Any], path: str, where: str) -> str | None:
+    """Writes the step-time bar chart to ``path``; ``None`` without matplotlib."""
+    fig = figure(shape, s, where)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def figure(shape: Any, s: dict[str, Any], where: str) -> Any:
+    """The step-time bar chart: one bar per variant, by name, coloured by
+    implementation with a legend; ``None`` without matplotlib."""
     try:
         import matplotlib
 
@@ -352,22 +399,19 @@ def plot(shape: Any, s: dict[str, Any], path: str, where: str) -> str | None:
     med = [s["rows"][n]["median_s"] * 1e3 for n in names]
     lo = [m - s["rows"][n]["p25_s"] * 1e3 for m, n in zip(med, names)]
     hi = [s["rows"][n]["p75_s"] * 1e3 - m for m, n in zip(med, names)]
-    colors = ["tab:blue" if n.startswith("ours") else "tab:orange" if n.startswith("torch") else "tab:gray" for n in names]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
-    ax.barh(names, med, xerr=[lo, hi], color=colors, capsize=3)
-    if REF_BLOCK in s["rows"]:
-        ref = s["rows"][REF_BLOCK]["median_s"] * 1e3
-        ax.axvline(ref, color="tab:orange", ls="--", lw=1, label=f"{REF_BLOCK}")
-        if shape.name == "overhead":
-            ax.axvline(0.75 * ref, color="tab:green", ls=":", lw=1, label="target 0.75x")
-        ax.legend(loc="lower right")
+    from matplotlib.patches import Patch
+
+    groups = [R.group(n) for n in names]
+    colors = [R.GROUP_COLORS[g] for g in groups]
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(names) + 2))
+    ax.barh([R.label(n) for n in names], med, xerr=[lo, hi], color=colors, capsize=3)
+    ax.legend(handles=[Patch(color=R.GROUP_COLORS[g], label=g) for g in dict.fromkeys(groups)],
+              loc="lower right", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("median step time (ms), bars p25-p75")
     ax.set_title(f"step time, shape {shape.name} ({shape.layers} layers, dim {shape.dim}), {where}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 # ------------------------------------------------------------------------ main
@@ -443,6 +487,11 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         loadavg_before=load_before, loadavg_after=os.getloadavg(),
     )
     s = summarize(shape, ranks, placement)
+    for v in variants:  # eager variants compile nothing: no compile time, no payback
+        if v.name in s["rows"]:
+            s["rows"][v.name]["compiled"] = v.compiled
+            if not v.compiled:
+                s["rows"][v.name]["compile_s"] = None
     md = markdown(shape, args, s, meta)
     code = meta["code"]
     dirty = code["dirty_runtime"]

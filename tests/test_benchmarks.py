@@ -26,6 +26,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import _harness as H  # noqa: E402
+import _report as R  # noqa: E402
 import compile_time  # noqa: E402
 import profile_step  # noqa: E402
 import step_time  # noqa: E402
@@ -39,11 +40,12 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
 
 
 Parse = Callable[[list[str]], Any]
+_OUT = ["--out", "never_written"]  # parse_args only; nothing is written
 
 
 def _parse_error(parse: Parse, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as exc:
-        parse(argv)
+        parse([*argv, *_OUT])
     assert exc.value.code == 2
     return capsys.readouterr().err
 
@@ -54,7 +56,7 @@ def _parse_error(parse: Parse, argv: list[str], capsys: pytest.CaptureFixture[st
 def test_auto_is_cpu_without_cuda_and_cuda_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_cuda(monkeypatch, 0)
     assert H.resolve_device("auto") == "cpu"
-    assert step_time.parse_args([]).placement == H.Placement("cpu", 2)
+    assert step_time.parse_args(_OUT).placement == H.Placement("cpu", 2)
     _fake_cuda(monkeypatch, 4)
     assert H.resolve_device("auto") == "cuda"
     assert H.resolve_placement("auto", None) == H.Placement("cuda", 4)
@@ -88,7 +90,7 @@ def test_world_defaults_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_cuda(monkeypatch, 0)
     assert H.resolve_world("cpu", None) == H.CPU_WORLD == 2
     assert H.resolve_world("cpu", 3) == 3  # gloo: any number of CPU ranks
-    assert step_time.parse_args(["--device", "cpu", "--world", "1"]).placement.world == 1
+    assert step_time.parse_args(["--device", "cpu", "--world", "1", *_OUT]).placement.world == 1
     _fake_cuda(monkeypatch, 8)
     assert H.resolve_world("cuda", None) == 8  # one rank per visible GPU
     assert H.resolve_world("cuda", 8) == 8
@@ -223,7 +225,12 @@ def test_step_time_smoke_on_cpu(
     assert "Memory metric: peak RSS MiB:" in md
     assert "**OK**" in md  # both variants: the same step-1 loss
     for name in ("ours_eager", "torch_eager"):
-        assert f"| {name} |" in md
+        assert f"| {R.label(name)} (`{name}`) |" in md
+    # Eager variants: no compile, and collectives that no Inductor graph holds say so.
+    row = next(l for l in md.splitlines() if "(`ours_eager`)" in l).split(" | ")
+    assert row.count(R.NO_COMPILE) == 2, row  # compile (s), payback
+    assert row.count(R.NOT_COUNTED) == 2, row  # collectives/step, MiB/step
+    assert "not counted (--no-graph-count)" not in row and "-0.0" not in md, md
 
     report = json.loads((out / "step_time_smoke.json").read_text())
     dev = report["meta"]["device"]
@@ -238,6 +245,58 @@ def test_step_time_smoke_on_cpu(
         assert len(row["peak_mem_mib"]) == 2 and all(m > 0 for m in row["peak_mem_mib"])
         assert row["peak_above_block_start_mib"] == [None, None]  # CUDA only
     assert [r["device"]["type"] for r in report["raw"]] == ["cpu", "cpu"]
+
+
+# ---------------------------------------------------------------- report cells
+
+
+def test_out_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    """Results go where the user says: no default into the committed results."""
+    for parse in (step_time.parse_args, profile_step.parse_args, compile_time.parse_args):
+        with pytest.raises(SystemExit):
+            parse([])
+        assert "the following arguments are required: --out" in capsys.readouterr().err
+    assert compile_time.parse_args(["--child", "{}"]).out is None  # a child writes nothing
+
+
+def test_numbers_names_and_payback() -> None:
+    assert R.num(-0.0, ".1f") == "0.0" and R.num(-0.04, ".1f") == "0.0"
+    assert R.num(-1.5, ".1f") == "-1.5" and R.num(None, ".1f") == "–"
+    keys = [v.name for v in H.all_variants()[0]] + [v.name for v in compile_time.VARIANTS]
+    for key in keys:
+        assert R.label(key) != key and "eager backward" not in R.label(key), key
+    assert R.label("ours_compiled_no_overlap").endswith("without overlap")
+    assert R.label("torch_block_compiled") == "torch fully_shard, per-block torch.compile"
+    ref = dict(compile_s=20.0, median_s=0.5, compiled=True)
+    row = dict(compile_s=50.0, median_s=0.25, compiled=True)  # +30 s, 0.25 s/step faster
+    assert step_time.payback_cell(row, ref) == "120"
+    assert step_time.payback_cell({**row, "median_s": 0.5}, ref) == "never (steps not faster)"
+    assert step_time.payback_cell({**row, "compile_s": 10.0}, ref) == "0 (compiles faster)"
+    assert step_time.payback_cell(dict(compile_s=None, median_s=1.0, compiled=False),
+                                  ref) == R.NO_COMPILE
+    assert step_time.payback_cell(ref, ref) == "–" and step_time.payback_cell(row, None) == "–"
+
+
+def test_step_time_plot_has_a_legend_and_no_target_lines() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    def row(ms: float) -> dict[str, float]:
+        return dict(median_s=ms / 1e3, p25_s=ms / 1e3 * 0.9, p75_s=ms / 1e3 * 1.1)
+
+    names = ["ours_compiled", "torch_eager", "torch_block_compiled", "unsharded_compiled_1rank"]
+    s = dict(rows={n: row(100.0 + 10 * i) for i, n in enumerate(names)})
+    fig = step_time.figure(H.SHAPES["overhead"], s, "2 gloo ranks (cpu)")
+    try:
+        (ax,) = fig.axes
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert legend == ["traceable_hsdp fully_shard", "torch fully_shard",
+                          "unsharded model (no communication)"]
+        assert [t.get_text() for t in ax.get_yticklabels()] == [R.label(n) for n in names]
+        dashed = [l for l in ax.lines if l.get_linestyle() in ("--", ":", "-.")]
+        assert not dashed and not any("target" in t for t in legend), dashed
+    finally:
+        plt.close(fig)
 
 
 # ------------------------------------------------------------------ compile_time
@@ -271,21 +330,23 @@ def test_compile_time_summary_ratios_and_goals() -> None:
     g = s["goals"]
     assert g["ours_compiled"]["warm_met"] and g["ours_compiled"]["cold_met"]
     assert not g["ours_compiled_nofix"]["warm_met"] and not g["ours_compiled_nofix"]["cold_met"]
-    args = compile_time.parse_args(["--layers", "4,8"])
+    args = compile_time.parse_args(["--layers", "4,8", *_OUT])
     meta = dict(torch="2.13", python="3.11", cpu="cpu", cpus=2, wall_s=1.0,
                 loadavg_before=(0.0, 0.0, 0.0), loadavg_after=(0.0, 0.0, 0.0),
                 code=dict(head="abc1234", dirty_runtime=""))
     md = compile_time.markdown(s, meta, args)
-    assert "| 8 | ours_compiled | 50.0 | 25.0 | 1.25x | 2.50x |" in md
+    assert ("| 8 | traceable_hsdp fully_shard, torch.compile(model) (`ours_compiled`) | 50.0 "
+            "| 25.0 | 1.25x | 2.50x |") in md
     assert "| 0/1/1 | 1/0/1 | 0/0/2 |" in md  # FX cold, FX warm, AOT warm
-    assert ("ours_compiled: warm 2.50x (goal <= 3x): **met**; cold 1.25x (goal <= 1.5x): "
-            "**met**") in md
-    assert "ours_compiled_nofix: warm 3.50x (goal <= 3x): **not met**" in md
-    assert "**4 layers, torch_block_compiled failed** (warm: exit 1: boom)" in md
+    assert ("- traceable_hsdp fully_shard, torch.compile(model): warm 2.50x (goal <= 3x): "
+            "**met**; cold 1.25x (goal <= 1.5x): **met**") in md
+    assert "TRACEABLE_HSDP_STABLE_MESH_KEY=0: warm 3.50x (goal <= 3x): **not met**" in md
+    assert ("**4 layers, torch fully_shard, per-block torch.compile failed** "
+            "(warm: exit 1: boom)") in md
 
 
 def test_compile_time_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    assert compile_time.parse_args([]).layers == [4, 8, 16]
+    assert compile_time.parse_args(_OUT).layers == [4, 8, 16]
     err = _parse_error(compile_time.parse_args, ["--variants", "ours_compiled,nope"], capsys)
     assert "unknown variant(s) ['nope']" in err
     err = _parse_error(compile_time.parse_args, ["--layers", "4,x"], capsys)
@@ -303,7 +364,7 @@ def test_compile_time_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
     md = (out / "compile_time_demo.md").read_text()
-    assert "| 1 | ours_compiled |" in md
+    assert "| 1 | traceable_hsdp fully_shard, torch.compile(model) (`ours_compiled`) |" in md
     report = json.loads((out / "compile_time_demo.json").read_text())
     (run,) = report["raw"]
     for phase in ("cold", "warm"):

@@ -1,5 +1,6 @@
-"""``traceable-hsdp train``: argument checks in process (no ranks started), the
-synthetic data, ``--clip`` in process on one rank, and three real runs of the console
+"""``traceable-hsdp train``: argument checks in process (no ranks started), what
+``import traceable_hsdp`` loads, the synthetic data, ``--clip``, ``--mixed-precision``
+and the progress bar in process on one rank, and three real runs of the console
 script (eager, eager with ``--clip``, and compiled with aot_eager) on 2 spawned gloo
 ranks.
 
@@ -32,6 +33,8 @@ from traceable_hsdp._train import (
     _global_batch,
     _loss_fn,
     _successor_table,
+    progress_enabled,
+    resolve_device,
     torchrun_env,
     train_rank,
 )
@@ -80,7 +83,10 @@ def _parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
          "--world-size 6 is not divisible by --replicate 4"),
         (["train", "--dim", "30"], "--dim 30 must split into --heads 4 heads of even size"),
         (["train", "--dim", "64", "--heads", "64"], "heads of even size"),
-        (["train", "--backend", "not_a_backend"], "'not_a_backend' is not a torch.compile"),
+        (["train", "--backend", "not_a_backend"],
+         "invalid choice: 'not_a_backend' (choose from 'inductor', 'aot_eager', 'eager')"),
+        (["train", "--device", "gpu"], "invalid choice: 'gpu' (choose from 'auto', 'cpu', 'cuda')"),
+        (["train", "--mixed-precision", "fp16"], "invalid choice: 'fp16'"),
     ],
 )
 def test_invalid_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,11 +94,70 @@ def test_invalid_arguments(argv: list[str], message: str, capsys: pytest.Capture
     assert message in err, err
 
 
-def test_backend_is_not_checked_with_eager() -> None:
+def test_backends_are_the_real_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    """--backend offers inductor, aot_eager and eager, each a registered torch.compile
+    backend, and none of the debug/testing ones torch also registers."""
+    import torch._dynamo
+
+    assert set(cli.BACKENDS) == {"inductor", "aot_eager", "eager"}
+    registered = set(torch._dynamo.list_backends(exclude_tags=()))
+    assert set(cli.BACKENDS) <= registered
+    testing = {b for b in registered if "TESTING" in b.upper()}
+    assert testing, registered  # torch registers some, so the next check can fail
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--backend {inductor,aot_eager,eager}" in help_text, help_text
+    assert not [b for b in testing if b in help_text], help_text
     parser, subparsers = cli.build_parser()
-    args = parser.parse_args(["train", "--eager", "--backend", "whatever"])
-    cfg = cli._train_config(args, subparsers["train"])
+    cfg = cli._train_config(parser.parse_args(["train", "--eager"]), subparsers["train"])
     assert cfg.eager and cfg.world_size == 2 and cfg.replicate == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+def test_device_auto_is_cpu_and_cuda_without_gpus_is_an_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without GPUs --device auto (the default) runs gloo ranks on the CPU, and
+    --device cuda stops before starting any rank with an error that says why."""
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    parser, subparsers = cli.build_parser()
+    cfg = cli._train_config(parser.parse_args(["train"]), subparsers["train"])
+    assert (cfg.device, cfg.world_size) == ("cpu", 2)
+    err = _parse_error(["train", "--device", "cuda"], capsys)
+    assert "--device cuda: torch" in err and "sees no CUDA device" in err, err
+    assert "use --device cpu (or auto)" in err, err
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda', got 'tpu'"):
+        resolve_device("tpu")
+
+
+def test_import_does_not_load_inductor() -> None:
+    """``import traceable_hsdp`` and building the CLI parser (``--help``) load neither
+    Inductor nor dynamo nor depyf; the public names still resolve on first use.
+    In a fresh interpreter, since this one has loaded them already."""
+    code = (
+        "import sys, traceable_hsdp\n"
+        "from traceable_hsdp import cli\n"
+        "cli.build_parser()\n"
+        "heavy = ('torch._inductor', 'torch._dynamo', 'depyf')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "assert 'fully_shard' in dir(traceable_hsdp)\n"
+        "from traceable_hsdp import fully_shard, dump_graphs\n"
+        "print('torch._inductor' in sys.modules, fully_shard.__module__, dump_graphs.__module__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=_REPO)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "[]", proc.stdout
+    # The check above can fail: the public names do load Inductor.
+    assert lines[1] == "True traceable_hsdp._fully_shard traceable_hsdp._dump", proc.stdout
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        import traceable_hsdp
+
+        traceable_hsdp.nope
 
 
 def test_torchrun_world_size_wins(monkeypatch: pytest.MonkeyPatch,
@@ -181,9 +246,11 @@ def _console_script() -> list[str]:
 
 
 def _run_train(*args: str) -> tuple[list[float], str]:
+    """Runs the console script with stdout and stderr to pipes (not terminals): the
+    progress bar is off unless asked for. Returns rank 0's losses and stdout."""
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     proc = subprocess.run(
-        [*_console_script(), "train", "--no-progress", *args],
+        [*_console_script(), "train", *args],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -191,6 +258,9 @@ def _run_train(*args: str) -> tuple[list[float], str]:
     assert [int(s[0]) for s in steps] == list(range(1, len(steps) + 1)), proc.stdout
     losses = [float(s[2]) for s in steps]
     assert all(math.isfinite(v) for v in losses), proc.stdout
+    # No progress bar in a log unless asked for (tqdm's convention); tqdm's rate is
+    # in "step/s" (text=True turned its "\r" redraws into newlines).
+    assert ("step/s" in proc.stderr) == ("--progress" in args), proc.stderr
     return losses, proc.stdout
 
 
@@ -204,7 +274,8 @@ def _assert_trains(losses: list[float], steps: int, out: str) -> None:
 
 
 def test_train_eager_console_script() -> None:
-    losses, out = _run_train("--eager", "--steps", "3", "--layers", "2", "--dim", "32")
+    losses, out = _run_train("--eager", "--steps", "3", "--layers", "2", "--dim", "32",
+                             "--progress")
     _assert_trains(losses, 3, out)
     assert "FSDP over 2 ranks on cpu (gloo); eager" in out
     assert "compile+step" not in out
@@ -296,6 +367,40 @@ def test_train_init_and_ac_one_rank_in_process(one_rank_group: str, init: str, a
     assert result.losses == ref_losses, (result.losses, ref_losses)
     first = out.getvalue().splitlines()[0]
     assert f"init on {init}" in first and (ac == "none") == ("checkpointing" not in first), first
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_follows_tqdm_convention(one_rank_group: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bar is drawn on a terminal, not on a pipe or file, unless forced either way."""
+    assert progress_enabled(None, _Terminal()) and not progress_enabled(None, io.StringIO())
+    assert progress_enabled(True, io.StringIO()) and not progress_enabled(False, _Terminal())
+    cfg = dataclasses.replace(_CLIP_CFG, steps=1, clip=None)
+    for progress, stream, drawn in [(None, io.StringIO(), False), (None, _Terminal(), True),
+                                    (True, io.StringIO(), True), (False, _Terminal(), False)]:
+        monkeypatch.setattr(sys, "stderr", stream)
+        train_rank(dataclasses.replace(cfg, progress=progress), torch.device("cpu"),
+                   out=io.StringIO())
+        assert ("train: 100%" in stream.getvalue()) == drawn, (progress, stream.getvalue())
+
+
+def test_bf16_mixed_precision_one_rank_in_process(one_rank_group: str) -> None:
+    """--mixed-precision bf16 reaches fully_shard: the losses move off the fp32 run's
+    (bf16 compute) but stay within bf16's precision of it (abs 5e-2 on a loss of ~5.5,
+    3 significant digits), and training still works."""
+    cfg = dataclasses.replace(_CLIP_CFG, steps=3, clip=None)
+    out = io.StringIO()
+    bf16 = train_rank(dataclasses.replace(cfg, mixed_precision="bf16"), torch.device("cpu"),
+                      out=out)
+    fp32 = train_rank(cfg, torch.device("cpu"), out=io.StringIO())
+    assert "; bf16 mixed precision" in out.getvalue().splitlines()[0], out.getvalue()
+    assert bf16.losses != fp32.losses
+    assert bf16.losses == pytest.approx(fp32.losses, abs=5e-2), (bf16.losses, fp32.losses)
+    assert bf16.losses[-1] < bf16.losses[0], bf16.losses
 
 
 @pytest.mark.parametrize("losses, norms, message", [

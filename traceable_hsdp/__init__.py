@@ -1,29 +1,67 @@
 """traceable_hsdp: torch.compile-first FSDP and HSDP.
 
 A drop-in for ``torch.distributed.fsdp``: ``from traceable_hsdp import fully_shard``.
+
+[Note: Lazy public names]
+``import traceable_hsdp`` imports torch and installs the stable mesh cache key
+([Note: FX graph cache keys across processes] in ``_cache.py``), nothing more. The
+public names are loaded on first use through the module ``__getattr__`` (PEP 562):
+``fully_shard`` brings in the runtime and its Inductor passes, ``dump_graphs`` the
+dump tool (depyf and Inductor). So ``traceable-hsdp train --help`` and any program
+that only imports the package do not pay for Inductor.
+``tests/test_cli.py`` checks that the import leaves ``torch._inductor`` unloaded.
 """
 
-from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._cache import _install_from_env
-from ._compile import compiled_autograd, disable_compiled_autograd, enable_compiled_autograd
-from ._fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx
-from ._dump import dump_graphs
-from ._hsdp import hsdp
+from __future__ import annotations
 
-__all__ = [
-    "fully_shard",
-    "FSDPModule",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-    "hsdp",
-    "dump_graphs",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "CPUOffloadPolicy",
-    "enable_compiled_autograd",
-    "disable_compiled_autograd",
-    "compiled_autograd",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._cache import _install_from_env
+
+if TYPE_CHECKING:
+    from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    from ._compile import compiled_autograd, disable_compiled_autograd, enable_compiled_autograd
+    from ._dump import dump_graphs
+    from ._fully_shard import (
+        FSDPModule,
+        fully_shard,
+        register_fsdp_forward_method,
+        share_comm_ctx,
+    )
+    from ._hsdp import hsdp
+
+# Public name -> the private module that defines it. See [Note: Lazy public names].
+_LAZY = {
+    "fully_shard": "._fully_shard",
+    "FSDPModule": "._fully_shard",
+    "register_fsdp_forward_method": "._fully_shard",
+    "share_comm_ctx": "._fully_shard",
+    "hsdp": "._hsdp",
+    "dump_graphs": "._dump",
+    "MixedPrecisionPolicy": "._api",
+    "OffloadPolicy": "._api",
+    "CPUOffloadPolicy": "._api",
+    "enable_compiled_autograd": "._compile",
+    "disable_compiled_autograd": "._compile",
+    "compiled_autograd": "._compile",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 # Stable FX graph cache keys; see [Note: FX graph cache keys across processes] (_cache.py).
 _install_from_env()

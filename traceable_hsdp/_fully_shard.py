@@ -807,6 +807,9 @@ def _fully_shard_impl(
     # See [Note: Saved views of the placeholder].
     torch._functorch.config.recompute_views = True
     _install_passes()  # Inductor post-grad passes; see passes/_install.py
+    from ._dump_env import start_from_env
+
+    start_from_env()  # TRACEABLE_HSDP_DUMP; see [Note: The dump switch] (_dump_env.py)
     return module
 
 

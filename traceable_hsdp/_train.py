@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, TextIO
 
 import torch
@@ -62,7 +62,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["TrainConfig", "TrainResult", "launch", "train_rank", "torchrun_env"]
+__all__ = [
+    "TrainConfig", "TrainResult", "launch", "train_rank", "torchrun_env", "resolve_device",
+    "progress_enabled",
+]
 
 _BRANCHES = 4  # successors per token in the synthetic language; see [Note: Synthetic data]
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -80,7 +83,8 @@ class TrainConfig:
         seq_len: tokens per sequence (default 64).
         batch_size: sequences per rank per step (default 4).
         steps: optimizer steps (default 8).
-        world_size: ranks to spawn when not under torchrun (default 2).
+        world_size: ranks to spawn when not under torchrun (default 2; with
+            ``device="cuda"`` at most one per visible GPU).
         replicate: HSDP replicas; 1 is plain FSDP (default 1).
         lr: AdamW learning rate (default 3e-3).
         ac: activation checkpointing on every block: ``"none"`` (default),
@@ -97,9 +101,18 @@ class TrainConfig:
             prints the step's norm (default ``None``: no clipping). See
             [Note: Gradient clipping].
         backend: ``torch.compile`` backend (default ``"inductor"``).
+        device: ``"cpu"`` (gloo ranks), ``"cuda"`` (NCCL, one rank per GPU) or
+            ``"auto"`` (default: ``"cuda"`` when a GPU is visible, else ``"cpu"``);
+            see :func:`resolve_device` and [Note: Devices and process groups].
+        mixed_precision: ``"none"`` (default: fp32 throughout) or ``"bf16"``:
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+            on every ``fully_shard`` call (bf16 compute and all-gathers, fp32
+            gradient reduction and fp32 sharded parameters for the optimizer).
         eager: run without ``torch.compile`` (default ``False``).
         seed: model init and data seed (default 0).
-        progress: show a tqdm bar on rank 0 (default ``True``).
+        progress: a tqdm bar on rank 0's stderr: ``True`` shows it, ``False`` hides it,
+            ``None`` (default) shows it only when stderr is a terminal, tqdm's own
+            convention, so logs do not fill with redraws (:func:`progress_enabled`).
         dump_dir: if set, every rank dumps its compiled graphs to
             ``dump_dir/rank<r>`` with :func:`traceable_hsdp.dump_graphs`, compiling
             through its recording backend; rank 0 prints the summary and compares
@@ -122,9 +135,11 @@ class TrainConfig:
     init: Literal["meta", "cpu"] = "meta"
     clip: float | None = None
     backend: str = "inductor"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    mixed_precision: Literal["none", "bf16"] = "none"
     eager: bool = False
     seed: int = 0
-    progress: bool = True
+    progress: bool | None = None
     dump_dir: str | None = None
     dump_trace: bool = False
 
@@ -185,6 +200,58 @@ def torchrun_env() -> tuple[int, int, int] | None:
         found = {v: os.environ[v] for v in _TORCHRUN_VARS}
         raise ValueError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers, got {found}.")
     return rank, world, local
+
+
+# [Note: Devices and process groups]
+# ``device="cuda"`` is one rank per GPU on NCCL, the setup FSDP is made for: spawned
+# ranks take ``cuda:RANK`` (at most ``torch.cuda.device_count()`` of them), torchrun's
+# take ``cuda:LOCAL_RANK``. ``device="cpu"`` is gloo ranks on the CPU (what the tests
+# run). ``"auto"`` picks ``"cuda"`` when torch sees a GPU and NCCL, else ``"cpu"``; it
+# is resolved once, in the launching process (:func:`resolve_device`), and a rank never
+# falls back silently: ``"cuda"`` without a GPU is an error that says so.
+
+
+def resolve_device(requested: str) -> Literal["cpu", "cuda"]:
+    """``"cpu"`` or ``"cuda"`` for ``TrainConfig.device``; see [Note: Devices and
+    process groups].
+
+    Raises:
+        ValueError: ``requested`` is not ``"auto"``, ``"cpu"`` or ``"cuda"``, or it is
+            ``"cuda"`` and torch sees no GPU (or has no NCCL).
+    """
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {requested!r}.")
+    if requested == "cpu":
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = dist.is_available() and dist.is_nccl_available()
+    if requested == "auto":
+        return "cuda" if gpus and nccl else "cpu"
+    if not gpus:
+        built = (f"built with CUDA {torch.version.cuda}" if torch.version.cuda
+                 else "a CPU-only build")
+        raise ValueError(
+            f"--device cuda: torch {torch.__version__} ({built}) sees no CUDA device "
+            "(torch.cuda.is_available() is False). Run on a machine with GPUs and a CUDA "
+            "build of torch, or use --device cpu (or auto)."
+        )
+    if not nccl:
+        raise ValueError(
+            "--device cuda: this torch build has no NCCL (torch.distributed."
+            "is_nccl_available() is False). Use --device cpu."
+        )
+    return "cuda"
+
+
+def progress_enabled(progress: bool | None, stream: TextIO) -> bool:
+    """Whether to draw the progress bar on ``stream``: ``progress`` when given, else
+    only when ``stream`` is a terminal (tqdm's convention for ``disable=None``)."""
+    if progress is not None:
+        return progress
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 # ---------------------------------------------------------------------- data
@@ -254,6 +321,11 @@ def _build_sharded(
     import traceable_hsdp
     from traceable_hsdp.models import Llama
 
+    mp_policy = traceable_hsdp.MixedPrecisionPolicy()
+    if cfg.mixed_precision == "bf16":
+        mp_policy = traceable_hsdp.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     full_sd: dict[str, torch.Tensor] = {}
     if cfg.init == "cpu" or rank == 0:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -271,8 +343,8 @@ def _build_sharded(
                 kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
             layer = checkpoint_wrapper(layer, **kw)
             model.layers[i] = layer
-        traceable_hsdp.fully_shard(layer, mesh=mesh)
-    traceable_hsdp.fully_shard(model, mesh=mesh)
+        traceable_hsdp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    traceable_hsdp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if cfg.init == "meta":
         model.to_empty(device=device)
         model.reset_buffers()
@@ -355,6 +427,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         f"{cfg.steps} steps; init on {cfg.init}"
         + ("" if cfg.ac == "none" else f"; {cfg.ac} activation checkpointing")
         + ("" if cfg.clip is None else f"; clip grad norm {cfg.clip:g}")
+        + ("" if cfg.mixed_precision == "none" else f"; {cfg.mixed_precision} mixed precision")
     )
 
     if cfg.dump_dir is not None and cfg.eager:
@@ -420,7 +493,8 @@ def _train_loop(
     norms: list[float] | None = None if cfg.clip is None else []
     compiled: dict[str, dict[str, float]] | None = None
     counts0, times0 = CacheCounts.now(), CompileTimes.now()
-    bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not (rank == 0 and cfg.progress),
+    show_bar = rank == 0 and progress_enabled(cfg.progress, sys.stderr)
+    bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=not show_bar,
                file=sys.stderr, dynamic_ncols=True)
     try:
         for step in range(cfg.steps):
@@ -477,14 +551,32 @@ def _compare_rank_dumps(dump_dir: str, world: int, say: Callable[[str], None]) -
 # --------------------------------------------------------------------- launch
 
 
+def _rank_device(device_type: str, local_rank: int) -> tuple[torch.device, str]:
+    """This rank's device and process-group backend; see [Note: Devices and process
+    groups]."""
+    if device_type == "cuda":
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:
+            raise ValueError(
+                f"Local rank {local_rank} has no GPU: {gpus} visible, and --device cuda "
+                "runs one rank per GPU. Start at most that many ranks per node."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    return torch.device("cpu"), "gloo"
+
+
 def _spawned_rank(rank: int, cfg: TrainConfig, tmp: str) -> None:
-    threads = max(1, (os.cpu_count() or 1) // cfg.world_size)
-    torch.set_num_threads(threads)
+    device, pg_backend = _rank_device(cfg.device, rank)
+    if device.type == "cpu":
+        threads = max(1, (os.cpu_count() or 1) // cfg.world_size)
+        torch.set_num_threads(threads)
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=cfg.world_size
+        pg_backend, init_method=f"file://{tmp}/store", rank=rank, world_size=cfg.world_size
     )
     try:
-        result = train_rank(cfg, torch.device("cpu"))
+        result = train_rank(cfg, device)
         if rank == 0:
             with open(os.path.join(tmp, "result.json"), "w") as f:
                 json.dump(asdict(result), f)
@@ -493,12 +585,7 @@ def _spawned_rank(rank: int, cfg: TrainConfig, tmp: str) -> None:
 
 
 def _run_torchrun_rank(cfg: TrainConfig, local_rank: int) -> TrainResult:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device, backend = _rank_device(cfg.device, local_rank)
     already = dist.is_initialized()
     if not already:
         dist.init_process_group(backend)
@@ -512,18 +599,21 @@ def _run_torchrun_rank(cfg: TrainConfig, local_rank: int) -> TrainResult:
 def launch(cfg: TrainConfig) -> TrainResult | None:
     """Runs ``cfg`` on every rank and returns rank 0's result.
 
-    Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set) this process is one
-    rank: NCCL on ``cuda:LOCAL_RANK`` when CUDA is available, gloo on the CPU
-    otherwise; ``cfg.world_size`` is ignored, and ranks other than 0 return ``None``.
-    Otherwise it spawns ``cfg.world_size`` gloo processes on the CPU (rendezvous
-    through a file in a temporary directory) and waits for them.
+    ``cfg.device`` is resolved first (:func:`resolve_device`): ``"cuda"`` is NCCL with
+    one rank per GPU, ``"cpu"`` is gloo. Under torchrun (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK`` set) this process is one rank, on ``cuda:LOCAL_RANK`` or the CPU;
+    ``cfg.world_size`` is ignored, and ranks other than 0 return ``None``. Otherwise it
+    spawns ``cfg.world_size`` processes (rendezvous through a file in a temporary
+    directory) and waits for them.
 
     Raises:
-        ValueError: a partial torchrun environment, or a world size not divisible by
-            ``cfg.replicate``.
+        ValueError: a partial torchrun environment, a world size not divisible by
+            ``cfg.replicate``, ``device="cuda"`` without GPUs, or more spawned ranks
+            than GPUs.
         torch.multiprocessing.ProcessRaisedException: a spawned rank failed; the
             message holds its traceback.
     """
+    cfg = replace(cfg, device=resolve_device(cfg.device))
     env = torchrun_env()
     if env is not None:
         rank, _, local_rank = env
@@ -532,6 +622,11 @@ def launch(cfg: TrainConfig) -> TrainResult | None:
     if cfg.world_size % cfg.replicate:
         raise ValueError(
             f"world_size={cfg.world_size} is not divisible by replicate={cfg.replicate}."
+        )
+    if cfg.device == "cuda" and cfg.world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"world_size={cfg.world_size} with device='cuda' needs {cfg.world_size} GPUs "
+            f"(one rank per GPU); {torch.cuda.device_count()} visible."
         )
     with tempfile.TemporaryDirectory(prefix="traceable_hsdp_") as tmp:
         mp.start_processes(

@@ -1,0 +1,103 @@
+"""What the benchmark reports print: names people know, cells that say why they are
+empty, and numbers without ``-0.0``. Shared by ``step_time.py``, ``compile_time.py``
+and ``profile_step.py``; measuring is ``_harness.py``'s.
+
+[Note: Report names]
+Variants keep short keys (``ours_compiled``, ``torch_block_compiled``): they are what
+``--variants`` takes and what the JSON files hold. Tables and plots show a name that
+says what ran, in the words of torch's and this project's APIs (``fully_shard``,
+``torch.compile``, the pass names of ``TRACEABLE_HSDP_PASSES``), with the key after it
+in tables so that a row can be rerun. torch's per-block recipe (torchtitan's) compiles
+each block, forward and backward (AOTAutograd compiles the block's backward), while
+``fully_shard``'s hooks and collectives run eagerly between the blocks; its name says
+"per-block torch.compile", not anything about an eager backward.
+
+[Note: Cells that cannot be measured]
+A cell is blank only when its number would be wrong. Collective counts come from the
+graphs Inductor compiles, so a variant whose collectives run outside them (eager, or
+torch's per-block recipe, where ``fully_shard`` issues them between the graphs) says
+"not counted: outside Inductor graphs" instead of 0. A compile time of an eager
+variant is "none (eager)", not the noise of first step minus median.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+NOT_COUNTED = "not counted: outside Inductor graphs"
+NO_COMPILE = "none (eager)"
+
+# Keys with fixed names; ours_compiled_no_<pass> is built in label().
+_LABELS = {
+    "ours_eager": "traceable_hsdp fully_shard, eager",
+    "ours_compiled": "traceable_hsdp fully_shard, torch.compile(model)",
+    "ours_compiled_nopasses": "traceable_hsdp fully_shard, torch.compile(model), passes off",
+    "ours_compiled_cap1mb": "traceable_hsdp fully_shard, torch.compile(model), bucket_cap_mb=1",
+    "ours_compiled_nofix": "traceable_hsdp fully_shard, torch.compile(model), "
+                           "TRACEABLE_HSDP_STABLE_MESH_KEY=0",
+    "torch_eager": "torch fully_shard, eager",
+    "torch_block_compiled": "torch fully_shard, per-block torch.compile",
+    "unsharded_compiled_1rank": "unsharded model, torch.compile(model), 1 rank",
+    "plain_whole": "unsharded model, torch.compile(model)",
+}
+_NO_PASS = "ours_compiled_no_"
+
+
+def label(key: str) -> str:
+    """The name a table or plot shows for variant ``key``; see [Note: Report names]."""
+    if key in _LABELS:
+        return _LABELS[key]
+    if key.startswith(_NO_PASS):
+        return f"traceable_hsdp fully_shard, torch.compile(model), without {key[len(_NO_PASS):]}"
+    return key
+
+
+def row_name(key: str) -> str:
+    """A table's first cell: the name, then the ``--variants`` key."""
+    name = label(key)
+    return name if name == key else f"{name} (`{key}`)"
+
+
+def group(key: str) -> str:
+    """Which implementation a variant runs, for a plot's colours and legend."""
+    if key.startswith("ours"):
+        return "traceable_hsdp fully_shard"
+    if key.startswith("torch"):
+        return "torch fully_shard"
+    return "unsharded model (no communication)"
+
+
+GROUP_COLORS = {
+    "traceable_hsdp fully_shard": "tab:blue",
+    "torch fully_shard": "tab:orange",
+    "unsharded model (no communication)": "tab:gray",
+}
+
+
+def num(x: float | None, spec: str, missing: str = "–") -> str:
+    """``x`` formatted, ``missing`` for ``None``; never ``-0.0`` (a value that rounds to
+    zero prints as zero)."""
+    if x is None:
+        return missing
+    text = format(x, spec)
+    if text.lstrip("-").strip("0.") == "" and text.startswith("-"):
+        text = text[1:]
+    return text
+
+
+def add_out_argument(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """``--out DIR``, required (``required=False``: the caller checks it): results go
+    where the user says, never into the repository's committed ``benchmarks/results/``
+    unless named."""
+    p.add_argument("--out", required=required, default=None, metavar="DIR",
+                   help="folder for the report (.md, .json, .png); created if needed. "
+                        "Required: nothing is written into the repository by default")
+
+
+def code_line(code: dict[str, Any]) -> str:
+    """Which code a table ran at, for its footer."""
+    if not code.get("head"):
+        return f"Code: {code.get('root', '?')} (not a git checkout)"
+    dirty = code.get("dirty_runtime")
+    return f"Code: commit {code['head']}" + (", with uncommitted changes" if dirty else "")
