@@ -20,8 +20,9 @@ shards it, and checks that every rank's shards equal, bitwise, those of step 5 (
 check for the example, not part of a real job). Needs transformers 5 (pip install
 "transformers>=5").
 
-Eager only: activation checkpointing in a compiled fully_shard model is still
-being worked on, so this script does not call torch.compile.
+--compile BACKEND compiles the model (torch.compile) and its backward (compiled
+autograd, traceable_hsdp.enable_compiled_autograd), checkpointed layers included;
+the optimizer step and the clipping stay eager.
 """
 
 import argparse
@@ -30,10 +31,12 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from traceable_hsdp import fully_shard
+from traceable_hsdp import enable_compiled_autograd, fully_shard
+from traceable_hsdp.optim import AdamW
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping")
     p.add_argument("--seed", type=int, default=0, help="rank 0's initialization")
+    p.add_argument("--compile", metavar="BACKEND", default=None,
+                   help="torch.compile backend (inductor, aot_eager); default: eager")
     p.add_argument("--check-init", action="store_true",
                    help="check the loaded shards against a model built whole on every rank")
     return p.parse_args()
@@ -119,14 +124,14 @@ def main() -> None:
     # 1-3: build on meta, shard, allocate this rank's shards.
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    # Activation checkpointing: recompute each decoder layer's forward in backward
-    # (non-reentrant torch.utils.checkpoint inside the layer). Recent transformers 5
-    # releases renamed gradient_checkpointing_enable (now a deprecated alias).
-    ac_kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ac_kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ac_kwargs)
+    # Activation checkpointing: recompute each decoder layer's forward in backward.
+    # checkpoint_wrapper (non-reentrant) before fully_shard, torchtitan's order: the
+    # checkpoint sits inside the unit, so fully_shard's hooks stay outside it. (HF's
+    # own gradient_checkpointing_enable puts the checkpoint around the whole layer
+    # call, hooks included: that trains eagerly, but torch.compile cannot trace it;
+    # see docs/compile.md, "Activation checkpointing".)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer)
     shard(model)
     model.to_empty(device=device)
 
@@ -149,10 +154,15 @@ def main() -> None:
                   flush=True)
 
     model.train()  # HF checkpoints the layers only in training mode
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # torch.optim.AdamW's numbers, stepped on the local shards (docs/api.md).
+    optimizer = AdamW(model.parameters(), lr=args.lr)
+    forward = model
+    if args.compile:
+        enable_compiled_autograd(backend=args.compile)  # traces the backward's hooks
+        forward = torch.compile(model, backend=args.compile)
     for step in range(args.steps):
         tokens = synthetic_batch(args, step, rank).to(device)
-        loss = model(input_ids=tokens, labels=tokens).loss  # HF shifts the labels
+        loss = forward(input_ids=tokens, labels=tokens).loss  # HF shifts the labels
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         optimizer.step()

@@ -6,10 +6,10 @@ What is checked is that each example works as a user runs it, not parity (the
 runtime, HSDP, state-dict and conformance tests do that): exit status 0, the losses
 finite and the last below the first (the data is learnable and the seeds fixed, so
 this is deterministic), and each script's own check (HF shards equal to a model
-built whole, HSDP replicas equal, resumed run equal to the uninterrupted one). Only
-``train_llama.py`` is compiled here (``--backend aot_eager``); the others run
-``--eager``, as their compiled paths are covered by ``test_hsdp.py`` and
-``test_state_dict.py``, and ``hf_causal_lm.py`` is eager only.
+built whole, HSDP replicas equal, resumed run equal to the uninterrupted one).
+``train_llama.py`` and ``hf_causal_lm.py`` are compiled here (aot_eager); the others
+run ``--eager``, as their compiled paths are covered by ``test_hsdp.py`` and
+``test_state_dict.py``.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def test_train_llama_compiled() -> None:
 
 
 @pytest.mark.slow
-def test_hf_causal_lm_meta_init_and_activation_checkpointing() -> None:
+def test_hf_causal_lm_meta_init_and_activation_checkpointing_compiled() -> None:
     pytest.importorskip("transformers")
-    out = _torchrun("hf_causal_lm.py", 2, "--check-init")
+    out = _torchrun("hf_causal_lm.py", 2, "--check-init", "--compile", "aot_eager")
     assert "check-init: every rank's shards equal those of the model built whole" in out, out
     _assert_trains(_losses(out), 5, out)
 
