@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import traceable_hsdp
 from traceable_hsdp import fully_shard
 from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.optim import AdamW  # torch.optim.AdamW on the local shards
 
 
 def parse_args() -> argparse.Namespace:
@@ -106,7 +107,7 @@ class Run:
         for block in self.model.layers:
             fully_shard(block)
         fully_shard(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.optimizer = AdamW(self.model.parameters(), lr=args.lr)
         self.forward = self.model
         if not args.eager:
             traceable_hsdp.enable_compiled_autograd(backend=args.backend)

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import traceable_hsdp
 from traceable_hsdp import fully_shard
 from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.optim import AdamW  # torch.optim.AdamW on the local shards
 
 
 def parse_args() -> argparse.Namespace:
@@ -87,7 +88,7 @@ def main() -> None:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = AdamW(model.parameters(), lr=args.lr)
 
     wq = model.layers[0].attn.wq.weight
     if rank == 0:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import traceable_hsdp
 from traceable_hsdp import fully_shard
 from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.optim import AdamW  # torch.optim.AdamW on the local shards
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,7 +81,7 @@ def main() -> None:
     for block in model.layers:
         fully_shard(block)  # no mesh: a 1-D mesh over all ranks
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = AdamW(model.parameters(), lr=args.lr)
 
     if not args.eager:
         # Compiled autograd captures the backward's collectives; it must be on

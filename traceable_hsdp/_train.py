@@ -412,7 +412,11 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     )
     model = _build_sharded(cfg, model_cfg, mesh, device, rank)
     n_params = sum(p.numel() for p in model.parameters())
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    # torch.optim.AdamW's numbers and state, stepped on the local shards; see
+    # [Note: Optimizer steps on local shards] (optim.py).
+    from .optim import AdamW
+
+    optim = AdamW(model.parameters(), lr=cfg.lr)
 
     mode = "eager" if cfg.eager else f"compiled ({cfg.backend})"
     layout = (
