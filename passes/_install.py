@@ -104,7 +104,7 @@ import torch._inductor.config as inductor_config
 from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
 
-from ._graph import INFERENCE_AWARE, InferenceAwareGraphPass
+from ._graph import INFERENCE_AWARE, InferenceAwareGraphPass, annotation_of, is_collective
 from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
@@ -306,6 +306,29 @@ def track_unit_options(holder: object) -> None:
     _units_with_options.add(holder)
 
 
+_warned_options_lost = False
+
+
+def _warn_if_options_lost(graph: fx.Graph) -> None:
+    """Warns once per process when units with their own pass options are alive and a
+    graph's collectives carry no annotation (a compiled-autograd backward on torch
+    2.13): the ``PassConfig`` decides there. See [Note: Per-unit pass options]."""
+    global _warned_options_lost
+    if _warned_options_lost or not len(_units_with_options):
+        return
+    if any(is_collective(n) and annotation_of(n) is None for n in graph.nodes):
+        _warned_options_lost = True
+        log.warning(
+            "traceable_hsdp passes: this graph's collectives carry no unit annotation "
+            "(compiled-autograd backward graphs lose node metadata on this torch), so "
+            "a unit's own pass options (hsdp(comm_fusion=..., bucket_size=...)) cannot "
+            "apply here; the process-wide PassConfig decides (%r). Set "
+            "traceable_hsdp.passes.set_config(PassConfig(bucket_all_gathers=False, "
+            "bucket_reduce_scatters=False)) to keep every graph unbucketed.",
+            get_config(),
+        )
+
+
 _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of them
 
 
@@ -323,6 +346,7 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
     def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
         gm = graph.owning_module
         if isinstance(gm, fx.GraphModule):
+            _warn_if_options_lost(graph)
             run_passes(gm)
         else:
             log.warning("traceable_hsdp passes skipped: the graph has no owning GraphModule")

@@ -92,7 +92,8 @@ key, so units with different options never share a bucket, and a unit's own cap
 applies to merges with its neighbours of the same options. A unit's options thus
 never change another model's graphs. Where the annotations are lost (the
 compiled-autograd backward graphs of torch 2.13), every collective follows the
-``PassConfig``.
+``PassConfig``; ``TraceableHSDPPass`` logs a warning, once per process, when that
+happens while a unit with its own options is alive.
 """
 
 from __future__ import annotations

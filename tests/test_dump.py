@@ -369,13 +369,14 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     for r in dump.records:
         assert (tmp_path / r.file).exists()
     assert (tmp_path / "post_grad" / "00_fwd_after_passes.py").read_text().count(
-        "all_gather_into_tensor.default("
+        f"{ALL_GATHER}("
     ) == 1
 
 
 # ------------------------------------------------------ tier 2: the command
-_AG_CALL = re.compile(r"= torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(")
-_RS_CALL = re.compile(r"= torch\.ops\._c10d_functional\.reduce_scatter_tensor\.default\(")
+# How a graph's source calls the vocabulary's ops.
+_AG_CALL = re.compile(re.escape(f"= torch.ops.{ALL_GATHER}("))
+_RS_CALL = re.compile(re.escape(f"= torch.ops.{REDUCE_SCATTER}("))
 
 
 def _ag_rs(graph: dict[str, Any]) -> tuple[int, int]:

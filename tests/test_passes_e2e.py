@@ -287,6 +287,16 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
     from traceable_hsdp import passes
     from traceable_hsdp.passes._graph import PostGradRecorder, annotation_of, collective_totals
 
+    import logging
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("traceable_hsdp.passes._install").addHandler(Keep())
     config = passes.get_config()
     rec = PostGradRecorder()
     torch._inductor.config.post_grad_custom_post_pass = rec
@@ -316,6 +326,7 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
             for g in graphs
         ]
     out["config_unchanged"] = passes.get_config() == config
+    out["warnings"] = warnings
     return out
 
 
@@ -329,9 +340,11 @@ def test_hsdp_comm_fusion_off_leaves_other_models_bucketed() -> None:
     The hsdp model's backward follows the process-wide PassConfig (all passes on):
     compiled-autograd backward graphs lose node annotations on torch 2.13 (see
     [Note: Collective annotations] in passes/_graph.py), so its reduce-scatters are
-    bucketed per unit."""
+    bucketed per unit, and the passes log a warning saying so."""
     for r in run_ranks(_two_models_worker, 2):
         assert r["config_unchanged"]
+        # ... and says so, once.
+        assert len(r["warnings"]) == 1 and "carry no unit annotation" in r["warnings"][0], r["warnings"]
         for name, fwd_ag in (("hsdp_no_fusion", 4), ("fully_shard", 2)):
             fwd = [g for g in r[name] if g["kind"] == "fwd"]
             bwd = [g for g in r[name] if g["kind"] == "bwd"]
