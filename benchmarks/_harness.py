@@ -50,14 +50,16 @@ a compiled-autograd backward). Anything either counter gains after a variant's f
 step is reported as a recompile after warm-up; it must stay 0.
 
 [Note: Collectives per step]
-The recording pass is appended to ``torch._inductor.config.post_grad_custom_post_pass``
-(after whatever is already there). It keeps the graph it is handed; later post-grad
-passes (torch's own bucketing, reinplacing) rewrite that same graph object in place, so
-reading it after the compile shows the graph Inductor finally lowered. Collectives
-are counted from its nodes and sized from their ``meta["val"]``: an all-gather by its
-output (the gathered buffer), a reduce-scatter by its input (the full gradient), an
-all-reduce by its tensor. Every recorded graph of a variant runs once per step (the
-profiled step checks: Inductor graph calls per step equal graphs recorded).
+The recording pass (the graph vocabulary's ``PostGradRecorder``) is appended to
+``torch._inductor.config.post_grad_custom_post_pass`` (after whatever is already
+there). It keeps the graph it is handed; later post-grad passes (torch's own
+bucketing, reinplacing) rewrite that same graph object in place, so reading it after
+the compile shows the graph Inductor finally lowered. Collectives are counted from its
+nodes and sized from their ``meta["val"]`` by the vocabulary's ``collective_totals``:
+an all-gather by its output (the gathered buffer), a reduce-scatter by its input (the
+full gradient), an all-reduce by its tensor. Every recorded graph of a variant runs
+once per step (the profiled step checks: Inductor graph calls per step equal graphs
+recorded).
 """
 
 from __future__ import annotations
@@ -407,86 +409,42 @@ def all_variants() -> tuple[list[Variant], str]:
 # ------------------------------------------------- compile / graph bookkeeping
 
 
-_COLLECTIVES = (
-    # (substring of the op name, kind, sized by): checked in order.
-    ("all_gather_into_tensor", "all_gather", "out"),
-    ("reduce_scatter_tensor", "reduce_scatter", "in"),
-    ("all_reduce", "all_reduce", "out"),
-)
-
-
-def _nbytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
-
-
-def count_collectives(graph: torch.fx.Graph) -> dict[str, dict[str, int]]:
-    """``{kind: {"count": n, "bytes": b}}`` over the graph's collective nodes (waits
-    excluded). See [Note: Collectives per step]."""
-    out: dict[str, dict[str, int]] = {}
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = str(node.target)
-        if "_c10d_functional" not in name and "c10d" not in name:
-            continue
-        if "wait" in name:
-            continue
-        for sub, kind, sized_by in _COLLECTIVES:
-            if sub in name:
-                if sized_by == "in" and node.args and isinstance(node.args[0], torch.fx.Node):
-                    val = node.args[0].meta.get("val")
-                elif sized_by == "in" and node.args and isinstance(node.args[0], (list, tuple)):
-                    val = [a.meta.get("val") for a in node.args[0] if isinstance(a, torch.fx.Node)]
-                else:
-                    val = node.meta.get("val")
-                slot = out.setdefault(kind, {"count": 0, "bytes": 0})
-                slot["count"] += 1
-                slot["bytes"] += _nbytes(val)
-                break
-    return out
-
-
-@dataclass
-class RecordedGraph:
-    variant: str
-    backward: bool  # a compiled-autograd graph or an AOT backward
-    gm: torch.fx.GraphModule | None
-    graph: torch.fx.Graph
-
-    def final_graph(self) -> torch.fx.Graph:
-        # Later passes may assign a new graph to the module; read the latest.
-        return self.gm.graph if self.gm is not None else self.graph
-
-
 class Recorder:
-    """The recording post-grad pass (a plain callable: it bypasses the FX graph cache,
-    so it sees every graph Inductor compiles). See [Note: Collectives per step]."""
+    """The recording post-grad pass, with the variant that compiled each graph. The
+    pass is the graph vocabulary's recorder
+    (``traceable_hsdp.passes._graph.PostGradRecorder``, made on first use so that
+    importing this module imports no traceable_hsdp): its ``uuid()`` is ``None``, so
+    it bypasses the FX graph cache and sees every graph Inductor compiles. See
+    [Note: Collectives per step]."""
 
     def __init__(self) -> None:
+        self._pass: Any = None
         self.variant = "?"
-        self.graphs: list[RecordedGraph] = []
-        self.calls = 0
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.calls += 1
-        cid = torch._guards.CompileContext.current_compile_id()
-        is_ca = cid is not None and getattr(cid, "compiled_autograd_id", None) is not None
-        # AOT backward graphs take tangents; forwards do not.
-        is_bwd_aot = any(n.op == "placeholder" and "tangents" in n.name for n in graph.nodes)
-        self.graphs.append(
-            RecordedGraph(self.variant, is_ca or is_bwd_aot, graph.owning_module, graph)
-        )
+    @property
+    def pass_(self) -> Any:
+        """The ``PostGradRecorder`` to put in ``post_grad_custom_post_pass``."""
+        if self._pass is None:
+            from traceable_hsdp.passes._graph import PostGradRecorder
+
+            self._pass = PostGradRecorder(self._tag)
+        return self._pass
+
+    def _tag(self, rec: Any) -> None:
+        rec.tag = self.variant
+
+    @property
+    def calls(self) -> int:
+        return 0 if self._pass is None else self._pass.calls
 
     def summary(self, variant: str) -> dict[str, Any]:
-        mine = [g for g in self.graphs if g.variant == variant]
+        from traceable_hsdp.passes._graph import collective_totals
+
+        mine = [g for g in (self._pass.graphs if self._pass else []) if g.tag == variant]
         per_graph = []
         total: dict[str, dict[str, int]] = {}
         for g in mine:
-            c = count_collectives(g.final_graph())
+            c = collective_totals(g.final_graph())
             per_graph.append({"backward": g.backward, "collectives": c})
             for kind, v in c.items():
                 slot = total.setdefault(kind, {"count": 0, "bytes": 0})
@@ -666,8 +624,8 @@ class Runner:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_env(PASSES_ENV, self.v.passes if self.v.impl == "ours" else None))
             stack.enter_context(_passes_config(self.v.passes_config))
-            if self.backend == "inductor" and RECORDER not in existing:
-                iconfig.post_grad_custom_post_pass = [*existing, RECORDER]
+            if self.backend == "inductor" and RECORDER.pass_ not in existing:
+                iconfig.post_grad_custom_post_pass = [*existing, RECORDER.pass_]
             fconfig.recompute_views = (
                 True if self.v.impl == "ours" else self.default_recompute_views
             )

@@ -15,11 +15,15 @@ and one pass over AOTAutograd joint graphs (any backend), not switchable:
 - :func:`save_checkpoint_outputs`: what leaves an activation-checkpoint region is
   saved for backward, not recomputed before the unit's re-gather.
 
-:func:`install` (called by ``fully_shard``) runs them on every graph Inductor
-compiles, configured by ``traceable_hsdp.passes.config`` (a :class:`PassConfig`, from
+:func:`install` (called by ``fully_shard``; :func:`uninstall` undoes it) runs them
+on every graph Inductor compiles, configured by ``traceable_hsdp.passes.config`` (a :class:`PassConfig`, from
 the environment variables ``TRACEABLE_HSDP_PASSES`` and
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``; see [Note: Pass configuration] in ``_install.py``).
-``docs/passes.md`` describes all four, their order, switches and memory cost.
+What each of them matches (an all-gather, a wait, an ``fsdp.copy_``, a resize, a
+unit's annotation) is the graph vocabulary of ``_graph.py``, which the dump tool, the
+benchmarks and the tests use as well. The package imports only torch.
+``docs/passes.md`` describes all four, their order, switches and memory cost, and
+what :func:`install` changes in torch's configuration.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from ._install import (
     install,
     run_passes,
     set_config,
+    track_unit_options,
     uninstall,
 )
+from ._graph import UnitPassOptions
 from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
@@ -45,6 +51,7 @@ __all__ = [
     "PassConfig",
     "TraceableHSDPJointPass",
     "TraceableHSDPPass",
+    "UnitPassOptions",
     "bucket_all_gathers",
     "bucket_reduce_scatters",
     "config",
@@ -55,6 +62,7 @@ __all__ = [
     "run_passes",
     "save_checkpoint_outputs",
     "set_config",
+    "track_unit_options",
     "uninstall",
 ]
 

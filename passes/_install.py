@@ -1,4 +1,5 @@
-"""Plugging the passes into Inductor, and their configuration.
+"""Plugging the passes into Inductor, their configuration, and every change
+traceable_hsdp makes to torch's compile configuration.
 
 [Note: Installing the passes]
 :func:`install` sets ``torch._inductor.config.post_grad_custom_pre_pass`` to a
@@ -42,13 +43,57 @@ initial value comes from the environment:
     See [Note: Bucket size cap] in ``bucket_collectives.py``.
 
 Change it in code with ``traceable_hsdp.passes.set_config(PassConfig(...))`` or
-``install(config=...)``.
+``install(config=...)``. A unit's own options (``hsdp(comm_fusion=...)``) never
+change it: they travel in the unit's collective annotations (see [Note: Per-unit
+pass options] in ``bucket_collectives.py``).
+
+[Note: Global switches]
+Everything traceable_hsdp changes in torch's process-wide compile configuration is
+changed here, by :func:`install` (which ``fully_shard`` calls), and put back by
+:func:`uninstall`, which restores each value as it was before :func:`install`
+first changed it:
+
+- ``torch._inductor.config.post_grad_custom_pre_pass``: our passes, wrapping what
+  was there ([Note: Installing the passes]);
+- ``torch._functorch.config.joint_custom_pass``: :func:`save_checkpoint_outputs`,
+  after what was there;
+- ``torch._inductor.config.reorder_for_peak_memory = False`` when
+  ``PassConfig.overlap`` is on: with it on, Inductor's scheduler puts every wait
+  back next to its collective (see [Note: Overlap and Inductor's scheduler] in
+  ``overlap.py``);
+- ``torch._functorch.config.recompute_views = True``: see [Note: Saved views of the
+  placeholder].
+
+Each :func:`install` sets them again (a ``fully_shard`` after the user changed one
+changes it back), but remembers only the values from before the first change. The one
+other process-wide change, a ``copyreg`` reducer for ``DeviceMesh`` made on import,
+has its own undo (``traceable_hsdp/_cache.py``). Nothing else (not ``hsdp()``, not a
+unit's options) writes process-wide configuration.
+
+[Note: Saved views of the placeholder]
+AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward
+(e.g. the transpose a linear's input-gradient needs) and compute it at the end of
+the forward graph, after the placeholder was resized to 0 bytes. Eagerly executed
+(aot_eager) that view fails its storage-bounds check; compiled, it is only correct
+by accident of aliasing. ``torch._functorch.config.recompute_views = True`` makes
+the partitioner recompute views in the backward from the placeholder itself, after
+the re-gather. It is a global config, read when a graph is partitioned, so
+:func:`install` sets it (for every backend, aot_eager included).
+
+[Note: Per-unit options and the FX graph cache]
+Inductor's FX graph cache key hashes the graph's code and our pass's ``uuid()``, not
+node metadata, so it does not see the pass options a unit carries in its
+annotations: two graphs that differ only there share a key. While any unit with its
+own pass options is alive (:func:`track_unit_options`, called by ``hsdp()``),
+``uuid()`` is therefore ``None`` and Inductor compiles without the FX graph cache;
+processes whose units carry no options of their own cache as before.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -59,6 +104,7 @@ import torch._inductor.config as inductor_config
 from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
 
+from ._graph import INFERENCE_AWARE, InferenceAwareGraphPass, annotation_of, is_collective
 from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
@@ -73,6 +119,7 @@ __all__ = [
     "install",
     "uninstall",
     "run_passes",
+    "track_unit_options",
 ]
 
 log = logging.getLogger(__name__)
@@ -228,10 +275,14 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
     done: dict[str, int] = {}
     if cfg.remove_resize_copy:
         done["remove_resize_copy"] = remove_resize_copy(gm)
-    if cfg.bucket_all_gathers:
-        done["bucket_all_gathers"] = bucket_all_gathers(gm, cfg.bucket_cap_mb)
-    if cfg.bucket_reduce_scatters:
-        done["bucket_reduce_scatters"] = bucket_reduce_scatters(gm, cfg.bucket_cap_mb)
+    # Always run: a unit's own options may turn bucketing on where the configuration
+    # has it off (see [Note: Per-unit pass options]).
+    n = bucket_all_gathers(gm, cfg.bucket_cap_mb, enabled=cfg.bucket_all_gathers)
+    if cfg.bucket_all_gathers or n:
+        done["bucket_all_gathers"] = n
+    n = bucket_reduce_scatters(gm, cfg.bucket_cap_mb, enabled=cfg.bucket_reduce_scatters)
+    if cfg.bucket_reduce_scatters or n:
+        done["bucket_reduce_scatters"] = n
     if cfg.overlap:
         done["overlap"] = overlap(gm)
     return done
@@ -241,13 +292,47 @@ def _sources() -> tuple[str, ...]:
     return tuple(sorted(str(p) for p in Path(__file__).resolve().parent.glob("*.py")))
 
 
-# Inductor hands ``is_inference`` to passes of this class; older torch lacks it.
-_InferenceAwareBase: type = getattr(_cgp, "CustomInferenceAwareGraphPass", _cgp.CustomGraphPass)
-_INFERENCE_AWARE = _InferenceAwareBase is not _cgp.CustomGraphPass
+_units_with_options: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+def track_unit_options(holder: object) -> None:
+    """Notes that a unit carrying its own pass options exists while ``holder`` (its
+    state, say) is alive: the FX graph cache is off until then. See [Note: Per-unit
+    options and the FX graph cache].
+
+    Args:
+        holder: any weakly referenceable object that lives as long as the unit.
+    """
+    _units_with_options.add(holder)
+
+
+_warned_options_lost = False
+
+
+def _warn_if_options_lost(graph: fx.Graph) -> None:
+    """Warns once per process when units with their own pass options are alive and a
+    graph's collectives carry no annotation (a compiled-autograd backward on torch
+    2.13): the ``PassConfig`` decides there. See [Note: Per-unit pass options]."""
+    global _warned_options_lost
+    if _warned_options_lost or not len(_units_with_options):
+        return
+    if any(is_collective(n) and annotation_of(n) is None for n in graph.nodes):
+        _warned_options_lost = True
+        log.warning(
+            "traceable_hsdp passes: this graph's collectives carry no unit annotation "
+            "(compiled-autograd backward graphs lose node metadata on this torch), so "
+            "a unit's own pass options (hsdp(comm_fusion=..., bucket_size=...)) cannot "
+            "apply here; the process-wide PassConfig decides (%r). Set "
+            "traceable_hsdp.passes.set_config(PassConfig(bucket_all_gathers=False, "
+            "bucket_reduce_scatters=False)) to keep every graph unbucketed.",
+            get_config(),
+        )
+
+
 _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of them
 
 
-class TraceableHSDPPass(_InferenceAwareBase):  # type: ignore[misc, valid-type]
+class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-type]
     """The post-grad pre-pass :func:`install` sets: our passes, then the pass the
     user had set (``user_pass``), if any. See [Note: Installing the passes].
 
@@ -261,16 +346,19 @@ class TraceableHSDPPass(_InferenceAwareBase):  # type: ignore[misc, valid-type]
     def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
         gm = graph.owning_module
         if isinstance(gm, fx.GraphModule):
+            _warn_if_options_lost(graph)
             run_passes(gm)
         else:
             log.warning("traceable_hsdp passes skipped: the graph has no owning GraphModule")
         for p in _cgp.get_custom_graph_passes(self.user_pass):
-            if _INFERENCE_AWARE and isinstance(p, _InferenceAwareBase):
+            if INFERENCE_AWARE and isinstance(p, InferenceAwareGraphPass):
                 p(graph, is_inference=is_inference)
             else:
                 p(graph)
 
     def uuid(self) -> bytes | None:
+        if len(_units_with_options):
+            return None  # See [Note: Per-unit options and the FX graph cache].
         user_ids = []
         for p in _cgp.get_custom_graph_passes(self.user_pass):
             uid = p.uuid() if isinstance(p, _cgp.CustomPassBase) else None
@@ -307,11 +395,23 @@ def _is_ours(value: object) -> bool:
     return isinstance(value, (list, tuple)) and any(isinstance(v, TraceableHSDPPass) for v in value)
 
 
+# The flags install() changed, as they were before the first install(); see
+# [Note: Global switches]. Keyed by (config module, attribute name). (The two hooks
+# need no record: ours holds what it wraps.)
+_saved: dict[tuple[Any, str], Any] = {}
+
+
+def _switch(module: Any, name: str, value: Any) -> None:
+    _saved.setdefault((module, name), getattr(module, name))
+    setattr(module, name, value)
+
+
 def install(config: PassConfig | None = None) -> None:
     """Makes Inductor run the passes on every post-grad graph, and AOTAutograd run
-    :func:`save_checkpoint_outputs` on every joint graph. Idempotent; keeps and runs a
-    user's ``post_grad_custom_pre_pass`` after ours (a user's ``joint_custom_pass``
-    before ours). See [Note: Installing the passes].
+    :func:`save_checkpoint_outputs` on every joint graph; sets the other switches of
+    [Note: Global switches]. Idempotent; keeps and runs a user's
+    ``post_grad_custom_pre_pass`` after ours (a user's ``joint_custom_pass`` before
+    ours). See [Note: Installing the passes].
 
     Args:
         config: if given, :func:`set_config` it first (default ``None``: keep).
@@ -325,10 +425,11 @@ def install(config: PassConfig | None = None) -> None:
         functorch_config.joint_custom_pass = TraceableHSDPJointPass(
             functorch_config.joint_custom_pass
         )
+    if not functorch_config.recompute_views:
+        _switch(functorch_config, "recompute_views", True)  # See [Note: Saved views of the placeholder].
     if get_config().overlap and inductor_config.reorder_for_peak_memory:
-        # See [Note: Overlap and Inductor's scheduler] (overlap.py): with it on,
-        # Inductor puts every wait back next to its collective.
-        inductor_config.reorder_for_peak_memory = False
+        # See [Note: Overlap and Inductor's scheduler] (overlap.py).
+        _switch(inductor_config, "reorder_for_peak_memory", False)
         log.info("traceable_hsdp: torch._inductor.config.reorder_for_peak_memory = False (overlap)")
     current = inductor_config.post_grad_custom_pre_pass
     if _is_ours(current):
@@ -338,12 +439,16 @@ def install(config: PassConfig | None = None) -> None:
 
 
 def uninstall() -> None:
-    """Puts back what ``post_grad_custom_pre_pass`` and ``joint_custom_pass`` held
-    before :func:`install`. Does nothing where ours is not installed."""
+    """Undoes :func:`install`: the two hooks get back what ours wraps (where a hook
+    was replaced again after install, it is left as it is now), and every flag of
+    [Note: Global switches] the value it had before :func:`install` changed it. Does
+    nothing where nothing is installed."""
     current = inductor_config.post_grad_custom_pre_pass
     if isinstance(current, TraceableHSDPPass):
         inductor_config.post_grad_custom_pre_pass = current.user_pass
     joint = functorch_config.joint_custom_pass
     if isinstance(joint, TraceableHSDPJointPass):
         functorch_config.joint_custom_pass = joint.user_pass
-
+    for (module, name), old in _saved.items():
+        setattr(module, name, old)
+    _saved.clear()

@@ -65,8 +65,8 @@ after the last gradient (fewer collectives, but every unsharded gradient stays a
 until then).
 
 Both give the merged collective the annotations of the ones it replaces (every
-parameter it serves; see [Note: Collective annotations] in
-``traceable_hsdp/_annotate.py``), so graph dumps still say what it gathers.
+parameter it serves; see [Note: Collective annotations] in ``_graph.py``), so graph
+dumps still say what it gathers.
 
 Invariant of both: every replaced wait's value is the same tensor value as before
 (bitwise: the reduction is elementwise over the same ranks), each collective now
@@ -80,6 +80,20 @@ order.
 all-gather, of the reduce-scatter input for a reduce-scatter); a unit is never split.
 Merging all-gathers issues the later unit's gather early (its inputs are hoisted when
 they are pure); merging reduce-scatters delays the earlier unit's.
+
+[Note: Per-unit pass options]
+Whether a collective is bucketed, and under which cap, is decided per collective:
+by the :class:`UnitPassOptions` its unit carries in its annotation (``hsdp()``'s
+``comm_fusion`` and ``bucket_size``; see [Note: Collective annotations] in
+``_graph.py``), else by the process-wide ``PassConfig`` (the ``enabled`` and
+``bucket_cap_mb`` arguments here). A collective whose unit says ``bucket=False`` is
+left as it is and closes the run it interrupts; the options are part of the bucket
+key, so units with different options never share a bucket, and a unit's own cap
+applies to merges with its neighbours of the same options. A unit's options thus
+never change another model's graphs. Where the annotations are lost (the
+compiled-autograd backward graphs of torch 2.13), every collective follows the
+``PassConfig``; ``TraceableHSDPPass`` logs a warning, once per process, when that
+happens while a unit with its own options is alive.
 """
 
 from __future__ import annotations
@@ -91,21 +105,26 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .._annotate import merge_annotations, set_annotation
-from ._predicates import (
+from ._graph import (
     ALL_GATHER,
     REDUCE_SCATTER,
     WAIT,
+    UnitPassOptions,
     collective_group,
-    erase_all,
     has_side_effects,
-    insert_call,
     is_all_gather,
     is_collective,
     is_reduce_scatter,
     is_wait,
-    node_order,
+    merge_annotations,
+    set_annotation,
     single_wait,
+    unit_pass_options,
+)
+from ._rewrite import (
+    erase_all,
+    insert_call,
+    node_order,
     static_numel,
     tensor_val,
     writes_between,
@@ -128,6 +147,18 @@ class _Unit:
     nodes: list[fx.Node]
     key: Hashable
     nbytes: int
+    cap_mb: float | None  # see [Note: Bucket size cap]
+
+
+def _options(
+    node: fx.Node, enabled: bool, bucket_cap_mb: float | None
+) -> tuple[UnitPassOptions | None, float | None] | None:
+    """``(the unit's options or None, the cap that applies)`` for a collective to
+    bucket, or ``None`` when it stays alone. See [Note: Per-unit pass options]."""
+    opts = unit_pass_options(node)
+    if opts is None:
+        return (None, bucket_cap_mb) if enabled else None
+    return (opts, opts.bucket_cap_mb) if opts.bucket else None
 
 
 @dataclass(frozen=True)
@@ -160,17 +191,22 @@ def _group(node: fx.Node) -> tuple[int, str]:
 
 
 # ------------------------------------------------------------------ all-gathers
-def bucket_all_gathers(gm: fx.GraphModule, bucket_cap_mb: float | None = None) -> int:
+def bucket_all_gathers(
+    gm: fx.GraphModule, bucket_cap_mb: float | None = None, *, enabled: bool = True
+) -> int:
     """Merges each unit's all-gathers into one. See [Note: All-gather buckets].
 
     Args:
         gm: a post-grad graph module, changed in place.
         bucket_cap_mb: see [Note: Bucket size cap] (default ``None``: per unit).
+        enabled: whether the all-gathers of units that carry no pass options of
+            their own are bucketed (default ``True``); see [Note: Per-unit pass
+            options]. ``bucket_cap_mb`` applies to those units too.
 
     Returns:
         The number of merged all-gathers created (0: the graph is unchanged).
     """
-    buckets = plan_all_gather_buckets(gm.graph, bucket_cap_mb)
+    buckets = plan_all_gather_buckets(gm.graph, bucket_cap_mb, enabled=enabled)
     done: list[int] = []
     for bucket in buckets:
         if _merge_all_gathers(gm.graph, bucket):
@@ -179,7 +215,7 @@ def bucket_all_gathers(gm: fx.GraphModule, bucket_cap_mb: float | None = None) -
 
 
 def plan_all_gather_buckets(
-    graph: fx.Graph, bucket_cap_mb: float | None = None
+    graph: fx.Graph, bucket_cap_mb: float | None = None, *, enabled: bool = True
 ) -> list[list[fx.Node]]:
     """The all-gather nodes to merge, one list per bucket of two or more, in graph
     order; the graph is not changed."""
@@ -198,16 +234,17 @@ def plan_all_gather_buckets(
     for node in graph.nodes:
         if is_all_gather(node):
             key_bytes = _all_gather_key(node)
-            if key_bytes is None:
+            options = _options(node, enabled, bucket_cap_mb)
+            if key_bytes is None or options is None:
                 close()
                 continue
-            key, nbytes = key_bytes
+            key, nbytes = (key_bytes[0], options[0]), key_bytes[1]
             if current is not None and current.key == key:
                 current.nodes.append(node)
                 current.nbytes += nbytes
             else:
                 close()
-                current = _Unit([node], key, nbytes)
+                current = _Unit([node], key, nbytes, options[1])
             continue
         if current is None:
             continue
@@ -216,9 +253,7 @@ def plan_all_gather_buckets(
         elif any(i in results for i in node.all_input_nodes) or has_side_effects(node):
             close()
     close()
-    return _apply_cap(
-        units, bucket_cap_mb, lambda nodes: _all_gather_layout(nodes, order) is not None
-    )
+    return _apply_cap(units, lambda nodes: _all_gather_layout(nodes, order) is not None)
 
 
 def _all_gather_key(node: fx.Node) -> tuple[Hashable, int] | None:
@@ -313,18 +348,23 @@ def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
 
 
 # -------------------------------------------------------------- reduce-scatters
-def bucket_reduce_scatters(gm: fx.GraphModule, bucket_cap_mb: float | None = None) -> int:
+def bucket_reduce_scatters(
+    gm: fx.GraphModule, bucket_cap_mb: float | None = None, *, enabled: bool = True
+) -> int:
     """Merges each unit's reduce-scatters into one. See [Note: Reduce-scatter
     buckets].
 
     Args:
         gm: a post-grad graph module, changed in place.
         bucket_cap_mb: see [Note: Bucket size cap] (default ``None``: per unit).
+        enabled: whether the reduce-scatters of units that carry no pass options of
+            their own are bucketed (default ``True``); see [Note: Per-unit pass
+            options].
 
     Returns:
         The number of merged reduce-scatters created (0: the graph is unchanged).
     """
-    buckets = plan_reduce_scatter_buckets(gm.graph, bucket_cap_mb)
+    buckets = plan_reduce_scatter_buckets(gm.graph, bucket_cap_mb, enabled=enabled)
     done: list[int] = []
     for bucket in buckets:
         if _merge_reduce_scatters(gm.graph, bucket):
@@ -333,7 +373,7 @@ def bucket_reduce_scatters(gm: fx.GraphModule, bucket_cap_mb: float | None = Non
 
 
 def plan_reduce_scatter_buckets(
-    graph: fx.Graph, bucket_cap_mb: float | None = None
+    graph: fx.Graph, bucket_cap_mb: float | None = None, *, enabled: bool = True
 ) -> list[list[fx.Node]]:
     """The reduce-scatter nodes to merge, one list per bucket of two or more, in
     graph order; the graph is not changed."""
@@ -351,35 +391,36 @@ def plan_reduce_scatter_buckets(
             current = None
         elif is_reduce_scatter(node):
             key_bytes = _reduce_scatter_key(node)
-            if key_bytes is None:
+            options = _options(node, enabled, bucket_cap_mb)
+            if key_bytes is None or options is None:
                 if current is not None:
                     runs.append(current)
                 current = None
                 continue
-            key, nbytes = key_bytes
+            key, nbytes = (key_bytes[0], options[0]), key_bytes[1]
             if current is not None and current.key == key:
                 current.nodes.append(node)
                 current.nbytes += nbytes
             else:
                 if current is not None:
                     runs.append(current)
-                current = _Unit([node], key, nbytes)
+                current = _Unit([node], key, nbytes, options[1])
     if current is not None:
         runs.append(current)
     # A run whose results are read in between in a way that cannot move splits.
     units: list[_Unit] = []
     for run in runs:
-        part = _Unit([run.nodes[0]], run.key, 0)
+        part = _Unit([run.nodes[0]], run.key, 0, run.cap_mb)
         for node in run.nodes[1:]:
             if valid([*part.nodes, node]):
                 part.nodes.append(node)
             else:
                 units.append(part)
-                part = _Unit([node], run.key, 0)
+                part = _Unit([node], run.key, 0, run.cap_mb)
         units.append(part)
     for unit in units:
         unit.nbytes = sum(_nbytes(_reduce_scatter_key(n)) for n in unit.nodes)
-    return _apply_cap(units, bucket_cap_mb, valid)
+    return _apply_cap(units, valid)
 
 
 def _nbytes(key_bytes: tuple[Hashable, int] | None) -> int:
@@ -478,23 +519,24 @@ def _merge_reduce_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> bool:
 
 # ---------------------------------------------------------------------- shared
 def _apply_cap(
-    units: list[_Unit],
-    bucket_cap_mb: float | None,
-    valid: Callable[[list[fx.Node]], bool],
+    units: list[_Unit], valid: Callable[[list[fx.Node]], bool]
 ) -> list[list[fx.Node]]:
-    """Merges adjacent units within the cap (see [Note: Bucket size cap]); keeps the
-    buckets of two or more collectives."""
-    if bucket_cap_mb is not None and units:
-        cap = bucket_cap_mb * _MIB
+    """Merges adjacent units of the same key within their cap (see [Note: Bucket size
+    cap]; units of one key have one cap); keeps the buckets of two or more
+    collectives."""
+    if units:
         merged = [units[0]]
         for unit in units[1:]:
             acc = merged[-1]
             if (
                 unit.key == acc.key
-                and acc.nbytes + unit.nbytes <= cap
+                and acc.cap_mb is not None
+                and acc.nbytes + unit.nbytes <= acc.cap_mb * _MIB
                 and valid([*acc.nodes, *unit.nodes])
             ):
-                merged[-1] = _Unit([*acc.nodes, *unit.nodes], acc.key, acc.nbytes + unit.nbytes)
+                merged[-1] = _Unit(
+                    [*acc.nodes, *unit.nodes], acc.key, acc.nbytes + unit.nbytes, acc.cap_mb
+                )
             else:
                 merged.append(unit)
         units = merged

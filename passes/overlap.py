@@ -49,7 +49,7 @@ waits never move. Its new place is pushed later, past any node it must follow:
   or compute that reads a collective's result, i.e. activations (an all-gather of
   activations stays after the compute it gathers: a unit's compute never moves);
 - a node that writes to (or resizes) a tensor that the all-gather or a moved node reads,
-  or a view of it (``writes_between`` in ``_predicates.py``): the read would see the
+  or a view of it (``writes_between`` in ``_rewrite.py``): the read would see the
   value before the write;
 - any collective other than a reduce-scatter or an all-reduce (and, by construction,
   never another all-gather).
@@ -128,8 +128,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from ._predicates import (
-    alias_closure,
+from ._graph import (
     collective_group_name,
     has_side_effects,
     is_all_gather,
@@ -137,10 +136,9 @@ from ._predicates import (
     is_collective,
     is_reduce_scatter,
     is_wait,
-    node_order,
     single_wait,
-    writes_between,
 )
+from ._rewrite import alias_closure, node_order, writes_between
 
 __all__ = [
     "LateWait",

@@ -60,14 +60,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ._predicates import (
+from ._graph import is_fsdp_copy, is_resize, is_view, resize_nbytes
+from ._rewrite import (
     alias_closure,
     insert_call,
-    is_fsdp_copy,
-    is_resize,
-    is_view,
     node_order,
-    resize_nbytes,
     static_numel,
     tensor_val,
     writes_to,

@@ -62,7 +62,8 @@ from torch import fx
 from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._predicates import is_view, tensor_val
+from ._graph import is_view
+from ._rewrite import tensor_val
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import (
 
 import traceable_hsdp as th
 from traceable_hsdp.models import Llama, shard_llama
-from traceable_hsdp.passes._predicates import (
+from traceable_hsdp.passes._graph import (
     is_all_gather,
     is_fsdp_copy,
     is_reduce_scatter,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -12,6 +13,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp as th
 from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+from traceable_hsdp.passes._graph import (
+    bound_args,
+    collective_family,
+    current_compile,
+    is_fsdp_copy,
+    is_resize,
+)
 
 # vocab 65: the embedding and output head have an uneven first dim (padded shards).
 CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
@@ -46,9 +54,34 @@ def reference_run(world: int, steps: int = STEPS) -> tuple[list[float], dict[str
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+_FAMILY_KEY = {
+    "all_gather": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+    "all_reduce": "all_reduce",
+}
+
+
+def dynamo_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    """What the runtime tests count in a graph dynamo produced, by the graph
+    vocabulary: each collective family under its plain op's name
+    (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``; waits
+    excluded), ``fsdp.copy_``, and ``resize_storage_bytes_`` (both directions)."""
+    counts: Counter[str] = Counter()
+    for n in graph.nodes:
+        family = collective_family(n)
+        if family is not None:
+            counts[_FAMILY_KEY[family]] += 1
+        elif is_fsdp_copy(n):
+            counts["fsdp.copy_"] += 1
+        elif is_resize(n):
+            counts["resize_storage_bytes_"] += 1
+    return dict(counts)
+
+
 class GraphRecorder:
     """A torch.compile backend (aot_eager underneath) that counts the collectives in
-    every graph dynamo hands it, split into forward and compiled-autograd graphs."""
+    every graph dynamo hands it (:func:`dynamo_counts`), split into forward and
+    compiled-autograd graphs."""
 
     def __init__(self) -> None:
         self.forward: list[dict[str, int]] = []
@@ -56,18 +89,11 @@ class GraphRecorder:
         self.reduce_ops: set[str] = set()  # the ops of every reduce-scatter and all-reduce
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        counts: dict[str, int] = {}
         for n in gm.graph.nodes:
-            if n.op == "call_function":
-                name = str(n.target)
-                for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "fsdp.copy_", "resize_storage_bytes_"):
-                    if op in name and "wait" not in name:
-                        counts[op] = counts.get(op, 0) + 1
-                if "reduce_scatter_tensor" in name or "all_reduce" in name:
-                    self.reduce_ops.add(str(n.args[1]))
-        cid = torch._guards.CompileContext.current_compile_id()
-        is_bwd = cid is not None and cid.compiled_autograd_id is not None
-        (self.backward if is_bwd else self.forward).append(counts)
+            if collective_family(n) in ("reduce_scatter", "all_reduce"):
+                self.reduce_ops.add(str(bound_args(n)["reduce_op"]))
+        _, is_bwd = current_compile()
+        (self.backward if is_bwd else self.forward).append(dynamo_counts(gm.graph))
         return aot_eager(gm, example_inputs)
 
 

@@ -33,15 +33,18 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from traceable_hsdp import _dump, cli
-from traceable_hsdp._annotate import (
+from traceable_hsdp._annotate import call_annotated, collective_annotation
+from traceable_hsdp.passes import _graph as G
+from traceable_hsdp.passes import bucket_all_gathers
+from traceable_hsdp.passes._graph import (
+    ALL_GATHER,
     ANNOTATION_KEY,
+    REDUCE_SCATTER,
+    WAIT,
     annotation_of,
-    call_annotated,
-    collective_annotation,
     set_annotation,
 )
-from traceable_hsdp.passes import bucket_all_gathers
-from traceable_hsdp.passes._predicates import ALL_GATHER, REDUCE_SCATTER, WAIT, set_fake_val
+from traceable_hsdp.passes._rewrite import set_fake_val
 
 _c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -110,7 +113,7 @@ def _fsdp_like(
 
 
 def test_collective_table_reads_sizes_groups_and_annotations() -> None:
-    rows = _dump.collective_table(_fsdp_like())
+    rows = G.collective_table(_fsdp_like())
     assert [r.op for r in rows] == [
         "all_gather_into_tensor", "all_gather_into_tensor", "reduce_scatter_tensor"
     ]
@@ -121,8 +124,8 @@ def test_collective_table_reads_sizes_groups_and_annotations() -> None:
     assert (rs.reduce_op, rs.dtype, rs.in_bytes, rs.out_bytes) == ("avg", "bfloat16", 128, 64)
     assert rows[1].params == ("attn_norm.weight",)
     # Dynamo's graphs hold OpOverloadPackets and example_value: the same table.
-    assert _dump.collective_table(_fsdp_like(dynamo_style=True)) == rows
-    counts = _dump.graph_counts(_fsdp_like())
+    assert G.collective_table(_fsdp_like(dynamo_style=True)) == rows
+    counts = G.graph_counts(_fsdp_like())
     assert counts == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1, "wait_tensor": 3}
     text = _dump.format_table(rows)
     assert len(text.splitlines()) == 1 + len(rows)
@@ -132,31 +135,31 @@ def test_collective_table_reads_sizes_groups_and_annotations() -> None:
 def test_copy_annotations_matches_collectives_in_order() -> None:
     source = _fsdp_like(dynamo_style=True)
     target = _fsdp_like(annotate=False)
-    assert all(r.unit is None for r in _dump.collective_table(target))
-    assert _dump.copy_annotations(source, target) == "copied 3"
-    assert _dump.collective_table(target) == _dump.collective_table(_fsdp_like())
-    assert _dump.copy_annotations(source, target) == "nothing to copy"
+    assert all(r.unit is None for r in G.collective_table(target))
+    assert G.copy_annotations(source, target) == "copied 3"
+    assert G.collective_table(target) == G.collective_table(_fsdp_like())
+    assert G.copy_annotations(source, target) == "nothing to copy"
 
     # A different sequence (here: one collective fewer) is not copied.
     b = _Builder()
     w0 = b.input("w0", 4, 8)
     short = b.done(b(WAIT, b(ALL_GATHER, w0, 2, "0")))
-    assert _dump.copy_annotations(source, short).startswith("not copied: 3 collectives")
-    assert all(r.unit is None for r in _dump.collective_table(short))
+    assert G.copy_annotations(source, short).startswith("not copied: 3 collectives")
+    assert all(r.unit is None for r in G.collective_table(short))
     # Same count, different shape: not copied either.
     b = _Builder()
     xs = [b.input(f"x{i}", 5) for i in range(3)]
     other = b.done(*[b(WAIT, b(ALL_GATHER, x, 2, "0")) for x in xs])
-    assert "collective 0 differs" in _dump.copy_annotations(source, other)
+    assert "collective 0 differs" in G.copy_annotations(source, other)
     # Same shapes, another dtype: not copied.
     other = _fsdp_like(annotate=False, w0_dtype=torch.float64)
-    assert "collective 0 differs" in _dump.copy_annotations(source, other)
+    assert "collective 0 differs" in G.copy_annotations(source, other)
 
 
 def test_bucketed_all_gather_lists_every_parameter() -> None:
     gm = _fsdp_like()
     assert bucket_all_gathers(gm) == 1
-    rows = _dump.collective_table(gm)
+    rows = G.collective_table(gm)
     # The bucket goes before the first read of a gathered tensor: after the
     # reduce-scatter, which reads none.
     assert [r.op for r in rows] == ["reduce_scatter_tensor", "all_gather_into_tensor"]
@@ -366,13 +369,14 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     for r in dump.records:
         assert (tmp_path / r.file).exists()
     assert (tmp_path / "post_grad" / "00_fwd_after_passes.py").read_text().count(
-        "all_gather_into_tensor.default("
+        f"{ALL_GATHER}("
     ) == 1
 
 
 # ------------------------------------------------------ tier 2: the command
-_AG_CALL = re.compile(r"= torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(")
-_RS_CALL = re.compile(r"= torch\.ops\._c10d_functional\.reduce_scatter_tensor\.default\(")
+# How a graph's source calls the vocabulary's ops.
+_AG_CALL = re.compile(re.escape(f"= torch.ops.{ALL_GATHER}("))
+_RS_CALL = re.compile(re.escape(f"= torch.ops.{REDUCE_SCATTER}("))
 
 
 def _ag_rs(graph: dict[str, Any]) -> tuple[int, int]:

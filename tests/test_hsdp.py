@@ -111,19 +111,24 @@ def test_hsdp_errors(one_rank, kwargs, exc, match) -> None:
         th.hsdp(nn.Linear(2, 2), **kwargs)
 
 
-def test_hsdp_comm_fusion_sets_the_pass_config(one_rank) -> None:
+def test_hsdp_comm_fusion_travels_with_the_unit(one_rank) -> None:
+    """comm_fusion/bucket_size become the unit's own pass options (carried in its
+    collectives' annotations), never the process-wide PassConfig. The bucketing they
+    cause is checked from post-grad graphs in test_passes_e2e.py."""
     from traceable_hsdp import passes
+    from traceable_hsdp._fully_shard import _get_state
 
     before = passes.get_config()
-    try:
-        th.hsdp(nn.Linear(2, 2), comm_fusion=True, bucket_size=8)
-        cfg = passes.get_config()
-        assert cfg.bucket_all_gathers and cfg.bucket_reduce_scatters and cfg.bucket_cap_mb == 8.0
-        th.hsdp(nn.Linear(2, 2))
-        cfg = passes.get_config()
-        assert not cfg.bucket_all_gathers and not cfg.bucket_reduce_scatters
-    finally:
-        passes.set_config(before)
+    fused = th.hsdp(nn.Linear(2, 2), comm_fusion=True, bucket_size=8)
+    opts = _get_state(fused).param_group.pass_options
+    assert opts == passes.UnitPassOptions(bucket=True, bucket_cap_mb=8.0)
+    assert passes.get_config() == before
+    plain = th.hsdp(nn.Linear(2, 2))
+    assert _get_state(plain).param_group.pass_options == passes.UnitPassOptions(bucket=False)
+    assert passes.get_config() == before
+    # The FX graph cache key does not see annotations: off while such units live
+    # (test_passes_unit.py checks that it comes back when they are gone).
+    assert passes.TraceableHSDPPass().uuid() is None
 
 
 def test_fsdp_module_comm_options_2x2_eager() -> None:

@@ -46,7 +46,7 @@ def _overlap_order(graph: torch.fx.Graph) -> dict[str, Any]:
     views and clones); for each reduce-scatter but the last, whether its wait comes
     after an mm that follows it and before the next reduce-scatter; the most
     all-gathers in flight at once."""
-    from traceable_hsdp.passes import _predicates as P
+    from traceable_hsdp.passes import _graph as P
 
     aten = torch.ops.aten
     nodes = list(graph.nodes)
@@ -86,11 +86,21 @@ def _overlap_order(graph: torch.fx.Graph) -> dict[str, Any]:
     return dict(ag_prefetched=prefetched, rs_late=late, ag_in_flight=most)
 
 
-_CODE_ISSUE = re.compile(
-    r"(buf\d+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)"
-    r"\.default\("
-)
-_CODE_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+def _code_op(op: Any) -> str:
+    """How Inductor's wrapper code calls ``op`` (a vocabulary OpOverload), as a regex."""
+    return re.escape(f"torch.ops.{op}")
+
+
+def _code_regexes() -> tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]]:
+    """The issue of an all-gather, of a reduce-scatter, and a wait, in wrapper code."""
+    from traceable_hsdp.passes._graph import ALL_GATHER, REDUCE_SCATTER, WAIT
+
+    return (
+        re.compile(rf"(buf\d+) = {_code_op(ALL_GATHER)}\("),
+        re.compile(rf"(buf\d+) = {_code_op(REDUCE_SCATTER)}\("),
+        re.compile(rf"{_code_op(WAIT)}\((buf\d+)\)"),
+    )
+
 _CODE_KERNEL = re.compile(r"extern_kernels\.|cpp_fused_|torch\.ops\.aten\.")
 
 
@@ -98,11 +108,14 @@ def _code_overlap(code: str) -> dict[str, Any]:
     """The same facts read from Inductor's generated wrapper code: for each
     all-gather but the first and each reduce-scatter but the last, how many kernel
     calls run between its issue and its wait; the most all-gathers in flight."""
+    ag_issue, rs_issue, wait = _code_regexes()
     events: list[tuple[str, str]] = []  # (kind, buffer): "all_gather", "wait", "kernel"
     for line in code[code.index("def call") :].splitlines():
-        if m := _CODE_ISSUE.search(line):
-            events.append((m.group(2), m.group(1)))
-        elif m := _CODE_WAIT.search(line):
+        if m := ag_issue.search(line):
+            events.append(("all_gather_into_tensor", m.group(1)))
+        elif m := rs_issue.search(line):
+            events.append(("reduce_scatter_tensor", m.group(1)))
+        elif m := wait.search(line):
             events.append(("wait", m.group(1)))
         elif _CODE_KERNEL.search(line):
             events.append(("kernel", ""))
@@ -128,7 +141,7 @@ def _code_overlap(code: str) -> dict[str, Any]:
 
 
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
-    from traceable_hsdp.passes import _predicates as P
+    from traceable_hsdp.passes import _graph as P
 
     c = dict.fromkeys(("all_gather", "reduce_scatter", "fsdp_copy", "resize_full", "resize_0"), 0)
     for n in graph.nodes:
@@ -145,24 +158,20 @@ def _counts(graph: torch.fx.Graph) -> dict[str, int]:
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
     import torch.nn.functional as F
-    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     import traceable_hsdp as th
     from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
     from traceable_hsdp.passes import TraceableHSDPPass
+    from traceable_hsdp.passes._graph import PostGradRecorder
 
     from torch._inductor.utils import run_and_get_code
 
     graphs: list[dict[str, Any]] = []
-
-    class Record(CustomGraphPass):
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            graphs.append({**_counts(graph), **_overlap_order(graph)})
-
-        def uuid(self) -> None:
-            return None  # never served from the FX cache: every graph is seen
-
-    torch._inductor.config.post_grad_custom_post_pass = Record()
+    # Its uuid() is None: never served from the FX cache, every graph is seen.
+    torch._inductor.config.post_grad_custom_post_pass = PostGradRecorder(
+        lambda rec: graphs.append({**_counts(rec.graph), **_overlap_order(rec.graph)}),
+        keep=False,
+    )
     # Keep the overlap in the generated code; see the module docstring.
     torch._inductor.config.reorder_for_peak_memory = False
     torch.manual_seed(0)
@@ -266,3 +275,80 @@ def test_passes_in_compiled_fsdp_step() -> None:
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)
         worst = max(r["param_diff"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-4, worst
+
+
+def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
+    """An hsdp(comm_fusion=False) model, then a fully_shard model, each compiled by
+    Inductor (forward, and backward under compiled autograd) in this one process; the
+    collectives of every post-grad graph after our passes, by model."""
+    from torch import nn
+
+    import traceable_hsdp as th
+    from traceable_hsdp import passes
+    from traceable_hsdp.passes._graph import PostGradRecorder, annotation_of, collective_totals
+
+    import logging
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("traceable_hsdp.passes._install").addHandler(Keep())
+    config = passes.get_config()
+    rec = PostGradRecorder()
+    torch._inductor.config.post_grad_custom_post_pass = rec
+    out: dict[str, Any] = {}
+    for name, shard in (
+        ("hsdp_no_fusion", lambda m: th.hsdp(m, threshold=0)),
+        ("fully_shard", th.fully_shard),
+    ):
+        rec.tag = name
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        for layer in (model[0], model[2], model):
+            shard(layer)
+        th.enable_compiled_autograd()
+        try:
+            compiled = torch.compile(model, fullgraph=True)
+            compiled(torch.randn(4, 8)).sum().backward()
+        finally:
+            th.disable_compiled_autograd()
+        graphs = [g for g in rec.graphs if g.tag == name]
+        out[name] = [
+            dict(
+                kind=g.kind,
+                totals={k: v["count"] for k, v in collective_totals(g.final_graph()).items()},
+                annotated=any(annotation_of(n) is not None for n in g.final_graph().nodes),
+            )
+            for g in graphs
+        ]
+    out["config_unchanged"] = passes.get_config() == config
+    out["warnings"] = warnings
+    return out
+
+
+@pytest.mark.slow
+def test_hsdp_comm_fusion_off_leaves_other_models_bucketed() -> None:
+    """hsdp(comm_fusion=False) keeps its own units' collectives one per parameter and
+    no longer switches bucketing off for a model compiled later in the same process
+    (counted from the post-grad graphs after our passes, Inductor, 2 ranks). Two
+    units of two parameters each (weight, bias) per model.
+
+    The hsdp model's backward follows the process-wide PassConfig (all passes on):
+    compiled-autograd backward graphs lose node annotations on torch 2.13 (see
+    [Note: Collective annotations] in passes/_graph.py), so its reduce-scatters are
+    bucketed per unit, and the passes log a warning saying so."""
+    for r in run_ranks(_two_models_worker, 2):
+        assert r["config_unchanged"]
+        # ... and says so, once.
+        assert len(r["warnings"]) == 1 and "carry no unit annotation" in r["warnings"][0], r["warnings"]
+        for name, fwd_ag in (("hsdp_no_fusion", 4), ("fully_shard", 2)):
+            fwd = [g for g in r[name] if g["kind"] == "fwd"]
+            bwd = [g for g in r[name] if g["kind"] == "bwd"]
+            assert len(fwd) == 1 and len(bwd) == 1, r[name]
+            assert fwd[0]["annotated"] and not bwd[0]["annotated"], r[name]
+            assert fwd[0]["totals"].get("all_gather") == fwd_ag, (name, fwd)
+            assert bwd[0]["totals"].get("reduce_scatter") == 2, (name, bwd)

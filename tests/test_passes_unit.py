@@ -30,16 +30,28 @@ from traceable_hsdp.passes import (
     overlap,
     remove_resize_copy,
 )
-from traceable_hsdp.passes._predicates import (
+from traceable_hsdp.passes._graph import (
     ALL_GATHER,
     ALL_REDUCE,
     FSDP_COPY,
     REDUCE_SCATTER,
     RESIZE,
     WAIT,
-    alias_closure,
-    set_fake_val,
+    is_all_gather,
+    is_all_reduce,
+    is_collective,
+    is_fsdp_copy,
+    is_reduce_scatter,
+    is_resize,
+    is_wait,
 )
+from traceable_hsdp.passes._graph import (
+    UnitPassOptions,
+    annotation_of,
+    annotation_value,
+    set_annotation,
+)
+from traceable_hsdp.passes._rewrite import alias_closure, set_fake_val
 
 aten = torch.ops.aten
 F32 = torch.float32
@@ -71,20 +83,23 @@ class _Builder:
         return fx.GraphModule(torch.nn.Module(), self.graph)
 
 
+_KINDS = (
+    ("all_gather", is_all_gather),
+    ("reduce_scatter", is_reduce_scatter),
+    ("all_reduce", is_all_reduce),
+    ("wait", is_wait),
+    ("copy", is_fsdp_copy),
+    ("resize", is_resize),
+)
+
+
 def _counts(gm: fx.GraphModule) -> Counter[str]:
-    names = {
-        ALL_GATHER: "all_gather",
-        REDUCE_SCATTER: "reduce_scatter",
-        ALL_REDUCE: "all_reduce",
-        WAIT: "wait",
-        FSDP_COPY: "copy",
-        RESIZE: "resize",
-    }
     c: Counter[str] = Counter()
     for n in gm.graph.nodes:
         c["nodes"] += 1
-        if n.op == "call_function" and n.target in names:
-            c[names[n.target]] += 1
+        for name, pred in _KINDS:
+            if pred(n):
+                c[name] += 1
     return c
 
 
@@ -103,9 +118,9 @@ def _run_spmd(gm: fx.GraphModule, per_rank_inputs: list[list[torch.Tensor]]) -> 
             for r in range(world):
                 outputs.append(list(fx.node.map_arg(node.args[0], envs[r].__getitem__)))
             break
-        if node.target in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE):
+        if is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node):
             xs = [envs[r][node.args[0]] for r in range(world)]
-            if node.target is ALL_GATHER:
+            if is_all_gather(node):
                 assert node.args[1] == world
                 results = [torch.cat(xs).clone() for _ in range(world)]
             else:
@@ -115,7 +130,7 @@ def _run_spmd(gm: fx.GraphModule, per_rank_inputs: list[list[torch.Tensor]]) -> 
                     total = total + x
                 if op == "avg":
                     total = total / world
-                if node.target is ALL_REDUCE:
+                if is_all_reduce(node):
                     results = [total.clone() for _ in range(world)]
                 else:
                     results = [c.clone() for c in total.chunk(world)]
@@ -123,7 +138,7 @@ def _run_spmd(gm: fx.GraphModule, per_rank_inputs: list[list[torch.Tensor]]) -> 
                 envs[r][node] = results[r]
             continue
         for r in range(world):
-            if node.target is WAIT:
+            if is_wait(node):
                 envs[r][node] = envs[r][node.args[0]]
                 continue
             args = fx.node.map_arg(node.args, envs[r].__getitem__)
@@ -440,6 +455,67 @@ def test_bucket_all_gathers_stops_at_a_read() -> None:
     assert _graph_text(gm) == text
 
 
+def _annotate_units(gm: fx.GraphModule, options: list[UnitPassOptions | None]) -> None:
+    """Annotates unit ``u``'s collectives (``u{u}...`` inputs; reduce-scatters in
+    order, three per unit) as the runtime would, with ``options[u]``."""
+    rs_seen = 0
+    for n in gm.graph.nodes:
+        if is_all_gather(n) and n.args[0].name.startswith("u"):
+            u = int(n.args[0].name[1])
+        elif is_reduce_scatter(n):
+            u = rs_seen // 3
+            rs_seen += 1
+        else:
+            continue
+        set_annotation(n, annotation_value(f"unit{u}", [n.name], options[u]))
+
+
+def test_bucketing_follows_each_units_own_options() -> None:
+    """[Note: Per-unit pass options]: a unit's annotation decides over the pass's
+    ``enabled``/cap (the process-wide PassConfig); units of different options never
+    share a bucket; values stay bitwise."""
+    off, on = UnitPassOptions(bucket=False), UnitPassOptions(bucket=True)
+    gm, inputs = _gathers(2, units=2)
+    ref = _run_spmd(gm, inputs)
+    _annotate_units(gm, [off, None])  # unit 0 opts out; unit 1 follows `enabled`
+    assert bucket_all_gathers(gm) == 1
+    assert _counts(gm)["all_gather"] == 3 + 1
+    _same(_run_spmd(gm, inputs), ref)
+    gm, _ = _gathers(2, units=2)
+    _annotate_units(gm, [on, None])  # unit 0 opts in although bucketing is off
+    assert bucket_all_gathers(gm, enabled=False) == 1
+    assert _counts(gm)["all_gather"] == 1 + 3
+    assert annotation_of(next(n for n in gm.graph.nodes if is_all_gather(n)))["bucket"] is True
+    # A cap carried by the units merges them; a unit with other options stays apart.
+    unit_bytes = 2 * sum(torch.Size(s).numel() for s in _SHAPES) * 4
+    capped = UnitPassOptions(bucket=True, bucket_cap_mb=2 * unit_bytes / 2**20)
+    gm, _ = _gathers(2, units=2)
+    _annotate_units(gm, [capped, capped])
+    assert bucket_all_gathers(gm, enabled=False) == 1 and _counts(gm)["all_gather"] == 1
+    _same(_run_spmd(gm, inputs), ref)
+    gm, _ = _gathers(2, units=2)
+    _annotate_units(gm, [capped, on])
+    assert bucket_all_gathers(gm, bucket_cap_mb=1e3) == 2
+    # Reduce-scatters alike.
+    gm, inputs = _scatters(2, units=2)
+    ref = _run_spmd(gm, inputs)
+    _annotate_units(gm, [off, None])
+    assert bucket_reduce_scatters(gm) == 1 and _counts(gm)["reduce_scatter"] == 3 + 1
+    _same(_run_spmd(gm, inputs), ref)
+    gm, _ = _scatters(2, units=2)
+    _annotate_units(gm, [off, off])
+    assert bucket_reduce_scatters(gm, bucket_cap_mb=1.0) == 0
+    # run_passes with bucketing off in the configuration still honours an opt-in.
+    gm, _ = _gathers(2, units=2)
+    _annotate_units(gm, [on, None])
+    cfg = PassConfig(remove_resize_copy=False, bucket_all_gathers=False, overlap=False)
+    assert passes.run_passes(gm, cfg)["bucket_all_gathers"] == 1
+    with pytest.raises(TypeError, match="bucket must be a bool"):
+        UnitPassOptions(bucket=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        UnitPassOptions(bucket=True, bucket_cap_mb=-1.0)
+
+
 # ----------------------------------------------------- bucket_reduce_scatters
 def _scatters(world: int, hsdp: bool = False, units: int = 1):
     """Backward-like: per unit a re-gather, then 3 gradients each computed and
@@ -487,7 +563,7 @@ def test_bucket_reduce_scatters_hsdp_all_reduce_moves_after() -> None:
     c = _counts(gm)
     assert (c["reduce_scatter"], c["all_reduce"]) == (1, 3)
     _same(_run_spmd(gm, inputs), ref)
-    order = [n for n in gm.graph.nodes if n.target in (REDUCE_SCATTER, ALL_REDUCE)]
+    order = [n for n in gm.graph.nodes if is_reduce_scatter(n) or is_all_reduce(n)]
     assert order[0].target is REDUCE_SCATTER  # every all-reduce reads the bucket
 
 
@@ -620,7 +696,7 @@ class _UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         # Sees the graph after ours: count the copies left.
-        self.calls.append(sum(1 for n in graph.nodes if n.target is FSDP_COPY))
+        self.calls.append(sum(1 for n in graph.nodes if is_fsdp_copy(n)))
 
     def uuid(self) -> bytes | None:
         return self.uid
@@ -672,6 +748,59 @@ def test_install_is_idempotent_and_composes(restore_passes) -> None:
 
 
 
+def test_uninstall_restores_torchs_configuration(restore_passes) -> None:
+    """[Note: Global switches]: install() changes four settings of torch's compile
+    configuration; uninstall() puts every one back."""
+    import torch._functorch.config as fc
+
+    ic = restore_passes
+    user = _UserPass()
+    names = [(ic, "post_grad_custom_pre_pass"), (ic, "reorder_for_peak_memory"),
+             (fc, "joint_custom_pass"), (fc, "recompute_views")]
+    saved = {name: getattr(m, name) for m, name in names}
+    try:
+        passes.uninstall()  # what earlier tests (and fully_shard calls) installed
+        ic.post_grad_custom_pre_pass = user
+        fc.joint_custom_pass = lambda gm, inputs: gm
+        ic.reorder_for_peak_memory, fc.recompute_views = True, False
+        before = {name: getattr(m, name) for m, name in names}
+        passes.install(PassConfig())
+        passes.install()  # idempotent: the values before the first change are kept
+        assert isinstance(ic.post_grad_custom_pre_pass, passes.TraceableHSDPPass)
+        assert isinstance(fc.joint_custom_pass, passes.TraceableHSDPJointPass)
+        assert ic.reorder_for_peak_memory is False and fc.recompute_views is True
+        passes.uninstall()
+        assert {name: getattr(m, name) for m, name in names} == before
+        passes.uninstall()  # nothing installed: nothing changes
+        assert {name: getattr(m, name) for m, name in names} == before
+        # Without overlap, Inductor's scheduler setting is left alone.
+        passes.install(PassConfig(overlap=False))
+        assert ic.reorder_for_peak_memory is True
+        passes.uninstall()
+        assert {name: getattr(m, name) for m, name in names} == before
+    finally:
+        passes.uninstall()
+        for m, name in names:
+            setattr(m, name, saved[name])
+
+
+def test_units_with_own_options_turn_the_fx_cache_key_off(restore_passes) -> None:
+    """[Note: Per-unit options and the FX graph cache]: the key does not see
+    annotations, so while such a unit lives our uuid() is None."""
+    import gc
+
+    class Unit:
+        pass
+
+    base = passes.TraceableHSDPPass().uuid()
+    unit = Unit()
+    passes.track_unit_options(unit)
+    assert passes.TraceableHSDPPass().uuid() is None
+    del unit
+    gc.collect()
+    assert passes.TraceableHSDPPass().uuid() == base
+
+
 def test_fully_shard_installs_the_passes(restore_passes, one_rank_group) -> None:
     ic = restore_passes
     user = _UserPass()
@@ -703,9 +832,15 @@ def test_bucketed_graphs_run_with_real_collectives(one_rank_group) -> None:
 def test_fx_graph_cache_stays_on(restore_passes, monkeypatch, tmp_path) -> None:
     """With our pass installed Inductor still caches (no bypass), and a changed
     configuration misses the cache. Compiles one tiny function, not a model."""
+    import weakref
+
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    # A process whose units carry no pass options of their own (units an earlier
+    # test made with hsdp() may still be alive; see [Note: Per-unit options and the
+    # FX graph cache]).
+    monkeypatch.setattr(passes._install, "_units_with_options", weakref.WeakSet())
     restore_passes.post_grad_custom_pre_pass = None
     passes.install(PassConfig())
 
@@ -748,7 +883,7 @@ def _in_flight(gm: fx.GraphModule, target: Any) -> int:
         if n.target is target:
             now.add(n)
             most = max(most, len(now))
-        elif n.target is WAIT:
+        elif is_wait(n):
             now.discard(n.args[0])
     return most
 
@@ -910,13 +1045,13 @@ def test_overlap_keeps_the_order_of_collectives() -> None:
         b(WAIT, b(torch.ops._c10d_functional.broadcast.default, shards[0], 0, "0"))
 
     gm, _ = _chain(2, between=broadcast)
-    collectives = [n.name for n in gm.graph.nodes if n.target in (ALL_GATHER, BROADCAST)]
+    collectives = [n.name for n in gm.graph.nodes if is_collective(n)]
     assert overlap(gm) == 2
     p = _pos(gm)
     (bc,) = _of(gm, BROADCAST)
     mm1, ag2 = _of(gm, aten.mm.default)[1], _of(gm, ALL_GATHER)[2]
     assert p[mm1.name] < p[bc.name] < p[ag2.name] == p[bc.name] + 2  # bc, flatten, ag2
-    assert [n.name for n in gm.graph.nodes if n.target in (ALL_GATHER, BROADCAST)] == collectives
+    assert [n.name for n in gm.graph.nodes if is_collective(n)] == collectives
 
     b = _Builder()
     w0, w1, w2, x = b.input("w0", 2, 4), b.input("w1", 2, 4), b.input("w2", 2, 4), b.input("x", 2, 4)

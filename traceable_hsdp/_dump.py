@@ -40,7 +40,7 @@ skip the post-grad passes, and the graph would not be recorded.
 
 [Note: The recording backend]
 Compiled-autograd backward graphs lose all node metadata in AOTAutograd on torch
-2.13 (see [Note: Collective annotations] in ``_annotate.py``), so their post-grad
+2.13 (see [Note: Collective annotations] in ``passes/_graph.py``), so their post-grad
 graphs cannot say which unit and parameters a collective serves, and with a
 non-Inductor backend there are no post-grad graphs at all. No public hook shows the
 graph dynamo produced other than the backend itself, so ``dump.backend(inner)``
@@ -89,18 +89,24 @@ import torch._dynamo
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch import fx
-from torch._inductor import custom_graph_pass as _cgp
 
-from ._annotate import annotation_of, set_annotation
+from .passes._graph import (
+    CollectiveRow,
+    Kind,
+    PostGradRecorder,
+    RecordedGraph,
+    annotation_of,
+    collective_table,
+    copy_annotations,
+    current_compile,
+    graph_counts,
+    is_collective,
+)
 
 __all__ = [
     "dump_graphs",
     "GraphDump",
     "GraphRecord",
-    "CollectiveRow",
-    "collective_table",
-    "graph_counts",
-    "copy_annotations",
     "format_table",
     "compare_dumps",
 ]
@@ -108,7 +114,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Stage = Literal["dynamo", "before_passes", "after_passes"]
-Kind = Literal["fwd", "bwd", "aot_bwd"]
+
 _STAGE_TITLE = {
     "dynamo": "dynamo", "before_passes": "before passes", "after_passes": "after passes"
 }
@@ -116,281 +122,6 @@ _OUR_PATHS = (
     "depyf", "graphs", "post_grad", "trace", "tlparse",
     "collectives.json", "breaks_and_recompiles.json", "summary.txt",
 )
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
-# Short names for the per-graph counts and the summary table's columns.
-_SHORT = {
-    "all_gather_into_tensor": "AG",
-    "reduce_scatter_tensor": "RS",
-    "all_reduce": "AR",
-}
-
-
-# ------------------------------------------------------------ collective tables
-@dataclass(frozen=True)
-class CollectiveRow:
-    """One collective of a graph.
-
-    Args:
-        index: position among the graph's collectives (graph order).
-        node: the FX node's name.
-        op: the op without namespace and overload, e.g. ``all_gather_into_tensor``.
-        reduce_op: ``"sum"``, ``"avg"``, ... for reductions, else ``None``.
-        group_name: the process group's name (baked into the graph).
-        group_size: ranks in the group; ``None`` where the graph does not say and
-            no process group of that name is known here.
-        dtype: of the input, e.g. ``"float32"``.
-        in_shape: the input's shape (``None`` if unknown or symbolic).
-        out_shape: the result's shape.
-        in_bytes: bytes of the input (``None`` if unknown or symbolic).
-        out_bytes: bytes of the result.
-        unit: the fully_shard unit it serves (from the node's annotation), or
-            ``None``.
-        params: the parameters it serves (FQNs relative to the unit).
-    """
-
-    index: int
-    node: str
-    op: str
-    reduce_op: str | None
-    group_name: str | None
-    group_size: int | None
-    dtype: str | None
-    in_shape: list[int] | None
-    out_shape: list[int] | None
-    in_bytes: int | None
-    out_bytes: int | None
-    unit: str | None
-    params: tuple[str, ...]
-
-
-def _op_qualname(node: fx.Node) -> tuple[str, str] | None:
-    """``(namespace, name)`` of an ATen-style op target, for ``OpOverload``s
-    (post-grad and AOT graphs) and ``OpOverloadPacket``s (dynamo graphs) alike."""
-    if node.op != "call_function":
-        return None
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        target = target.overloadpacket
-    if not isinstance(target, torch._ops.OpOverloadPacket):
-        return None
-    ns, _, name = target._qualified_op_name.partition("::")
-    return ns, name
-
-
-def _is_collective(node: fx.Node) -> bool:
-    q = _op_qualname(node)
-    return q is not None and q[0] in _COLLECTIVE_NAMESPACES and q[1] != "wait_tensor"
-
-
-def _schema(node: fx.Node) -> torch._C.FunctionSchema | None:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        default = getattr(target, "default", None)
-        return default._schema if default is not None else None
-    return None
-
-
-def _bound_args(node: fx.Node) -> dict[str, Any]:
-    """The node's arguments by schema name."""
-    schema = _schema(node)
-    if schema is None:
-        return {}
-    out: dict[str, Any] = {}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-    return out
-
-
-def _value(node: Any) -> Any:
-    """The fake value recorded on a node: ``val`` (AOT and post-grad graphs) or
-    ``example_value`` (dynamo graphs)."""
-    if not isinstance(node, fx.Node):
-        return None
-    if "val" in node.meta:
-        return node.meta["val"]
-    return node.meta.get("example_value")
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _shape(value: Any) -> list[int] | None:
-    ts = _tensors(value)
-    if len(ts) != 1:
-        return None
-    dims = list(ts[0].shape)
-    return dims if all(isinstance(d, int) for d in dims) else None
-
-
-def _nbytes(value: Any) -> int | None:
-    ts = _tensors(value)
-    if not ts:
-        return None
-    total = 0
-    for t in ts:
-        n = t.numel()
-        if not isinstance(n, int):
-            return None
-        total += n * t.element_size()
-    return total
-
-
-def _group_name(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    name = getattr(value, "group_name", None)
-    return name if isinstance(name, str) else None
-
-
-def _group_size(name: str | None) -> int | None:
-    if name is None or not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return _resolve_process_group(name).size()
-    except Exception:  # an unknown name (a graph from another process): say nothing
-        return None
-
-
-def _input_node(node: fx.Node) -> Any:
-    args = _bound_args(node)
-    for key in ("input", "inputs", "self", "tensor"):
-        if key in args:
-            return args[key]
-    return node.args[0] if node.args else None
-
-
-def collective_table(graph: fx.Graph | fx.GraphModule) -> list[CollectiveRow]:
-    """Every collective of ``graph`` in graph order: functional c10d ops
-    (``_c10d_functional`` / ``c10d_functional``) other than ``wait_tensor``, as
-    ``OpOverload``s (post-grad, AOT graphs) or ``OpOverloadPacket``s (dynamo graphs).
-    Sizes come from the fake values on the nodes (``val`` or ``example_value``);
-    unit and parameters from the node's annotation
-    (see [Note: Collective annotations] in ``_annotate.py``).
-
-    Args:
-        graph: an FX graph or graph module; not changed.
-    """
-    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
-    rows: list[CollectiveRow] = []
-    for node in g.nodes:
-        if not _is_collective(node):
-            continue
-        q = _op_qualname(node)
-        assert q is not None
-        args = _bound_args(node)
-        inp = _input_node(node)
-        in_val, out_val = _value(inp), _value(node)
-        if isinstance(inp, (list, tuple)):
-            in_val = [_value(i) for i in inp]
-        name = _group_name(args.get("group_name"))
-        size = args.get("group_size")
-        if not isinstance(size, int) or isinstance(size, bool):
-            size = _group_size(name)
-        reduce_op = args.get("reduce_op")
-        in_ts = _tensors(in_val)
-        ann = annotation_of(node)
-        rows.append(
-            CollectiveRow(
-                index=len(rows),
-                node=node.name,
-                op=q[1],
-                reduce_op=reduce_op if isinstance(reduce_op, str) else None,
-                group_name=name,
-                group_size=size,
-                dtype=str(in_ts[0].dtype).removeprefix("torch.") if in_ts else None,
-                in_shape=_shape(in_val),
-                out_shape=_shape(out_val),
-                in_bytes=_nbytes(in_val),
-                out_bytes=_nbytes(out_val),
-                unit=None if ann is None else ann["unit"],
-                params=() if ann is None else ann["params"],
-            )
-        )
-    return rows
-
-
-def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
-    """Counts of the nodes a fully_shard dump looks at: each collective op by name,
-    ``wait_tensor``, ``fsdp.copy_`` and storage resizes (to 0 bytes and to more)."""
-    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
-    c: Counter[str] = Counter()
-    for node in g.nodes:
-        q = _op_qualname(node)
-        if q is None:
-            continue
-        ns, name = q
-        if ns in _COLLECTIVE_NAMESPACES:
-            c[name] += 1
-        elif (ns, name) == ("fsdp", "copy_"):
-            c["fsdp.copy_"] += 1
-        elif (ns, name) == ("inductor", "resize_storage_bytes_"):
-            nbytes = _bound_args(node).get("new_size")
-            c["resize_to_0" if nbytes == 0 else "resize_to_full"] += 1
-    return dict(sorted(c.items()))
-
-
-def _signature(node: fx.Node) -> tuple[Any, ...]:
-    args = _bound_args(node)
-    inp = _input_node(node)
-    in_ts = _tensors(_value(inp))
-    return (
-        _op_qualname(node),
-        _group_name(args.get("group_name")),
-        args.get("reduce_op"),
-        _shape(_value(inp)),
-        in_ts[0].dtype if in_ts else None,
-    )
-
-
-def copy_annotations(source: fx.Graph | fx.GraphModule, target: fx.Graph | fx.GraphModule) -> str:
-    """Copies the collectives' annotations from ``source`` (e.g. dynamo's graph) to
-    the unannotated collectives of ``target`` (e.g. the post-grad graph of the same
-    compile), matching them in graph order. See [Note: The recording backend].
-
-    Returns:
-        What happened, for the dump: ``"copied N"``, ``"nothing to copy"`` (all were
-        annotated already), or why nothing was copied (the graphs did not match, or
-        ``source`` has no annotations); then ``target`` is unchanged.
-    """
-    src = source.graph if isinstance(source, fx.GraphModule) else source
-    dst = target.graph if isinstance(target, fx.GraphModule) else target
-    src_nodes = [n for n in src.nodes if _is_collective(n)]
-    dst_nodes = [n for n in dst.nodes if _is_collective(n)]
-    if len(src_nodes) != len(dst_nodes):
-        return (
-            f"not copied: {len(src_nodes)} collectives in dynamo's graph, "
-            f"{len(dst_nodes)} here"
-        )
-    for i, (s, d) in enumerate(zip(src_nodes, dst_nodes)):
-        if _signature(s) != _signature(d):
-            return (
-                f"not copied: collective {i} differs ({s.name}: {_signature(s)} vs "
-                f"{d.name}: {_signature(d)})"
-            )
-    if all(annotation_of(s) is None for s in src_nodes):
-        return (
-            "none: dynamo's graph has no annotations either (the runtime does not "
-            "annotate its collectives; see [Note: Collective annotations])"
-        )
-    copied = 0
-    for s, d in zip(src_nodes, dst_nodes):
-        ann = annotation_of(s)
-        if ann is not None and annotation_of(d) is None:
-            set_annotation(d, ann)
-            copied += 1
-    return f"copied {copied}" if copied else "nothing to copy"
 
 
 def _human_bytes(n: int | None) -> str:
@@ -482,27 +213,6 @@ class _Breaks:
     notes: list[str] = field(default_factory=list)
 
 
-_InferenceAwareBase: type = getattr(_cgp, "CustomInferenceAwareGraphPass", _cgp.CustomGraphPass)
-
-
-class _RecordPostGrad(_InferenceAwareBase):  # type: ignore[misc, valid-type]
-    """Records each post-grad graph; one instance before our passes, one after.
-    See [Note: Hooking Inductor]."""
-
-    def __init__(self, dump: GraphDump, stage: Stage) -> None:
-        self.dump = dump
-        self.stage = stage
-
-    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
-        try:
-            self.dump._record_post_grad(graph, self.stage)
-        except Exception:  # a dump must never break the compile it watches
-            log.exception("dump_graphs: recording a post-grad graph failed")
-
-    def uuid(self) -> None:
-        return None  # no FX graph cache while dumping: every graph goes through here
-
-
 # ------------------------------------------------------------------------ dump
 class GraphDump:
     """What :func:`dump_graphs` yields: the recorded graphs so far, and
@@ -557,13 +267,6 @@ class GraphDump:
         recording_backend.__name__ = f"dump_graphs({name})"
         return recording_backend
 
-    @staticmethod
-    def _compile_id() -> tuple[str | None, bool]:
-        cid = torch._guards.CompileContext.current_compile_id()
-        if cid is None:
-            return None, False
-        return str(cid), cid.compiled_autograd_id is not None
-
     def _name(self, key: tuple[str | None, int], kind: Kind) -> str:
         if key not in self._names:
             self._names[key] = f"{len(self._names):02d}_{kind}"
@@ -576,7 +279,7 @@ class GraphDump:
         path.write_text(f"# {header}\n{code}\n")
 
     def _record_dynamo(self, gm: fx.GraphModule) -> None:
-        cid, is_bwd = self._compile_id()
+        cid, is_bwd = current_compile()
         kind: Kind = "bwd" if is_bwd else "fwd"
         name = self._name((cid, 0), kind)
         rel = f"graphs/{name}_dynamo.py"
@@ -586,21 +289,16 @@ class GraphDump:
             GraphRecord(name, "dynamo", kind, cid, rel, graph_counts(gm), collective_table(gm))
         )
 
-    def _record_post_grad(self, graph: fx.Graph, stage: Stage) -> None:
-        gm = graph.owning_module
-        if not isinstance(gm, fx.GraphModule):
+    def _record_post_grad(self, rec: RecordedGraph, stage: Stage) -> None:
+        gm, graph, cid, kind = rec.gm, rec.graph, rec.compile_id, rec.kind
+        if gm is None:
             return
-        cid, is_bwd = self._compile_id()
         if stage == "before_passes":
             self._post_grad_seen[cid] += 1
         sub = max(self._post_grad_seen[cid] - 1, 0)
-        tangents = any(
-            n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes
-        )
-        kind: Kind = "bwd" if is_bwd else ("aot_bwd" if tangents else "fwd")
         name = self._name((cid, sub), kind)
         annotations = "node meta"
-        missing = any(_is_collective(n) and annotation_of(n) is None for n in graph.nodes)
+        missing = any(is_collective(n) and annotation_of(n) is None for n in graph.nodes)
         if stage == "before_passes" and missing:
             source = self._dynamo_graphs.get(cid) if sub == 0 else None
             if source is None:
@@ -832,6 +530,16 @@ def _run_tlparse(log_files: list[Path], out: Path) -> str:
 
 
 # ----------------------------------------------------------------- entry point
+def _recorder(dump: GraphDump, stage: Stage) -> PostGradRecorder:
+    """The recording pass of one stage (one before our passes, one after); its
+    ``uuid()`` is ``None``. See [Note: Hooking Inductor]."""
+
+    def on_graph(rec: RecordedGraph) -> None:
+        dump._record_post_grad(rec, stage)
+
+    return PostGradRecorder(on_graph, keep=False)
+
+
 def _hook_inductor(dump: GraphDump) -> Callable[[], None]:
     """Brackets the post-grad pre-pass with the recorders; returns the undo.
     See [Note: Hooking Inductor]."""
@@ -839,8 +547,8 @@ def _hook_inductor(dump: GraphDump) -> Callable[[], None]:
 
     install()
     inner = inductor_config.post_grad_custom_pre_pass
-    before = _RecordPostGrad(dump, "before_passes")
-    after = _RecordPostGrad(dump, "after_passes")
+    before = _recorder(dump, "before_passes")
+    after = _recorder(dump, "after_passes")
     inductor_config.post_grad_custom_pre_pass = [before, inner, after]
 
     def undo() -> None:

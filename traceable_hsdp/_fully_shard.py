@@ -795,7 +795,7 @@ def _fully_shard_impl(
                 nested.append(s)
     state.states = [*nested, state]
     # Nested units are labelled by their path under this root ("layers.0"), for
-    # messages and dumps; see [Note: Collective annotations] (_annotate.py).
+    # messages and dumps; see [Note: Collective annotations] (passes/_graph.py).
     for m in modules:
         for name, sub in m.named_modules():
             s = _get_state(sub)
@@ -804,24 +804,13 @@ def _fully_shard_impl(
 
     for m in modules:
         _add_fsdp_class(m)
-    # See [Note: Saved views of the placeholder].
-    torch._functorch.config.recompute_views = True
-    _install_passes()  # Inductor post-grad passes; see passes/_install.py
+    # Inductor's post-grad passes and the other switches of [Note: Global switches]
+    # (passes/_install.py), each undone by traceable_hsdp.passes.uninstall().
+    _install_passes()
     from ._dump_env import start_from_env
 
     start_from_env()  # TRACEABLE_HSDP_DUMP; see [Note: The dump switch] (_dump_env.py)
     return module
-
-
-# [Note: Saved views of the placeholder]
-# AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward
-# (e.g. the transpose a linear's input-gradient needs) and compute it at the end of
-# the forward graph, after the placeholder was resized to 0 bytes. Eagerly executed
-# (aot_eager) that view fails its storage-bounds check; compiled, it is only correct
-# by accident of aliasing. ``torch._functorch.config.recompute_views = True`` makes
-# the partitioner recompute views in the backward from the placeholder itself, after
-# the re-gather. fully_shard turns it on (it is a global config, read when a graph is
-# partitioned) and docs/compile.md says so.
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -18,10 +18,16 @@ optimizer_level=...)``. Each argument maps onto the same runtime ``fully_shard``
   optimizer state is sharded at every level.
 - ``reduce_dtype``: ``MixedPrecisionPolicy(reduce_dtype=...)``.
 - ``comm_fusion`` / ``bucket_size``: the collective-fusion passes
-  (``traceable_hsdp.passes``): ``comm_fusion=False`` turns the bucketing passes off,
-  ``True`` turns them on, ``bucket_size`` (MiB, ``-1`` for one bucket per unit) is
-  their size cap. This is the global pass configuration: it applies to every graph
-  compiled afterwards, whichever unit it holds.
+  (``traceable_hsdp.passes``) for this unit only: ``comm_fusion=False`` leaves its
+  collectives one per parameter, ``True`` buckets them, ``bucket_size`` (MiB, ``-1``
+  for one bucket per unit) caps merges with neighbouring units of the same options.
+  The choice travels with the unit, in its collectives' annotations
+  (``UnitPassOptions``; see [Note: Per-unit pass options] in
+  ``passes/bucket_collectives.py``): the process-wide ``PassConfig`` and other
+  models' graphs are left alone. Where a graph lost its annotations (the
+  compiled-autograd backward graphs of torch 2.13), the ``PassConfig`` decides
+  instead; set ``PassConfig(bucket_all_gathers=False, bucket_reduce_scatters=False)``
+  to turn bucketing off in every graph.
 - ``reduce_op`` ``"mean"`` (default) averages gradients over the data-parallel ranks,
   ``"sum"`` sums them; ``gradient_divide_factor`` sums and divides by that number
   instead (``FSDPModule.set_gradient_divide_factor``).
@@ -40,8 +46,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
-from ._fully_shard import FSDPModule, _fully_shard_impl
-from .passes import PassConfig, get_config, set_config
+from ._fully_shard import FSDPModule, _fully_shard_impl, _get_state
+from .passes import track_unit_options
+from .passes._graph import UnitPassOptions
 
 __all__ = ["hsdp"]
 
@@ -74,7 +81,8 @@ def hsdp(
         optimizer_level: ``"level1"``, ``"level2"`` or ``"level3"`` (default).
         reduce_dtype: dtype of the gradient reduction (default ``None``: the
             parameter's dtype).
-        comm_fusion: run the collective-bucketing passes (default ``False``).
+        comm_fusion: bucket this unit's collectives (default ``False``); see
+            [Note: hsdp() on the fully_shard runtime].
         bucket_size: bucket cap in MiB for ``comm_fusion``; ``-1`` (default) means
             one bucket per unit.
         replicate_params: parameters kept whole whatever their size (default none).
@@ -154,16 +162,13 @@ def hsdp(
     factor = 1.0 if reduce_op == "sum" else gradient_divide_factor
     if factor is not None:
         out.set_gradient_divide_factor(factor)
-    cfg = get_config()
-    set_config(
-        PassConfig(
-            remove_resize_copy=cfg.remove_resize_copy,
-            bucket_all_gathers=comm_fusion,
-            bucket_reduce_scatters=comm_fusion,
+    state = _get_state(out)
+    if state is not None and state.param_group is not None:
+        state.param_group.pass_options = UnitPassOptions(
+            bucket=comm_fusion,
             bucket_cap_mb=None if bucket_size == -1 else float(bucket_size),
-            **{k: getattr(cfg, k) for k in ("overlap",) if hasattr(cfg, k)},
         )
-    )
+        track_unit_options(state)  # See [Note: Per-unit options and the FX graph cache].
     return out
 
 

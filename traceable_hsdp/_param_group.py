@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from ._annotate import call_annotated
+from .passes._graph import UnitPassOptions
 from ._common import MeshInfo, ShardedState, TrainingState, refusal
 from ._param import FSDPParam
 
@@ -123,6 +124,9 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         # See [Note: The all-reduce hook].
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        # The unit's own pass options (hsdp()), carried in its collectives'
+        # annotations; see [Note: Per-unit pass options] (passes).
+        self.pass_options: UnitPassOptions | None = None
         self.all_reduce_hook_stream: torch.Stream | None = None
         # See [Note: Unused parameters].
         self.reduce_scatter_unused_params = False
@@ -153,9 +157,10 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.UNSHARDED or self._pending is not None:
             return
         with torch.no_grad():
-            # See [Note: Collective annotations] (_annotate.py).
+            # See [Note: Collective annotations] (passes/_graph.py).
             self._pending = [
-                call_annotated(self.label, p.fqn, p.all_gather_start) for p in self.fsdp_params
+                call_annotated(self.label, p.fqn, p.all_gather_start, options=self.pass_options)
+                for p in self.fsdp_params
             ]
 
     def wait_for_unshard(self) -> None:
@@ -289,6 +294,7 @@ class FSDPParamGroup:
             self._divide_factor(),
             self.all_reduce_grads,
             self._reduced_hook(),
+            options=self.pass_options,
         )
 
     def _reduced_hook(self) -> Callable[[torch.Tensor], None] | None:

@@ -1,8 +1,9 @@
-"""FX node predicates and small graph helpers shared by every pass.
+"""Graph helpers the passes share to plan and make a rewrite: fake values, alias and
+write analysis, inserting and erasing nodes.
 
-Written once here so that all passes agree on what an all-gather, a wait, an
-``fsdp.copy_`` or a storage resize is. Everything takes ``torch.fx.Node``s of a
-post-grad (ATen-level, functionalized) graph, where each op is an ``OpOverload``.
+What a node *is* (an all-gather, a wait, an ``fsdp.copy_``, a resize, a view) is
+asked of ``_graph.py``, the graph vocabulary. Everything here takes ``torch.fx.Node``s
+of a post-grad (ATen-level, functionalized) graph, where each op is an ``OpOverload``.
 """
 
 from __future__ import annotations
@@ -12,104 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.fsdp  # noqa: F401  registers torch.ops.fsdp.copy_
 from torch import fx
 
-_c10d = torch.ops._c10d_functional
-_aten = torch.ops.aten
-
-ALL_GATHER = _c10d.all_gather_into_tensor.default
-REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
-ALL_REDUCE = _c10d.all_reduce.default
-WAIT = _c10d.wait_tensor.default
-FSDP_COPY = torch.ops.fsdp.copy_.default
-RESIZE = torch.ops.inductor.resize_storage_bytes_.default
-
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
-
-
-def _is_call(node: fx.Node, target: Any) -> bool:
-    return node.op == "call_function" and node.target is target
-
-
-def is_all_gather(node: fx.Node) -> bool:
-    """``_c10d_functional.all_gather_into_tensor(input, group_size, group_name)``."""
-    return _is_call(node, ALL_GATHER)
-
-
-def is_reduce_scatter(node: fx.Node) -> bool:
-    """``_c10d_functional.reduce_scatter_tensor(input, op, group_size, group_name)``."""
-    return _is_call(node, REDUCE_SCATTER)
-
-
-def is_all_reduce(node: fx.Node) -> bool:
-    """``_c10d_functional.all_reduce(input, op, group_name)``."""
-    return _is_call(node, ALL_REDUCE)
-
-
-def is_wait(node: fx.Node) -> bool:
-    """``_c10d_functional.wait_tensor(t)``."""
-    return _is_call(node, WAIT)
-
-
-def is_fsdp_copy(node: fx.Node) -> bool:
-    """``fsdp.copy_(dst, src)``: fills the unsharded placeholder ``dst``."""
-    return _is_call(node, FSDP_COPY)
-
-
-def is_resize(node: fx.Node) -> bool:
-    """``inductor.resize_storage_bytes_(t, nbytes)``."""
-    return _is_call(node, RESIZE)
-
-
-def is_collective(node: fx.Node) -> bool:
-    """Any functional c10d op that issues communication (every one but the wait)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    return node.target.namespace in _COLLECTIVE_NAMESPACES and node.target is not WAIT
-
-
-def collective_group_name(node: fx.Node) -> str | None:
-    """The ``group_name`` argument of any functional collective (all-gather,
-    reduce-scatter, all-reduce, ...), or ``None`` when it is not a constant string or
-    ``node`` is not a collective."""
-    if not is_collective(node):
-        return None
-    assert isinstance(node.target, torch._ops.OpOverload)
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == "group_name":
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            return value if isinstance(value, str) else None
-    return None
-
-
-def resize_nbytes(node: fx.Node) -> int | None:
-    """The byte count of a resize node, or ``None`` if it is not a plain int."""
-    n = node.args[1] if len(node.args) > 1 else node.kwargs.get("new_size")
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
-
-
-def single_wait(collective: fx.Node) -> fx.Node | None:
-    """The one ``wait_tensor`` consuming ``collective``, or ``None`` if the collective
-    has any other user (or none)."""
-    users = list(collective.users)
-    if len(users) == 1 and is_wait(users[0]) and users[0].args[0] is collective:
-        return users[0]
-    return None
-
-
-def collective_group(node: fx.Node) -> tuple[int, str] | None:
-    """``(group_size, group_name)`` of an all-gather or reduce-scatter, or ``None``
-    when the group is not a constant (e.g. a node in compile-on-one-rank graphs)."""
-    if is_all_gather(node):
-        size, name = node.args[1], node.args[2]
-    elif is_reduce_scatter(node):
-        size, name = node.args[2], node.args[3]
-    else:
-        return None
-    if not isinstance(size, int) or not isinstance(name, str):
-        return None
-    return size, name
+from ._graph import is_resize, is_view
 
 
 def tensor_val(node: Any) -> torch.Tensor | None:
@@ -124,15 +30,6 @@ def static_numel(t: torch.Tensor) -> int | None:
     """``t.numel()`` as an int, or ``None`` for a symbolic size."""
     n = t.numel()
     return n if isinstance(n, int) else None
-
-
-def is_view(node: fx.Node) -> bool:
-    """An op whose output may alias its first input (view, reshape, slice, t, ...)."""
-    return (
-        node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and bool(node.target.is_view)
-    )
 
 
 def writes_to(node: fx.Node, tensor: fx.Node) -> bool:
@@ -164,21 +61,6 @@ def _mentions(value: Any, node: fx.Node) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_mentions(v, node) for v in value)
     return False
-
-
-def has_side_effects(node: fx.Node) -> bool:
-    """Nodes a pass must not move across or drop: mutations, resizes, collectives and
-    waits, and whatever FX itself considers impure."""
-    if node.op in ("placeholder", "output", "call_module"):
-        return True
-    if node.op != "call_function":
-        return False
-    if is_resize(node) or is_fsdp_copy(node) or is_collective(node) or is_wait(node):
-        return True
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
-        return True
-    return node.is_impure()
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
