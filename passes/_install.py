@@ -83,10 +83,13 @@ the re-gather. It is a global config, read when a graph is partitioned, so
 [Note: Per-unit options and the FX graph cache]
 Inductor's FX graph cache key hashes the graph's code and our pass's ``uuid()``, not
 node metadata, so it does not see the pass options a unit carries in its
-annotations: two graphs that differ only there share a key. While any unit with its
-own pass options is alive (:func:`track_unit_options`, called by ``hsdp()``),
-``uuid()`` is therefore ``None`` and Inductor compiles without the FX graph cache;
-processes whose units carry no options of their own cache as before.
+annotations: two graphs that differ only there would share a key. So ``uuid()``
+hashes, next to the sources and the ``PassConfig``, the options of every live unit
+that has its own (:func:`track_unit_options`, called by ``hsdp()``): each unit's
+label (its module path, the same in every process of a job) with its options,
+sorted. A process whose units carry different options, or carry them on different
+units, gets a different key; the same job restarted gets the same key and hits.
+Units that carry no options of their own change nothing.
 """
 
 from __future__ import annotations
@@ -292,18 +295,29 @@ def _sources() -> tuple[str, ...]:
     return tuple(sorted(str(p) for p in Path(__file__).resolve().parent.glob("*.py")))
 
 
-_units_with_options: weakref.WeakSet[object] = weakref.WeakSet()
+_units_with_options: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def track_unit_options(holder: object) -> None:
-    """Notes that a unit carrying its own pass options exists while ``holder`` (its
-    state, say) is alive: the FX graph cache is off until then. See [Note: Per-unit
-    options and the FX graph cache].
+def track_unit_options(holder: Any) -> None:
+    """Notes a unit that carries its own pass options, for as long as ``holder`` is
+    alive: its ``pass_options_key()`` (a string naming the unit and its options) then
+    enters the FX graph cache key. See [Note: Per-unit options and the FX graph
+    cache].
 
     Args:
-        holder: any weakly referenceable object that lives as long as the unit.
+        holder: a weakly referenceable object with a ``pass_options_key() -> str``
+            method, read when a graph is compiled.
     """
+    if not callable(getattr(holder, "pass_options_key", None)):
+        raise TypeError(
+            f"track_unit_options: {type(holder).__name__} has no pass_options_key() "
+            "method; the FX graph cache key needs it."
+        )
     _units_with_options.add(holder)
+
+
+def _unit_options_key() -> str:
+    return "|".join(sorted(h.pass_options_key() for h in list(_units_with_options)))
 
 
 _warned_options_lost = False
@@ -357,15 +371,14 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
                 p(graph)
 
     def uuid(self) -> bytes | None:
-        if len(_units_with_options):
-            return None  # See [Note: Per-unit options and the FX graph cache].
         user_ids = []
         for p in _cgp.get_custom_graph_passes(self.user_pass):
             uid = p.uuid() if isinstance(p, _cgp.CustomPassBase) else None
             if not uid:
                 return None  # as if the user pass were there alone: no caching
             user_ids.append(uid)
-        extra = f"{get_config()!r}|{user_ids!r}"
+        # See [Note: Per-unit options and the FX graph cache].
+        extra = f"{get_config()!r}|{user_ids!r}|{_unit_options_key()}"
         return _cgp.get_hash_for_files(_sources(), extra)
 
 

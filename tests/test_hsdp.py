@@ -126,9 +126,10 @@ def test_hsdp_comm_fusion_travels_with_the_unit(one_rank) -> None:
     plain = th.hsdp(nn.Linear(2, 2))
     assert _get_state(plain).param_group.pass_options == passes.UnitPassOptions(bucket=False)
     assert passes.get_config() == before
-    # The FX graph cache key does not see annotations: off while such units live
-    # (test_passes_unit.py checks that it comes back when they are gone).
-    assert passes.TraceableHSDPPass().uuid() is None
+    # The FX graph cache key does not see annotations: the units' options enter our
+    # uuid() (test_passes_unit.py checks how).
+    key = passes._install._unit_options_key()
+    assert f"=UnitPassOptions(bucket=True, bucket_cap_mb=8.0)" in key, key
 
 
 def test_fsdp_module_comm_options_2x2_eager() -> None:

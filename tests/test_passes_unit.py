@@ -784,21 +784,37 @@ def test_uninstall_restores_torchs_configuration(restore_passes) -> None:
             setattr(m, name, saved[name])
 
 
-def test_units_with_own_options_turn_the_fx_cache_key_off(restore_passes) -> None:
+def test_units_with_own_options_enter_the_fx_cache_key(restore_passes) -> None:
     """[Note: Per-unit options and the FX graph cache]: the key does not see
-    annotations, so while such a unit lives our uuid() is None."""
+    annotations, so the live units' own options (with their labels) enter our uuid():
+    the same units and options give the same key, any change gives another, and the
+    key comes back when the units are gone."""
     import gc
 
     class Unit:
-        pass
+        def __init__(self, label: str, bucket: bool) -> None:
+            self.label, self.options = label, passes.UnitPassOptions(bucket=bucket)
+
+        def pass_options_key(self) -> str:
+            return f"{self.label}={self.options!r}"
 
     base = passes.TraceableHSDPPass().uuid()
-    unit = Unit()
+    assert base is not None
+    unit = Unit("layers.0", False)
     passes.track_unit_options(unit)
-    assert passes.TraceableHSDPPass().uuid() is None
+    with_unit = passes.TraceableHSDPPass().uuid()
+    assert with_unit is not None and with_unit != base
+    unit.label = "layers.1"  # the same options on another unit: another key
+    assert passes.TraceableHSDPPass().uuid() not in (base, with_unit)
+    unit.label, unit.options = "layers.0", passes.UnitPassOptions(bucket=True)
+    assert passes.TraceableHSDPPass().uuid() not in (base, with_unit)
+    unit.options = passes.UnitPassOptions(bucket=False)
+    assert passes.TraceableHSDPPass().uuid() == with_unit  # deterministic
     del unit
     gc.collect()
     assert passes.TraceableHSDPPass().uuid() == base
+    with pytest.raises(TypeError, match="pass_options_key"):
+        passes.track_unit_options(object())
 
 
 def test_fully_shard_installs_the_passes(restore_passes, one_rank_group) -> None:

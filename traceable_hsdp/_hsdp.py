@@ -168,7 +168,8 @@ def hsdp(
             bucket=comm_fusion,
             bucket_cap_mb=None if bucket_size == -1 else float(bucket_size),
         )
-        track_unit_options(state)  # See [Note: Per-unit options and the FX graph cache].
+        # See [Note: Per-unit options and the FX graph cache] (passes).
+        track_unit_options(state.param_group)
     return out
 
 

@@ -139,6 +139,11 @@ class FSDPParamGroup:
         # every call of the unit's forward. See [Note: When a unit's backward is done].
         self.input_grad_hooks = 0
 
+    def pass_options_key(self) -> str:
+        """This unit and its own pass options, for the FX graph cache key; see
+        [Note: Per-unit options and the FX graph cache] (passes/_install.py)."""
+        return f"{self.label}={self.pass_options!r}"
+
     def refresh_trainable(self) -> None:
         """The parameters that get gradients: those whose placeholder requires grad."""
         self.trainable = [p for p in self.fsdp_params if p.unsharded_param.requires_grad]
