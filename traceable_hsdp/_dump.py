@@ -6,7 +6,8 @@ is written under ``out_dir``:
 
 - ``depyf/``: readable source of every compiled function and graph (dynamo's
   captured graph, AOTAutograd's forward and backward graphs, the compiled-autograd
-  graph, Inductor's output code and kernels), from ``depyf.prepare_debug``.
+  graph, Inductor's output code and kernels), from ``depyf.prepare_debug``; only
+  when depyf is installed (optional: the other files need only torch).
 - ``post_grad/NN_KIND_before_passes.py`` and ``..._after_passes.py``: each graph
   Inductor compiles, right before and right after traceable_hsdp's post-grad passes
   (``traceable_hsdp.passes``). Only the ``inductor`` backend has post-grad graphs.
@@ -231,6 +232,7 @@ class GraphDump:
         self._dynamo_graphs: dict[str | None, fx.GraphModule] = {}
         self._breaks = _Breaks()
         self._trace_note = "off"
+        self._depyf_note = ""  # why depyf/ was not written, if it was not
         self._compiled_before = False
         self._active = True  # False once the dump_graphs block exited
 
@@ -408,7 +410,7 @@ class GraphDump:
             f"{b.compiled_autograd_graphs})"
         )
         out.extend(f"  note: {n}" for n in b.notes)
-        out.append(f"depyf source: {self.out_dir / 'depyf'}")
+        out.append(f"depyf source: {self._depyf_note or self.out_dir / 'depyf'}")
         out.append(f"trace: {self._trace_note}")
         return "\n".join(out)
 
@@ -623,20 +625,14 @@ def dump_graphs(
         file: where to print it (default ``sys.stdout``).
 
     Raises:
-        ImportError: depyf is not installed (``pip install traceable-hsdp[dump]``).
         TypeError: ``out_dir`` is not a path.
         ValueError: ``out_dir`` holds files of a dump's names (``graphs``,
             ``summary.txt``, ...) that no earlier dump wrote.
     """
     try:
         import depyf
-    except ImportError as e:
-        raise ImportError(
-            "traceable_hsdp.dump_graphs needs depyf to write readable graph source: "
-            "pip install traceable-hsdp[dump] (or pip install depyf)."
-        ) from e
-    if not isinstance(out_dir, (str, os.PathLike)):
-        raise TypeError(f"dump_graphs: out_dir must be a path, got {type(out_dir).__name__}.")
+    except ImportError:
+        depyf = None  # optional: everything but depyf/ is written; summary.txt says so
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     _clear(out)
@@ -661,10 +657,16 @@ def dump_graphs(
     try:
         if trace:
             trace_files = stack.enter_context(_structured_trace(out / "trace"))
-        with warnings.catch_warnings():
-            # depyf warns on every entry that the code must run several times.
-            warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`")
-            stack.enter_context(depyf.prepare_debug(str(out / "depyf")))
+        if depyf is not None:
+            with warnings.catch_warnings():
+                # depyf warns on every entry that the code must run several times.
+                warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`")
+                stack.enter_context(depyf.prepare_debug(str(out / "depyf")))
+        else:
+            dump._depyf_note = (
+                "not written: depyf is not installed (pip install depyf, or "
+                "pip install -e '.[dump]' in a checkout); every other file is"
+            )
         yield dump
     finally:
         try:
