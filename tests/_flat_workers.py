@@ -48,9 +48,8 @@ class CollectiveLog(TorchDispatchMode):
             meta = torch.fx.traceback.current_meta.get("custom", {}).get(ANNOTATION_KEY, {})
             group = args[-1] if packet.__name__ != "all_gather_into_tensor_out" else args[2]
             size = torch.distributed.distributed_c10d._resolve_process_group(group).size()
-            self.calls.append(
-                (COLLECTIVES[packet.__name__], meta.get("unit"), tuple(meta.get("params", ())), size)
-            )
+            params = tuple(meta.get("params", ()))
+            self.calls.append((COLLECTIVES[packet.__name__], meta.get("unit"), params, size))
         return func(*args, **kwargs)
 
 

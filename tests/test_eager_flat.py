@@ -67,7 +67,8 @@ def _check_calls(
             if kept:
                 expected[("all_reduce", label, kept, shard)] += 1
                 expected[("all_reduce", label, kept, replicate)] += 1
-        assert Counter(calls) == expected, (what, step, Counter(calls) - expected, expected - Counter(calls))
+        got = Counter(calls)
+        assert got == expected, (what, step, got - expected, expected - got)
 
 
 BLOCKS = {"layers.0", "layers.1"}

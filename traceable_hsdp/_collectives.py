@@ -108,7 +108,9 @@ def all_reduce(tensor: torch.Tensor, op: str, group_name: str, group_size: int) 
 # per-parameter collective, so a flat reduction gives the same numbers.
 
 
-def copy_out(gathered: torch.Tensor, world_size: int, numels: list[int], outs: list[torch.Tensor]) -> None:
+def copy_out(
+    gathered: torch.Tensor, world_size: int, numels: list[int], outs: list[torch.Tensor]
+) -> None:
     """Copies a flat all-gather output (``world_size`` rows of ``sum(numels)``
     elements, 1D) into ``outs``, one ``(world_size, numels[i])`` tensor per
     parameter, in one op. See [Note: Flat buffers]."""

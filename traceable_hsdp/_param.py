@@ -359,7 +359,8 @@ class FSDPParam:
     def _gathers_in_place(self) -> bool:
         """Whether the gathered rows are exactly the placeholder's (a dim-0 shard
         that needs no padding), so the flat all-gather copies straight into it."""
-        return self.shard_dim == 0 and self.orig_size[0] == self.mesh_info.shard_size * self.chunk_rows
+        rows = self.orig_size[0]
+        return self.shard_dim == 0 and rows == self.mesh_info.shard_size * self.chunk_rows
 
     def _moved_rest(self) -> tuple[int, ...]:
         """The sizes of the dims other than the shard dim, in order."""

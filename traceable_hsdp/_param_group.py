@@ -51,11 +51,12 @@ from ._param import FSDPParam
 # replicated parameter of ``hsdp()``, its all-reduce output), in ``reduce_dtype``,
 # before the division by a gradient divide factor and before it is accumulated into
 # the sharded parameter's ``.grad``; the hook may change it in place (its return
-# value is ignored), as torch's does. torch reduces a unit in one flat buffer and
-# calls the hook once on it; we reduce each parameter separately, so the hook runs
-# once per trainable parameter, on that parameter's local shard (its sharded shape).
-# It runs inside the post-accumulate-grad hook, so compiled autograd traces it into
-# the backward graph like everything else there.
+# value is ignored), as torch's does. torch calls the hook once on the unit's flat
+# buffer; ours runs once per trainable parameter, on that parameter's local shard
+# (its sharded shape), eagerly (where the unit is reduced in one flat buffer too,
+# see [Note: One collective per unit, eagerly]) as traced (one reduction per
+# parameter). It runs inside the post-accumulate-grad hook, so compiled autograd
+# traces it into the backward graph like everything else there.
 #
 # ``stream=`` runs the hook on another stream (FSDP only, eager only): the stream
 # waits for the current one, the hook runs under it, and the current stream waits
@@ -65,10 +66,14 @@ from ._param import FSDPParam
 
 
 # [Note: Unused parameters]
-# Each parameter's gradient is reduced when its post-accumulate-grad hook fires, in
-# autograd's order. When ranks take different branches, a parameter one rank used
-# and another did not would be reduced on the first rank only, and the collectives
-# would no longer pair up across ranks (a hang, or wrong data). With
+# A traced backward reduces each parameter's gradient when its post-accumulate-grad
+# hook fires, in autograd's order; an eager one reduces a unit when its last
+# trainable gradient is complete, or at the end of the backward when some got none
+# (see [Note: One collective per unit, eagerly]). When ranks take different
+# branches, a parameter one rank used and another did not would be reduced on the
+# first rank only (traced), or in a flat reduction of different parameters or at
+# another time (eager), and the collectives would no longer pair up across ranks (a
+# hang, or wrong data). With
 # ``set_reduce_scatter_unused_params(True)`` a unit instead keeps each gradient
 # (summed in ``reduce_dtype``, where gradient accumulation keeps it) and reduces all
 # of its trainable parameters together at the end of the backward, in registration
@@ -129,14 +134,19 @@ from ._param import FSDPParam
 #   all-reduce per group. A unit some of whose trainable parameters got no
 #   gradient is reduced by the root's end-of-backward callback (with the held
 #   gradients of [Note: Held gradients of unused parameters]), as torch reduces
-#   such a unit in its final callback.
+#   such a unit in its final callback. Cost, as in torch: a unit's unsharded
+#   gradients live until its last one is complete.
 #
 # Sums and averages are elementwise and each element meets the same elements of the
 # other ranks as in a per-parameter collective, and every per-parameter step (hook,
 # division, casts) is the same op on the same values, so the flat path gives the
-# numbers of the per-parameter one, bitwise (tests/test_eager_flat.py checks both
-# counts and parity with torch's fully_shard; on gloo with more than two ranks per
-# group, see that test's docstring for what was checked).
+# numbers of the per-parameter one, bitwise, on two ranks per group (an addition
+# of two values is commutative). Over more ranks a backend may sum in an order
+# that depends on the element's offset in the buffer; the flat layout is torch's,
+# and on gloo with 4 ranks per group our flat path was bitwise equal to torch's
+# fully_shard. tests/test_eager_flat.py counts the collectives per unit and checks
+# parity with torch's fully_shard (1-D, HSDP 2x2, 4 ranks with an int
+# ``reshard_after_forward``, ``hsdp()`` with replicated parameters).
 #
 # A traced unit keeps one collective per parameter (``torch.compiler.is_compiling()``):
 # the graph passes bucket those, and the traced graphs are unchanged. What stays
