@@ -91,3 +91,35 @@ def all_reduce(tensor: torch.Tensor, op: str, group_name: str, group_size: int) 
     if group_size == 1:
         return tensor
     return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))
+
+
+# [Note: Flat buffers]
+# Eagerly a unit gathers and reduces all its parameters in one collective each (see
+# [Note: One collective per unit, eagerly] in ``_param_group.py``). The two helpers
+# below lay the parameters out in the flat buffers, as torch's FSDP2 does:
+#
+#   all-gather output (world, sum of n_i)   row r: rank r's padded shards, in order
+#   reduce-scatter input (world, sum of n_i) row r: every gradient's r-th padded chunk
+#
+# where n_i is parameter i's padded rows per rank times its other dims (shard dim
+# moved first). Row r of the reduce-scatter input is what rank r gets back, so the
+# output is this rank's padded shards in parameter order, the layout of the
+# all-gather input. Each element meets the same elements of the other ranks as in a
+# per-parameter collective, so a flat reduction gives the same numbers.
+
+
+def copy_out(
+    gathered: torch.Tensor, world_size: int, numels: list[int], outs: list[torch.Tensor]
+) -> None:
+    """Copies a flat all-gather output (``world_size`` rows of ``sum(numels)``
+    elements, 1D) into ``outs``, one ``(world_size, numels[i])`` tensor per
+    parameter, in one op. See [Note: Flat buffers]."""
+    torch.split_with_sizes_copy(gathered.view(world_size, -1), numels, dim=1, out=outs)
+
+
+def chunk_cat(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor) -> None:
+    """Writes row ``r`` of ``out`` (``world_size`` rows, 2D) as the concatenation of
+    every tensor's ``r``-th dim-0 chunk (``ceil(size(0) / world_size)`` rows, the last
+    ones zero-padded: the ``torch.chunk`` layout of the shards), in one op. See
+    [Note: Flat buffers]."""
+    torch._chunk_cat(tensors, 0, world_size, out=out)

@@ -302,6 +302,70 @@ class FSDPParam:
             return issued
         return wait_all_gather(issued)
 
+    # The flat eager all-gather: see [Note: One collective per unit, eagerly]
+    # (_param_group.py) and [Note: Flat buffers] (_collectives.py).
+    def flat_gather_group(self) -> tuple[str, int] | None:
+        """The (group name, size) this parameter's all-gather runs over, or ``None``
+        when it issues none (a replicated parameter, or a group of one rank)."""
+        if self.replicate:
+            return None
+        if self.post_forward_shard is not None:
+            pf = self.post_forward
+            assert pf is not None
+            return (pf.group_name, pf.size) if pf.size > 1 else None
+        mi = self.mesh_info
+        return (mi.shard_group_name, mi.shard_size) if mi.shard_size > 1 else None
+
+    def flat_gather_source(self) -> tuple[torch.Tensor, int]:
+        """What this rank puts into the all-gather, with the shard dim first, not yet
+        padded or cast to ``dtype`` (ND), and the rows every rank's part has once
+        padded. The flat buffer's copy pads and casts as :meth:`all_gather_input`."""
+        if self.post_forward_shard is not None:
+            return self.post_forward_shard, self.post_forward_shard.size(0)
+        # See [Note: The forward reads the local shard, not the DTensor].
+        local = self.sharded_param._local_tensor
+        if local.device != self.device:  # CPU offload: copy in for the gather
+            local = local.to(self.device, non_blocking=True)
+        if self.shard_dim != 0:
+            local = local.movedim(self.shard_dim, 0)
+        return local, self.chunk_rows
+
+    def flat_gather_target(self, world_size: int, numel: int) -> torch.Tensor:
+        """Where the flat all-gather's ``(world_size, numel)`` part for this parameter
+        is copied: the placeholder itself (grown to full) when its rows are exactly
+        the gathered rows (dim-0 shard, no padding), else a new buffer that
+        :meth:`flat_gather_done` copies from."""
+        if self.sharded_state is ShardedState.UNSHARDED:
+            raise AssertionError(
+                f"{self.fqn}: flat_gather_target needs a sharded state, found {self.sharded_state}"
+            )
+        if self._gathers_in_place():
+            p = self.unsharded_param
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+                p.untyped_storage().resize_(self.unsharded_nbytes)
+            return p.view(world_size, numel)
+        return torch.empty((world_size, numel), dtype=self.dtype, device=self.device)
+
+    def flat_gather_done(self, target: torch.Tensor) -> None:
+        """Finishes the unshard from the ``target`` of :meth:`flat_gather_target`,
+        filled."""
+        if self._gathers_in_place():
+            self.post_forward_shard = None
+            self.sharded_state = ShardedState.UNSHARDED
+            return
+        rest = self._moved_rest()
+        self.fill_unsharded(target.view(target.numel() // math.prod(rest), *rest))
+
+    def _gathers_in_place(self) -> bool:
+        """Whether the gathered rows are exactly the placeholder's (a dim-0 shard
+        that needs no padding), so the flat all-gather copies straight into it."""
+        rows = self.orig_size[0]
+        return self.shard_dim == 0 and rows == self.mesh_info.shard_size * self.chunk_rows
+
+    def _moved_rest(self) -> tuple[int, ...]:
+        """The sizes of the dims other than the shard dim, in order."""
+        return tuple(s for i, s in enumerate(self.orig_size) if i != self.shard_dim)
+
     def fill_unsharded(self, gathered: torch.Tensor) -> None:
         """Grows the placeholder to full and copies the gathered rows into it."""
         if self.sharded_state is ShardedState.UNSHARDED:
@@ -428,6 +492,57 @@ class FSDPParam:
                 self.replicas_pending = False
             local = all_reduce(local, op, mi.replicate_group_name, mi.replicate_size)
         self._finish_reduced(local, divide_factor, reduced_hook)
+
+    # The flat eager reduction: see [Note: One collective per unit, eagerly]
+    # (_param_group.py) and [Note: Flat buffers] (_collectives.py). Each step does
+    # what ``reduce_grad`` does to one parameter, on its part of the unit's buffer.
+    def flat_reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (in ``reduce_dtype``, full shape) with the shard dim first (ND)."""
+        return grad if self.shard_dim == 0 else grad.movedim(self.shard_dim, 0)
+
+    @property
+    def flat_numel(self) -> int:
+        """Elements of this parameter's padded part of one rank's row in the flat
+        buffers (``chunk_rows`` rows)."""
+        return self.chunk_rows * math.prod(self._moved_rest())
+
+    def flat_reduced_local(self, part: torch.Tensor) -> torch.Tensor:
+        """This rank's gradient shard in the sharded layout, as a view of ``part``
+        (this parameter's ``flat_numel`` elements of the reduce-scatter output, 1D);
+        not contiguous for a shard dim other than 0."""
+        local = part.view(self.chunk_rows, *self._moved_rest())
+        if self.local_rows != self.chunk_rows:
+            local = local.narrow(0, 0, self.local_rows)
+        if self.shard_dim != 0:
+            local = local.movedim(0, self.shard_dim)
+        return local
+
+    def fold_replicas_pending(self, local: torch.Tensor) -> None:
+        """HSDP: adds into ``local`` (the view of :meth:`flat_reduced_local`, before
+        the all-reduce over the replicas) what earlier backwards reduced without it,
+        as ``reduce_grad`` does."""
+        if not self.replicas_pending:
+            return
+        sp = self.sharded_param
+        local.add_(sp.grad.to_local().to(local.device, local.dtype))
+        sp.grad = None
+        self.replicas_pending = False
+
+    def hold_for_replicas(self, local: torch.Tensor) -> None:
+        """HSDP with ``set_requires_all_reduce(False)``: accumulates the shard-reduced
+        ``local`` without the all-reduce (nor the division), as ``reduce_grad`` does."""
+        self._accumulate_reduced(local.contiguous())
+        self.replicas_pending = True
+
+    def finish_flat_reduced(
+        self,
+        local: torch.Tensor,
+        divide_factor: float | None,
+        reduced_hook: Callable[[torch.Tensor], None] | None,
+    ) -> None:
+        """The end of the reduction of ``local`` (fully reduced, sharded layout), as
+        ``reduce_grad`` ends it."""
+        self._finish_reduced(local.contiguous(), divide_factor, reduced_hook)
 
     def _finish_reduced(
         self,

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ._annotate import call_annotated
+from ._annotate import call_annotated, collective_annotation
+from ._collectives import (
+    all_gather_start,
+    all_reduce,
+    chunk_cat,
+    copy_out,
+    reduce_scatter,
+    wait_all_gather,
+)
 from .passes._graph import UnitPassOptions
 from ._common import MeshInfo, ShardedState, TrainingState, refusal
 from ._param import FSDPParam
@@ -42,11 +52,12 @@ from ._param import FSDPParam
 # replicated parameter of ``hsdp()``, its all-reduce output), in ``reduce_dtype``,
 # before the division by a gradient divide factor and before it is accumulated into
 # the sharded parameter's ``.grad``; the hook may change it in place (its return
-# value is ignored), as torch's does. torch reduces a unit in one flat buffer and
-# calls the hook once on it; we reduce each parameter separately, so the hook runs
-# once per trainable parameter, on that parameter's local shard (its sharded shape).
-# It runs inside the post-accumulate-grad hook, so compiled autograd traces it into
-# the backward graph like everything else there.
+# value is ignored), as torch's does. torch calls the hook once on the unit's flat
+# buffer; ours runs once per trainable parameter, on that parameter's local shard
+# (its sharded shape), eagerly (where the unit is reduced in one flat buffer too,
+# see [Note: One collective per unit, eagerly]) as traced (one reduction per
+# parameter). It runs inside the post-accumulate-grad hook, so compiled autograd
+# traces it into the backward graph like everything else there.
 #
 # ``stream=`` runs the hook on another stream (FSDP only, eager only): the stream
 # waits for the current one, the hook runs under it, and the current stream waits
@@ -56,10 +67,14 @@ from ._param import FSDPParam
 
 
 # [Note: Unused parameters]
-# Each parameter's gradient is reduced when its post-accumulate-grad hook fires, in
-# autograd's order. When ranks take different branches, a parameter one rank used
-# and another did not would be reduced on the first rank only, and the collectives
-# would no longer pair up across ranks (a hang, or wrong data). With
+# A traced backward reduces each parameter's gradient when its post-accumulate-grad
+# hook fires, in autograd's order; an eager one reduces a unit when its last
+# trainable gradient is complete, or at the end of the backward when some got none
+# (see [Note: One collective per unit, eagerly]). When ranks take different
+# branches, a parameter one rank used and another did not would be reduced on the
+# first rank only (traced), or in a flat reduction of different parameters or at
+# another time (eager), and the collectives would no longer pair up across ranks (a
+# hang, or wrong data). With
 # ``set_reduce_scatter_unused_params(True)`` a unit instead keeps each gradient
 # (summed in ``reduce_dtype``, where gradient accumulation keeps it) and reduces all
 # of its trainable parameters together at the end of the backward, in registration
@@ -93,16 +108,85 @@ from ._param import FSDPParam
 # every unit adds guards that change between micro-batches: recompiles).
 
 
+# [Note: One collective per unit, eagerly]
+# Eagerly a unit issues one all-gather per process group and dtype (one in the
+# common case) and, once all its trainable gradients are complete, one
+# reduce-scatter (and, for HSDP, one all-reduce over the replicas), as torch's FSDP2
+# does: gloo, NCCL and friends charge a latency per call, and a unit has many small
+# parameters. The buffers are laid out as in [Note: Flat buffers] (``_collectives.py``):
+#
+# - all-gather: every parameter's local shard (shard dim first, cast to
+#   ``param_dtype``, zero-padded to ``chunk_rows``) copied into one flat input with
+#   one ``_foreach_copy_``; after the wait, one ``split_with_sizes_copy`` copies each
+#   parameter's rows straight into its placeholder (a dim-0 shard without padding)
+#   or into a buffer that ``fill_unsharded`` narrows, moves back and copies as the
+#   per-parameter path does. Parameters gathered over another group (after an int
+#   ``reshard_after_forward``, their post-forward blocks over the smaller group) or
+#   in another dtype form their own flat all-gather. Replicated parameters of
+#   ``hsdp()`` and groups of one rank issue no collective and take the
+#   per-parameter path.
+# - reduction: each post-accumulate-grad hook keeps its gradient (in
+#   ``reduce_dtype``, held gradients added, as before) on ``accumulated_grad``; the
+#   hook that completes the unit's trainable gradients reduces them all: one
+#   ``_chunk_cat`` into the flat input, one reduce-scatter, (HSDP) the held
+#   shard-reduced gradients folded in and one all-reduce, then per parameter the
+#   all-reduce hook, the division and the accumulation into ``.grad`` exactly as
+#   ``FSDPParam.reduce_grad`` does them. Replicated parameters go into one flat
+#   all-reduce per group. A unit some of whose trainable parameters got no
+#   gradient is reduced by the root's end-of-backward callback (with the held
+#   gradients of [Note: Held gradients of unused parameters]), as torch reduces
+#   such a unit in its final callback. Cost, as in torch: a unit's unsharded
+#   gradients live until its last one is complete.
+#
+# Sums and averages are elementwise and each element meets the same elements of the
+# other ranks as in a per-parameter collective, and every per-parameter step (hook,
+# division, casts) is the same op on the same values, so the flat path gives the
+# numbers of the per-parameter one, bitwise, on two ranks per group (an addition
+# of two values is commutative). Over more ranks a backend may sum in an order
+# that depends on the element's offset in the buffer; the flat layout is torch's,
+# and on gloo with 4 ranks per group our flat path was bitwise equal to torch's
+# fully_shard. tests/test_eager_flat.py counts the collectives per unit and checks
+# parity with torch's fully_shard (1-D, HSDP 2x2, 4 ranks with an int
+# ``reshard_after_forward``, ``hsdp()`` with replicated parameters).
+#
+# A traced unit keeps one collective per parameter (``torch.compiler.is_compiling()``):
+# the graph passes bucket those, and the traced graphs are unchanged. What stays
+# per parameter eagerly: the all-reduce hook is called once per parameter on its
+# shard (see [Note: The all-reduce hook]), and an eager all-gather that a traced
+# forward waits for (``unshard(async_op=True)`` before a compiled forward) is waited
+# for by a dynamo-disabled function (a graph break there, not a wrong graph).
+
+
+@dataclass
+class _FlatGather:
+    """One flat all-gather in flight: the parameters it serves, their copy-out
+    targets and per-rank sizes, and its output (1D, ``world_size * sum(numels)``)."""
+
+    params: list[FSDPParam]
+    numels: list[int]
+    world_size: int
+    output: torch.Tensor
+
+
+@dataclass
+class _EagerUnshard:
+    """A unit's eager unshard in flight: the flat all-gathers, and the parameters that
+    issue none (their gathered tensor, already final)."""
+
+    flat: list[_FlatGather]
+    single: list[tuple[FSDPParam, torch.Tensor]]
+
+
 class FSDPParamGroup:
     """All managed parameters of one fully_shard call.
 
     The group is the unit of the lifecycle verbs: ``unshard`` (= ``issue_unshard``,
     which starts the all-gathers, then ``wait_for_unshard``, which waits and fills the
     placeholders), ``reshard`` (free every placeholder) and the post-backward
-    reduction. Each parameter keeps its own collective here; the fusion pass
-    (``traceable_hsdp.passes``) merges a group's collectives in the compiled graph,
-    and the eager path keeps the same per-parameter collectives so both modes
-    compute the same numbers.
+    reduction. Traced, each parameter keeps its own collective and the fusion pass
+    (``traceable_hsdp.passes``) merges a group's collectives in the compiled graph;
+    eagerly the group issues one flat collective of each kind, with the same numbers
+    (see [Note: One collective per unit, eagerly]).
     """
 
     def __init__(self, fsdp_params: list[FSDPParam], mesh_info: MeshInfo, label: str):
@@ -111,10 +195,13 @@ class FSDPParamGroup:
         self.label = label  # the unit's module class name, for messages
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
-        # All-gather outputs issued but not yet waited for (one per parameter, 1D
-        # list of ND tensors), or None.
-        self._pending: list[torch.Tensor] | None = None
+        # All-gathers issued but not yet waited for, or None: traced, one output per
+        # parameter (1D list of ND tensors); eagerly, an _EagerUnshard.
+        self._pending: list[torch.Tensor] | _EagerUnshard | None = None
         self._grads_pending = 0  # placeholder grads not yet handled this backward
+        # Eager: trainable gradients kept for the unit's flat reduction since the
+        # last one. See [Note: One collective per unit, eagerly].
+        self._grads_ready = 0
         # Settable per unit through FSDPModule's set_* methods.
         self.reduce_grads = True
         self.reshard_after_backward = True
@@ -162,11 +249,44 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.UNSHARDED or self._pending is not None:
             return
         with torch.no_grad():
-            # See [Note: Collective annotations] (passes/_graph.py).
-            self._pending = [
-                call_annotated(self.label, p.fqn, p.all_gather_start, options=self.pass_options)
-                for p in self.fsdp_params
+            if torch.compiler.is_compiling():
+                # See [Note: Collective annotations] (passes/_graph.py).
+                self._pending = [
+                    call_annotated(
+                        self.label, p.fqn, p.all_gather_start, options=self.pass_options
+                    )
+                    for p in self.fsdp_params
+                ]
+            else:
+                self._pending = self._issue_eager_unshard()
+
+    def _issue_eager_unshard(self) -> _EagerUnshard:
+        """One flat all-gather per (group, dtype). See [Note: One collective per
+        unit, eagerly]."""
+        buckets: dict[tuple[str, int, torch.dtype], list[FSDPParam]] = {}
+        single: list[tuple[FSDPParam, torch.Tensor]] = []
+        for fp in self.fsdp_params:
+            group = fp.flat_gather_group()
+            if group is None:
+                single.append((fp, fp.all_gather_start()))
+            else:
+                buckets.setdefault((*group, fp.dtype), []).append(fp)
+        flat = []
+        for (group_name, world_size, dtype), params in buckets.items():
+            sources = [fp.flat_gather_source() for fp in params]
+            numels = [rows * math.prod(src.shape[1:]) for src, rows in sources]
+            padded = any(src.size(0) != rows for src, rows in sources)
+            alloc = torch.zeros if padded else torch.empty
+            inp = alloc(sum(numels), dtype=dtype, device=params[0].device)
+            dsts = [
+                part.view(rows, *src.shape[1:]).narrow(0, 0, src.size(0))
+                for (src, rows), part in zip(sources, inp.split(numels))
             ]
+            torch._foreach_copy_(dsts, [src for src, _ in sources])
+            with collective_annotation(self.label, [fp.fqn for fp in params]):
+                output = all_gather_start(inp, world_size, group_name)
+            flat.append(_FlatGather(params, numels, world_size, output))
+        return _EagerUnshard(flat, single)
 
     def wait_for_unshard(self) -> None:
         """Waits for the all-gathers (issuing them first if needed) and fills the
@@ -179,9 +299,12 @@ class FSDPParamGroup:
             raise AssertionError(f"{self.label}: no all-gather issued, state {self.sharded_state}")
         self._pending = None
         with torch.no_grad():
-            gathered = [p.wait_gathered(t) for p, t in zip(self.fsdp_params, pending)]
-            for p, g in zip(self.fsdp_params, gathered):
-                p.fill_unsharded(g)
+            if isinstance(pending, _EagerUnshard):
+                _finish_eager_unshard(pending)
+            else:
+                gathered = [p.wait_gathered(t) for p, t in zip(self.fsdp_params, pending)]
+                for p, g in zip(self.fsdp_params, gathered):
+                    p.fill_unsharded(g)
         self.sharded_state = ShardedState.UNSHARDED
 
     def unshard(self) -> None:
@@ -208,10 +331,15 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
 
     def _drop_pending(self) -> None:
-        if self._pending is not None:
-            for p, t in zip(self.fsdp_params, self._pending):
+        pending, self._pending = self._pending, None
+        if isinstance(pending, _EagerUnshard):
+            for fg in pending.flat:
+                wait_all_gather(fg.output)
+            for p, t in pending.single:
                 p.wait_gathered(t)
-            self._pending = None
+        elif pending is not None:
+            for p, t in zip(self.fsdp_params, pending):
+                p.wait_gathered(t)
 
     def post_forward_reshard(self) -> None:
         """Frees every placeholder, keeping each parameter's post-forward block (an int
@@ -255,7 +383,15 @@ class FSDPParamGroup:
             grad = fsdp_param.accumulated_grad + grad
             fsdp_param.accumulated_grad = None
         if self.reduce_grads and not self.reduce_scatter_unused_params:
-            self._reduce(fsdp_param, grad)
+            if torch.compiler.is_compiling():
+                self._reduce(fsdp_param, grad)
+            else:
+                # Kept until the unit's last trainable gradient: see [Note: One
+                # collective per unit, eagerly].
+                fsdp_param.accumulated_grad = grad
+                self._grads_ready += 1
+                if self._grads_ready >= len(self.trainable):
+                    self.reduce_held_grads()
         else:
             # Kept for a later backward, or for the end of this one: see
             # [Note: Unused parameters].
@@ -268,9 +404,12 @@ class FSDPParamGroup:
         ``reduce_scatter_unused_params`` every trainable parameter's, a zero gradient
         for one that got none (see [Note: Unused parameters]); without it, those
         kept by earlier no-sync backwards for a parameter that got no gradient in this
-        one (see [Note: Held gradients of unused parameters])."""
+        one (see [Note: Held gradients of unused parameters]) and, eagerly, those of
+        this backward not yet reduced (see [Note: One collective per unit,
+        eagerly]; the unit's last trainable gradient also calls this)."""
         if not self.reduce_grads:
             return
+        held = []
         for fp in self.trainable:
             grad = fp.accumulated_grad
             if grad is None and not self.reduce_scatter_unused_params:
@@ -278,7 +417,15 @@ class FSDPParamGroup:
             fp.accumulated_grad = None
             if grad is None:
                 grad = torch.zeros(fp.orig_size, dtype=fp.reduce_dtype, device=fp.device)
-            self._reduce(fp, grad)
+            held.append((fp, grad))
+        self._grads_ready = 0
+        if not held:
+            return
+        if torch.compiler.is_compiling():
+            for fp, grad in held:
+                self._reduce(fp, grad)
+        else:
+            self._reduce_flat(held)
 
     def held_after_sync(self) -> list[str]:
         """FQNs of the gradients a finished syncing backward left unreduced: kept by
@@ -301,6 +448,75 @@ class FSDPParamGroup:
             self._reduced_hook(),
             options=self.pass_options,
         )
+
+    def _reduce_flat(self, held: list[tuple[FSDPParam, torch.Tensor]]) -> None:
+        """Reduces ``held`` (parameter, unsharded gradient) in one flat collective per
+        kind and ``reduce_dtype``, eagerly. See [Note: One collective per unit,
+        eagerly]."""
+        divide_factor = self._divide_factor()
+        op = "avg" if divide_factor is None else "sum"
+        hook = self._reduced_hook()
+        buckets: dict[tuple[bool, torch.dtype], list[tuple[FSDPParam, torch.Tensor]]] = {}
+        for fp, grad in held:
+            buckets.setdefault((fp.replicate, fp.reduce_dtype), []).append(
+                (fp, grad.to(fp.reduce_dtype))
+            )
+        for (replicate, _), bucket in buckets.items():
+            with collective_annotation(self.label, [fp.fqn for fp, _ in bucket]):
+                if replicate:
+                    self._all_reduce_flat(bucket, op, divide_factor, hook)
+                else:
+                    self._reduce_scatter_flat(bucket, op, divide_factor, hook)
+
+    def _reduce_scatter_flat(
+        self,
+        bucket: list[tuple[FSDPParam, torch.Tensor]],
+        op: str,
+        divide_factor: float | None,
+        hook: Callable[[torch.Tensor], None] | None,
+    ) -> None:
+        """Sharded parameters: one reduce-scatter (and, for HSDP, one all-reduce), then
+        each parameter's end as in ``FSDPParam.reduce_grad``."""
+        mi = self.mesh_info
+        ws = mi.shard_size
+        params = [fp for fp, _ in bucket]
+        numels = [fp.flat_numel for fp in params]
+        rows = [fp.flat_reduce_rows(grad) for fp, grad in bucket]
+        flat = torch.empty((ws, sum(numels)), dtype=rows[0].dtype, device=rows[0].device)
+        chunk_cat(rows, ws, flat)
+        del rows, bucket  # the unsharded gradients can go
+        out = reduce_scatter(flat.view(-1), op, ws, mi.shard_group_name)
+        if mi.replicate_group_name is not None:
+            parts = [fp.flat_reduced_local(part) for fp, part in zip(params, out.split(numels))]
+            if not self.all_reduce_grads:
+                for fp, local in zip(params, parts):
+                    fp.hold_for_replicas(local)
+                return
+            for fp, local in zip(params, parts):
+                fp.fold_replicas_pending(local)
+            out = all_reduce(out, op, mi.replicate_group_name, mi.replicate_size)
+        for fp, part in zip(params, out.split(numels)):
+            fp.finish_flat_reduced(fp.flat_reduced_local(part), divide_factor, hook)
+
+    def _all_reduce_flat(
+        self,
+        bucket: list[tuple[FSDPParam, torch.Tensor]],
+        op: str,
+        divide_factor: float | None,
+        hook: Callable[[torch.Tensor], None] | None,
+    ) -> None:
+        """Replicated parameters (see [Note: Replicated parameters] in ``_param.py``):
+        one all-reduce over the shard group and one over the replicate group, then
+        each parameter's end as in ``FSDPParam.reduce_grad``."""
+        mi = self.mesh_info
+        params = [fp for fp, _ in bucket]
+        flat = torch.cat([grad.reshape(-1) for _, grad in bucket])
+        del bucket
+        out = all_reduce(flat, op, mi.shard_group_name, mi.shard_size)
+        if mi.replicate_group_name is not None:
+            out = all_reduce(out, op, mi.replicate_group_name, mi.replicate_size)
+        for fp, part in zip(params, out.split([fp.orig_size.numel() for fp in params])):
+            fp.finish_flat_reduced(part.view(fp.orig_size), divide_factor, hook)
 
     def _reduced_hook(self) -> Callable[[torch.Tensor], None] | None:
         """The all-reduce hook as ``reduce_grad`` calls it. See
@@ -350,6 +566,7 @@ class FSDPParamGroup:
                 fp.replicas_pending = False
         self.training_state = TrainingState.IDLE
         self._grads_pending = 0
+        self._grads_ready = 0
         self.input_grad_hooks = 0
         self.backward_syncs = False
 
@@ -377,3 +594,22 @@ def _call_on_stream(
     with stream:
         hook(reduced)
     current.wait_stream(stream)
+
+
+@torch._dynamo.disable(
+    reason="traceable_hsdp: an all-gather issued eagerly, waited for in a traced forward"
+)
+def _finish_eager_unshard(pending: _EagerUnshard) -> None:
+    """Waits for an eager unshard and fills the placeholders: one copy-out per flat
+    all-gather. Dynamo-disabled: see [Note: One collective per unit, eagerly]."""
+    for fp, gathered in pending.single:
+        fp.fill_unsharded(fp.wait_gathered(gathered))
+    for fg in pending.flat:
+        output = wait_all_gather(fg.output)
+        targets = [
+            fp.flat_gather_target(fg.world_size, n) for fp, n in zip(fg.params, fg.numels)
+        ]
+        with torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+            copy_out(output, fg.world_size, fg.numels, targets)
+        for fp, target in zip(fg.params, targets):
+            fp.flat_gather_done(target)
