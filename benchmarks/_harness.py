@@ -64,6 +64,7 @@ recorded).
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import gc
 import os
@@ -327,6 +328,9 @@ class Variant:
         passes_config: the :class:`traceable_hsdp.passes.PassConfig` switches set with
             ``set_config`` while the variant builds, compiles and runs (restored after);
             empty when the module offers no ``PassConfig``.
+        optimizer: ``"torch"`` (``torch.optim.AdamW``) or ``"local"``
+            (``traceable_hsdp.optim.AdamW``: the same numbers, stepped on the
+            ``DTensor``s' local shards; works on torch's ``fully_shard`` too).
     """
 
     name: str
@@ -334,6 +338,7 @@ class Variant:
     compile: Literal["none", "whole", "blocks"]
     passes: str | None = None
     passes_config: tuple[tuple[str, Any], ...] = ()
+    optimizer: Literal["torch", "local"] = "torch"
 
     @property
     def compiled(self) -> bool:
@@ -394,12 +399,15 @@ def pass_variants() -> tuple[list[Variant], str]:
 def all_variants() -> tuple[list[Variant], str]:
     """Every variant, in run order, and the passes line."""
     ours_compiled, what = pass_variants()
+    default = next(v for v in ours_compiled if v.name == "ours_compiled")
     return (
         [
             Variant("ours_eager", "ours", "none"),
             *ours_compiled,
+            dataclasses.replace(default, name="ours_compiled_local_adamw", optimizer="local"),
             Variant("torch_eager", "torch", "none"),
             Variant("torch_block_compiled", "torch", "blocks"),
+            Variant("torch_block_compiled_local_adamw", "torch", "blocks", optimizer="local"),
             Variant("unsharded_compiled_1rank", "unsharded", "whole"),
         ],
         what,
@@ -648,7 +656,12 @@ class Runner:
         self.model, self.fwd = build_model(
             self.v, self.shape, self.mesh, self.device, self.backend, self.seed
         )
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        if self.v.optimizer == "local":
+            from traceable_hsdp.optim import AdamW
+
+            self.opt = AdamW(self.model.parameters(), lr=LR)
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward, loss, backward, AdamW step, zero_grad. Returns the detached loss."""

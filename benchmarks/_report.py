@@ -36,8 +36,12 @@ _LABELS = {
     "ours_compiled_cap1mb": "traceable_hsdp fully_shard, torch.compile(model), bucket_cap_mb=1",
     "ours_compiled_nofix": "traceable_hsdp fully_shard, torch.compile(model), "
                            "TRACEABLE_HSDP_STABLE_MESH_KEY=0",
+    "ours_compiled_local_adamw": "traceable_hsdp fully_shard, torch.compile(model), "
+                                 "traceable_hsdp.optim.AdamW",
     "torch_eager": "torch fully_shard, eager",
     "torch_block_compiled": "torch fully_shard, per-block torch.compile",
+    "torch_block_compiled_local_adamw": "torch fully_shard, per-block torch.compile, "
+                                        "traceable_hsdp.optim.AdamW",
     "unsharded_compiled_1rank": "unsharded model, torch.compile(model), 1 rank",
     "plain_whole": "unsharded model, torch.compile(model)",
 }

@@ -20,7 +20,11 @@ same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same 
 - ``ours_compiled_nopasses`` (and ``ours_compiled_no_<pass>`` per switchable pass);
 - ``ours_compiled_cap1mb``: every pass, with ``bucket_cap_mb=1`` (adjacent units'
   collectives merged up to 1 MiB);
+- ``ours_compiled_local_adamw``: ``ours_compiled`` stepping with
+  ``traceable_hsdp.optim.AdamW`` (torch's AdamW numbers on the local shards);
 - ``torch_eager``: ``torch.distributed.fsdp.fully_shard`` per block then root, eager;
+- ``torch_block_compiled_local_adamw``: ``torch_block_compiled`` with the same
+  optimizer (it steps torch's ``fully_shard`` parameters just as well);
 - ``torch_block_compiled``: torchtitan's recipe, every block
   ``torch.compile(block, fullgraph=True)`` then torch's fully_shard: each block's
   forward and backward compiled, fully_shard's collectives run between the blocks;
@@ -224,8 +228,11 @@ def _ratio(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}x"
 
 
-def _coll_cells(c: dict[str, Any] | None) -> tuple[str, str]:
-    if not c or not c.get("inductor_graphs"):
+def _coll_cells(name: str, c: dict[str, Any] | None) -> tuple[str, str]:
+    # torch's fully_shard issues its collectives between the compiled blocks: outside
+    # any Inductor graph, whatever the graphs hold. See [Note: Cells that cannot be
+    # measured] (_report.py).
+    if name.startswith("torch") or not c or not c.get("inductor_graphs"):
         return R.NOT_COUNTED, R.NOT_COUNTED
     per = c["per_step"]
     n = "/".join(str(per.get(k, {}).get("count", 0)) for k in ("all_gather", "reduce_scatter", "all_reduce"))
@@ -316,7 +323,7 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         graphs = (f"{gc['dynamo_frames']} / {gc['inductor_graphs']}" if gc
                   else R.NO_COMPILE if not compiled
                   else "not counted (--no-graph-count)" if args.no_graph_count else "–")
-        coll_n, coll_mb = _coll_cells(r["collectives"])
+        coll_n, coll_mb = _coll_cells(name, r["collectives"])
         unsharded = name.startswith("unsharded")
         mem_cell = per_rank_cell(r["peak_mem_mib"], ".0f", idle="idle" if unsharded else None)
         recompiles_cell = per_rank_cell(
