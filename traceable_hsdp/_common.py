@@ -19,9 +19,8 @@ class TrainingState(Enum):
     FORWARD = auto()
     """Between the unit's pre-forward and post-forward."""
     PRE_BACKWARD = auto()
-    """The unit's parameters were re-gathered for its backward."""
-    POST_BACKWARD = auto()
-    """Every gradient of the unit was reduce-scattered."""
+    """The unit's parameters were re-gathered for its backward; back to ``IDLE`` once
+    every gradient of the unit was reduced."""
 
 
 class ShardedState(Enum):

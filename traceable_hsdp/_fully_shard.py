@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, overload
+from typing import Any, Literal, get_args, overload
 
 import torch
 import torch.distributed as dist
@@ -442,13 +442,25 @@ def _check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}.")
 
 
-def _set_on_groups(module: Any, recurse: bool, attr: str, name: str, value: object) -> None:
+# The parameter group's flags the public setters write; a name outside this set is a
+# typo that would otherwise create a new attribute and change nothing.
+_GroupFlag = Literal[
+    "reduce_grads", "reshard_after_backward", "force_sum", "all_reduce_grads",
+    "unshard_in_backward", "reduce_scatter_unused_params",
+]
+_GROUP_FLAGS = frozenset(get_args(_GroupFlag))
+
+
+def _set_on_groups(module: Any, recurse: bool, attr: _GroupFlag, name: str, value: object) -> None:
     """The boolean setters' one body: checks that ``value`` (the argument ``name``)
     is a bool, then sets ``attr`` of this unit's parameter group to it, and with
     ``recurse`` of every unit's inside too."""
+    if attr not in _GROUP_FLAGS:
+        raise AssertionError(f"_set_on_groups: {attr!r} is not a parameter-group flag")
     _check_bool(name, value)
     for state in _states(module, recurse):
         if state.param_group is not None:
+            assert isinstance(getattr(state.param_group, attr), bool), attr
             setattr(state.param_group, attr, value)
 
 
