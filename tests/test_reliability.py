@@ -1,0 +1,124 @@
+"""Paths that could be silently wrong: CPU offload copies on a GPU, the order of
+explicit prefetch, uneven shards at the edges, compiled refusals below the root, and
+a rank that dies mid-step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import traceable_hsdp as th
+
+
+# --------------------------------------------------------------- CPU offload
+# See [Note: Offload copies and the CPU] (_param.py). No GPU here: the reduced
+# gradient is a stand-in for a device tensor, and the stream and event calls are
+# recorded, so the test pins the order of copy, record, synchronize and CPU read.
+
+
+class _FakeEvent:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+
+class _FakeStream:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def record_event(self) -> _FakeEvent:
+        self.log.append("record_event")
+        return _FakeEvent(self.log)
+
+
+class _DeviceGrad:
+    """A reduced gradient shard as if on ``cuda:0``: ``.to`` a dtype is itself, ``.to``
+    the CPU logs the copy and returns the data."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, data: torch.Tensor, log: list) -> None:
+        self.data, self.log = data, log
+
+    def to(self, dest: Any, non_blocking: bool = False) -> Any:
+        if isinstance(dest, torch.dtype):
+            return self
+        assert torch.device(dest).type == "cpu", dest
+        self.log.append(("copy_to_cpu", non_blocking))
+        return self.data.clone()
+
+
+def _offloaded(one_rank, pin_memory: bool) -> tuple[nn.Module, Any]:
+    m = th.fully_shard(nn.Linear(4, 3), mesh=one_rank,
+                       offload_policy=th.CPUOffloadPolicy(pin_memory=pin_memory))
+    return m, m._traceable_hsdp_state.param_group.fsdp_params[0]
+
+
+@pytest.fixture
+def stream_log(monkeypatch) -> list:
+    log: list = []
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda *a, **k: _FakeStream(log))
+    return log
+
+
+def test_offload_grad_copy_waits_before_cpu_reads(one_rank, stream_log) -> None:
+    log = stream_log
+    _, fp = _offloaded(one_rank, pin_memory=True)
+    g1, g2 = torch.randn(3, 4), torch.randn(3, 4)
+    # First reduction, nothing to add to: asynchronous copy, then an event.
+    fp._accumulate_reduced(_DeviceGrad(g1, log))
+    assert log == [("copy_to_cpu", True), "record_event"]
+    assert fp.grad_offload_event is not None
+    # The root's end-of-backward callback waits for it (before the optimizer).
+    fp.wait_grad_offload()
+    assert log[-1] == "synchronize" and fp.grad_offload_event is None
+    # Accumulating: the CPU add reads the copy at once, so the copy blocks.
+    log.clear()
+    fp._accumulate_reduced(_DeviceGrad(g2, log))
+    assert log == [("copy_to_cpu", False)]
+    torch.testing.assert_close(fp.sharded_param.grad.to_local(), g1 + g2, rtol=0, atol=0)
+    # A pending event when the gradient is reduced again is waited for first.
+    fp.sharded_param.grad = None
+    log.clear()
+    fp._accumulate_reduced(_DeviceGrad(g1, log))
+    fp._accumulate_reduced(_DeviceGrad(g2, log))
+    assert log == [("copy_to_cpu", True), "record_event", "synchronize", ("copy_to_cpu", False)]
+
+
+def test_offload_grad_copy_blocks_when_read_early(one_rank, stream_log, monkeypatch) -> None:
+    log = stream_log
+    # Not pinned: blocking (as torch's FSDP2).
+    _, fp = _offloaded(one_rank, pin_memory=False)
+    fp._accumulate_reduced(_DeviceGrad(torch.ones(3, 4), log))
+    assert log == [("copy_to_cpu", False)] and fp.grad_offload_event is None
+    # A post-accumulate-grad hook on the sharded parameter reads .grad at once.
+    log.clear()
+    _, fp = _offloaded(one_rank, pin_memory=True)
+    fp.sharded_param.register_post_accumulate_grad_hook(lambda p: None)
+    fp._accumulate_reduced(_DeviceGrad(torch.ones(3, 4), log))
+    assert log == [("copy_to_cpu", False)] and fp.grad_offload_event is None
+    # Traced (compiled backward): no end-of-backward callback to wait in.
+    log.clear()
+    _, fp = _offloaded(one_rank, pin_memory=True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    fp._accumulate_reduced(_DeviceGrad(torch.ones(3, 4), log))
+    assert log == [("copy_to_cpu", False)] and fp.grad_offload_event is None
+
+
+def test_offload_event_waited_before_backward_returns(one_rank) -> None:
+    """The wiring: a real eager backward's end-of-backward callback waits for every
+    pending copy, and reset_iter_state drops none unwaited."""
+    log: list = []
+    m, fp = _offloaded(one_rank, pin_memory=True)
+    fp.grad_offload_event = _FakeEvent(log)
+    m(torch.randn(2, 4)).sum().backward()
+    assert log == ["synchronize"] and fp.grad_offload_event is None
+    fp.grad_offload_event = _FakeEvent(log)
+    m.reset_iter_state()
+    assert log == ["synchronize", "synchronize"] and fp.grad_offload_event is None
