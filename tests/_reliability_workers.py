@@ -126,3 +126,92 @@ def prefetch_order_worker(rank: int, world: int) -> dict[str, Any]:
         grads=[p.grad.full_tensor() for p in model.parameters()],
     )
     return out
+
+
+# --------------------------------------------------------------- uneven shards
+# Widths chosen for the edges: on 4 shard ranks (1-D) the first weight's 3 rows are
+# held 1, 1, 1, 0; the last layer's single row 1, 0, 0, 0; the middle weights are
+# sharded on dim 1 (shard_placement_fn): 3 columns (1, 1, 1, 0) and 7 columns (2, 2,
+# 2, 1: uneven, none empty). On 2x2 (HSDP, shard groups of 2): 2, 1; 1, 0 (a 0-row
+# rank in HSDP); 2, 1; 4, 3.
+UNEVEN_WIDTHS = (8, 3, 7, 5, 1)
+UNEVEN_STEPS, UNEVEN_LR, UNEVEN_BATCH = 3, 0.1, 8
+
+
+def _uneven_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    w, layers = UNEVEN_WIDTHS, []
+    for i in range(len(w) - 1):
+        layers += [nn.Linear(w[i], w[i + 1]), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _uneven_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(UNEVEN_BATCH, UNEVEN_WIDTHS[0], generator=g),
+             torch.randn(UNEVEN_BATCH, 1, generator=g)) for _ in range(UNEVEN_STEPS)]
+
+
+def uneven_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch, SGD: the ground truth."""
+    model = _uneven_model()
+    opt = torch.optim.SGD(model.parameters(), lr=UNEVEN_LR)
+    losses = []
+    for x, y in _uneven_data():
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def uneven_worker(rank: int, world: int) -> dict[str, Any]:
+    """Trains the edge-width model on a 1-D mesh of all ranks and on a 2 x (world/2)
+    HSDP mesh, eagerly and compiled (aot_eager), on this rank's slice of the global
+    batch (ranks are data-parallel index order on both meshes)."""
+    from torch.distributed.tensor import Shard
+
+    from _workers import GraphRecorder
+
+    middle = {2, 4}  # module indices of the Linear layers sharded on dim 1
+    out: dict[str, Any] = {}
+    for mesh_name, shape in (("1d", (world,)), ("hsdp", (2, world // 2))):
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for mode in ("eager", "compiled"):
+            model = _uneven_model()
+            dim1 = {id(model[i].weight) for i in middle}
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    th.fully_shard(layer, mesh=mesh,
+                                   shard_placement_fn=lambda p: Shard(1) if id(p) in dim1 else None)
+            th.fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=UNEVEN_LR)
+            rec = GraphRecorder()
+            fwd = model
+            if mode == "compiled":
+                th.enable_compiled_autograd(backend=rec)
+                fwd = torch.compile(model, backend=rec, fullgraph=True)
+            losses = []
+            try:
+                for x, y in _uneven_data():
+                    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+                    loss = (fwd(xs) - ys).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    t = loss.detach().clone()
+                    torch.distributed.all_reduce(t)
+                    losses.append(t.item() / world)
+            finally:
+                th.disable_compiled_autograd()
+            sd = model.state_dict()
+            out[f"{mesh_name}_{mode}"] = dict(
+                losses=losses,
+                params={k: v.full_tensor() for k, v in sd.items()},
+                local_shapes={k: tuple(v.to_local().shape) for k, v in sd.items()},
+                placements={k: str(v.placements) for k, v in sd.items()},
+                graphs=(len(rec.forward), len(rec.backward)),
+            )
+    return out

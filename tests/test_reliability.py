@@ -153,3 +153,34 @@ def test_explicit_prefetch_issue_order() -> None:
             torch.testing.assert_close(b, a, rtol=0, atol=0)
             torch.testing.assert_close(c, a, rtol=0, atol=1e-6)
         assert abs(comp["loss"] - plain["loss"]) <= 1e-6
+
+
+# ---------------------------------------------------------------- uneven shards
+@pytest.mark.slow
+def test_uneven_shards_at_the_edges() -> None:
+    """4 ranks, a chain of Linear units whose widths put ranks at the edges (see
+    ``UNEVEN_WIDTHS``): ranks holding 0 rows on a 1-D mesh of 4, uneven shards on
+    dim 1 (shard_placement_fn; torch's fully_shard refuses uneven Shard(1), so the
+    reference is one process), and a 0-row rank in each HSDP shard group on 2x2.
+    Eager and compiled (aot_eager, compiled autograd) runs against a one-process SGD
+    reference on the same global batch: losses rtol 1e-6, parameters atol 1e-6 (not
+    bitwise: averaging over ranks sums in another order; 3e-8 seen)."""
+    from _dist import run_ranks
+    from _reliability_workers import uneven_reference, uneven_worker
+
+    results = run_ranks(uneven_worker, 4)
+    ref_losses, ref_params = uneven_reference()
+    # The edges are really there (local shard shapes on ranks 3 and 1).
+    r3, r1 = results[3]["1d_eager"]["local_shapes"], results[1]["hsdp_eager"]["local_shapes"]
+    assert r3["0.weight"] == (0, 8) and r3["0.bias"] == (0,), r3  # 3 rows over 4 ranks
+    assert r3["2.weight"] == (7, 0), r3  # 3 columns over 4 ranks, Shard(1)
+    assert r3["4.weight"] == (5, 1) and results[0]["1d_eager"]["local_shapes"]["4.weight"] == (5, 2)
+    assert r1["6.weight"] == (0, 5) and r1["6.bias"] == (0,), r1  # HSDP: 1 row over 2
+    assert results[1]["1d_eager"]["placements"]["2.weight"] == "(Shard(dim=1),)"
+    for r in results:
+        for run, v in r.items():
+            torch.testing.assert_close(v["losses"], ref_losses, rtol=1e-6, atol=0, msg=run)
+            for k, ref in ref_params.items():
+                torch.testing.assert_close(v["params"][k], ref, rtol=0, atol=1e-6, msg=f"{run} {k}")
+            # Compiled: one forward and one backward graph over the 3 steps.
+            assert v["graphs"] == ((1, 1) if run.endswith("compiled") else (0, 0)), (run, v["graphs"])
