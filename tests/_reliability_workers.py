@@ -215,3 +215,85 @@ def uneven_worker(rank: int, world: int) -> dict[str, Any]:
                 graphs=(len(rec.forward), len(rec.backward)),
             )
     return out
+
+
+# ------------------------------------------------------ compiled below the root
+def _below_root_model(frozen_block: bool) -> tuple[nn.Module, nn.Module]:
+    """(reference, copy to shard): Linear, a block (Linear, Tanh, Linear, Tanh,
+    Linear) whose middle Linear is a unit of its own (its output hooked inside the
+    block's graph), Linear. ``frozen_block``: the block's parameters are frozen
+    while its input needs grad (the first Linear is trainable)."""
+    import copy
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), block, nn.Tanh(), nn.Linear(8, 4))
+    if frozen_block:
+        block.requires_grad_(False)
+    return ref, copy.deepcopy(ref)
+
+
+def below_root_worker(rank: int, world: int) -> dict[str, Any]:
+    """Compiled units below an eager root, without compiled autograd (aot_eager):
+    "nested" compiles the block (a unit holding another unit) alone; "frozen" the
+    same with the block frozen; "frozen_root": a wholly frozen model compiled whole
+    (the root's compile check sees no trainable parameter), fed by a trainable
+    Linear outside it. Each against a one-process reference: losses, parameters and
+    the outside Linear's gradient; and the placeholder bytes left after each forward
+    and backward."""
+    from _workers import _placeholder_bytes
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    for case in ("nested", "frozen", "frozen_root"):
+        torch._dynamo.reset()  # each case its own dynamo caches (and recompile limit)
+        ref, model = _below_root_model(frozen_block=case == "frozen")
+        if case == "frozen_root":
+            ref.requires_grad_(False)
+            model.requires_grad_(False)
+        torch.manual_seed(1)
+        pre = nn.Linear(8, 8)  # outside fully_shard: its input gradient path
+        ref_pre = nn.Linear(8, 8)
+        ref_pre.load_state_dict(pre.state_dict())
+        th.fully_shard(model[2][2], mesh=mesh)
+        for i in (0, 2, 4):
+            th.fully_shard(model[i], mesh=mesh)
+        th.fully_shard(model, mesh=mesh)
+        if case == "frozen_root":
+            fwd = torch.compile(model, backend="aot_eager")
+        else:
+            model[2] = torch.compile(model[2], backend="aot_eager")
+            fwd = model
+        params = [p for p in (*model.parameters(), *pre.parameters()) if p.requires_grad]
+        ref_params = [p for p in (*ref.parameters(), *ref_pre.parameters()) if p.requires_grad]
+        opt, ref_opt = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(ref_params, lr=0.1)
+        g = torch.Generator().manual_seed(2)
+        losses, ref_losses, bytes_fwd, bytes_bwd = [], [], [], []
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=g)
+            y = fwd(pre(x.chunk(world)[rank]))
+            bytes_fwd.append(_placeholder_bytes(model))
+            loss = y.square().mean()
+            loss.backward()
+            bytes_bwd.append(_placeholder_bytes(model))
+            # The outside Linear is replicated by hand: average its gradient.
+            for p in pre.parameters():
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            torch.distributed.all_reduce(t)
+            losses.append(t.item() / world)
+            ref_loss = ref(ref_pre(x)).square().mean()
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(ref_loss.item())
+        sd = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
+        diff = {k: (sd[k].full_tensor() - v).abs().max().item() for k, v in ref.state_dict().items()}
+        diff.update({f"pre.{k}": (getattr(pre, k) - getattr(ref_pre, k)).abs().max().item()
+                     for k in ("weight", "bias")})
+        out[case] = dict(losses=losses, ref_losses=ref_losses, diff=diff,
+                         bytes_fwd=bytes_fwd, bytes_bwd=bytes_bwd)
+    return out

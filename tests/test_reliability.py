@@ -184,3 +184,29 @@ def test_uneven_shards_at_the_edges() -> None:
                 torch.testing.assert_close(v["params"][k], ref, rtol=0, atol=1e-6, msg=f"{run} {k}")
             # Compiled: one forward and one backward graph over the 3 steps.
             assert v["graphs"] == ((1, 1) if run.endswith("compiled") else (0, 0)), (run, v["graphs"])
+
+
+# ------------------------------------------------------ compiled below the root
+@pytest.mark.slow
+def test_units_compiled_below_an_eager_root_train_correctly() -> None:
+    """The root refuses a compiled forward that needs a backward while compiled
+    autograd is off (tests/test_runtime.py checks the message). Below the root that
+    check does not run; these cases are not refused, and must train correctly
+    (aot_eager, compiled autograd off, 2 ranks, 3 SGD steps): a unit holding another
+    unit compiled on its own under an eager root (``torch.compile(model[2])``); the
+    same with that block frozen while its input needs grad; and a wholly frozen
+    model compiled whole, fed by a trainable Linear outside it. Against a one-process
+    reference: losses rtol 1e-6, parameters (and the outside Linear) atol 1e-6 (not
+    bitwise: averaging over ranks sums in another order). Every placeholder is 0
+    bytes after each forward and backward (a re-gather moved into the forward would
+    leave the parameters gathered)."""
+    from _dist import run_ranks
+    from _reliability_workers import below_root_worker
+
+    for r in run_ranks(below_root_worker, 2):
+        assert set(r) == {"nested", "frozen", "frozen_root"}
+        for case, v in r.items():
+            torch.testing.assert_close(v["losses"], v["ref_losses"], rtol=1e-6, atol=0, msg=case)
+            worst = max(v["diff"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= 1e-6, (case, worst)
+            assert v["bytes_fwd"] == [0, 0, 0] and v["bytes_bwd"] == [0, 0, 0], (case, v)
