@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
+from traceable_hsdp.models import Llama, LlamaConfig
 
 # ------------------------------------------------------------------- prefetch
 # Three units of distinct widths, so the numel of an all-gather's input names its
@@ -357,3 +361,181 @@ def prepass_order_worker(rank: int, world: int) -> dict[str, Any]:
     finally:
         th.disable_compiled_autograd()
     return dict(before=before, after=after)
+
+
+# ------------------------------------------------ Inductor, every feature at once
+# The body of tests/test_inductor_features.py.
+
+# Tied embeddings: the output head is the token embedding (one parameter in the root).
+FAT_CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=16, tie_embeddings=True)
+FAT_SEQ, FAT_BATCH_PER_RANK, FAT_STEPS, FAT_MICRO, FAT_LR = 8, 2, 3, 2, 0.05
+# hsdp(bucket_size=...) in MiB: the whole model's gathered fp32 parameters are
+# ~0.1 MiB, so adjacent units of one dtype merge into one bucket.
+FAT_BUCKET_MB = 1
+FAT_BF16 = th.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                               output_dtype=torch.float32)
+
+
+def _fat_build(mesh: Any) -> Llama:
+    """Block 0: hsdp level2 (reshard_after_forward=False; the RMSNorm weights, under
+    threshold=1 KiB, kept whole and all-reduced), which also turns comm_fusion on with
+    a bucket cap. Block 1: fully_shard in bf16 (reduce in fp32, output fp32),
+    reshard_after_forward=True. Root: the tied embedding/output and the final norm,
+    kept gathered after forward (torch's default for the root)."""
+    torch.manual_seed(0)
+    model = Llama(FAT_CFG)
+    assert model.output.weight is model.tok_embeddings.weight
+    th.hsdp(model.layers[0], threshold=1, optimizer_level="level2", comm_fusion=True,
+            bucket_size=FAT_BUCKET_MB, mesh=mesh)
+    th.fully_shard(model.layers[1], mesh=mesh, mp_policy=FAT_BF16, reshard_after_forward=True)
+    th.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fat_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(FAT_STEPS):
+        tok = torch.randint(0, FAT_CFG.vocab_size, (8 * FAT_BATCH_PER_RANK * FAT_MICRO, FAT_SEQ + 1), generator=g)
+        out.append((tok[:, :-1], tok[:, 1:]))
+    return out
+
+
+def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    from traceable_hsdp.passes import _predicates as P
+
+    c = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "fsdp_copy", "resize"), 0)
+    for n in graph.nodes:
+        for key, pred in (("all_gather", P.is_all_gather), ("reduce_scatter", P.is_reduce_scatter),
+                          ("all_reduce", P.is_all_reduce), ("fsdp_copy", P.is_fsdp_copy),
+                          ("resize", P.is_resize)):
+            if pred(n):
+                c[key] += 1
+                v = P.tensor_val(n.args[0])
+                c.setdefault(key + "_in", []).append(
+                    (tuple(v.shape), str(v.dtype)) if v is not None else None)
+    return c
+
+
+def fat_worker(rank: int, world: int, mesh_shape: tuple[int, ...], ckpt: str) -> dict[str, Any]:
+    """Trains the model of ``_fat_build`` eagerly, then compiled with Inductor (every pass
+    on, compiled autograd), FAT_STEPS optimizer steps of FAT_MICRO micro-batches (gradient
+    sync off on all but the last). Compiled, a DCP checkpoint is saved after step
+    FAT_STEPS-1 and loaded back after step FAT_STEPS, which is then run again."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    graphs: list[dict[str, int]] = []
+
+    class Record(CustomGraphPass):
+        """Inductor's post-grad post-pass: each graph after our passes."""
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            graphs.append(_fat_counts(graph))
+
+        def uuid(self) -> None:
+            return None  # never from the FX cache: every graph is seen
+
+    def run(compiled: bool) -> dict[str, Any]:
+        model = _fat_build(mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=FAT_LR, momentum=0.9)
+        fwd = model
+        if compiled:
+            torch._inductor.config.post_grad_custom_post_pass = Record()
+            th.enable_compiled_autograd()
+            fwd = torch.compile(model, fullgraph=True)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+            xs, ys = x.chunk(world)[rank].chunk(FAT_MICRO), y.chunk(world)[rank].chunk(FAT_MICRO)
+            total = torch.zeros(())
+            for i in range(FAT_MICRO):
+                model.set_requires_gradient_sync(i == FAT_MICRO - 1)
+                loss = F.cross_entropy(fwd(xs[i]).flatten(0, 1), ys[i].flatten()) / FAT_MICRO
+                loss.backward()
+                total += loss.detach()
+            assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+            torch.distributed.all_reduce(total)
+            return total.item() / world
+
+        losses, graphs_after_step = [], []
+        data = _fat_data()
+        try:
+            for i, (x, y) in enumerate(data):
+                if compiled and i == FAT_STEPS - 1:
+                    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                             checkpoint_id=ckpt)
+                losses.append(step(x, y))
+                graphs_after_step.append(len(graphs))
+            out = dict(losses=losses, graphs_after_step=graphs_after_step,
+                       params={k: v.full_tensor() for k, v in model.state_dict().items()})
+            if compiled:
+                # Resume: load the checkpoint into the same model and optimizer (in
+                # place), and run the last step again.
+                state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                dcp.load(state, checkpoint_id=ckpt)
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optim"])
+                out["resumed_loss"] = step(*data[-1])
+                out["resumed_graphs"] = len(graphs)
+                out["resumed_params"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            return out
+        finally:
+            if compiled:
+                th.disable_compiled_autograd()
+                torch._inductor.config.post_grad_custom_post_pass = None
+
+    eager = run(compiled=False)
+    compiled = run(compiled=True)
+    return dict(eager=eager, compiled=compiled, graphs=graphs,
+                placements={k: str(v.placements) for k, v in _fat_build(mesh).state_dict().items()})
+
+
+# ------------------------------------------------------------- a rank that dies
+DIE_AT_STEP = 2  # rank 1 exits after this step's forward, before its backward
+DIE_EXIT_CODE = 17
+
+
+def dying_rank_main(rank: int, world: int, tmp: str, compiled: bool, pg_timeout_s: float) -> None:
+    """One rank (a spawned process) of a run where rank 1 exits mid-step: after step
+    ``DIE_AT_STEP``'s forward, with its peers in that step's backward collectives.
+    Every other rank writes what it raised and how long that step took to
+    ``{tmp}/rank{rank}.json``."""
+    import datetime
+    import json
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    th.fully_shard(model[0], mesh=mesh)
+    th.fully_shard(model[2], mesh=mesh)
+    th.fully_shard(model, mesh=mesh)
+    fwd = model
+    if compiled:
+        th.enable_compiled_autograd(backend="aot_eager")
+        fwd = torch.compile(model, backend="aot_eager", fullgraph=True)
+    result: dict[str, Any] = {"error": None, "steps": 0}
+    start = time.monotonic()
+    try:
+        for step in range(DIE_AT_STEP + 2):
+            start = time.monotonic()
+            loss = fwd(torch.randn(4, 8)).square().mean()
+            if step == DIE_AT_STEP and rank == 1:
+                os._exit(DIE_EXIT_CODE)  # no cleanup, as a crash
+            loss.backward()
+            result["steps"] += 1
+    except Exception as e:  # what the survivor raised
+        result["error"] = f"{type(e).__name__}: {e}"[:2000]
+    result["seconds"] = time.monotonic() - start
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()

@@ -255,3 +255,45 @@ def test_fsdp_copy_and_resizes_survive_functionalization() -> None:
             assert max(frees_at[n] for n in order[:2]) < min(grows_at[n] for n in order[2:]), events
             assert set(frees[:2]) == set(order[:2]), events
         assert r["after"] == [0, 0], r["after"]
+
+
+# ---------------------------------------------------------- a rank that dies
+PG_TIMEOUT_S = 30.0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rank_dying_mid_step_makes_the_others_raise(tmp_path, compiled: bool) -> None:
+    """3 gloo ranks with a 30 s process-group timeout; rank 1 exits (os._exit, as a
+    crash) after a step's forward. Ranks 0 and 2 are then in that step's backward
+    collectives: each must raise within the timeout (gloo sees the peer's socket
+    close), and exit, never hang. Eager, and compiled (aot_eager, compiled
+    autograd: the collectives inside the compiled backward graph)."""
+    import json
+    import multiprocessing
+
+    from _reliability_workers import DIE_AT_STEP, DIE_EXIT_CODE, dying_rank_main
+
+    world = 3
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=dying_rank_main,
+                         args=(r, world, str(tmp_path), compiled, PG_TIMEOUT_S))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    # Startup and (compiled) the first step's compile come before the failing step;
+    # the bound below is generous for them, and the step itself is timed by the ranks.
+    deadline = 240
+    for p in procs:
+        p.join(deadline)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still running after {deadline} s"
+    assert procs[1].exitcode == DIE_EXIT_CODE
+    for r in (0, 2):
+        assert procs[r].exitcode == 0, (r, procs[r].exitcode)
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["steps"] == DIE_AT_STEP, got  # the steps before it completed
+        assert got["error"] is not None and "RuntimeError" in got["error"], got
+        assert got["seconds"] < PG_TIMEOUT_S, got
