@@ -297,3 +297,60 @@ def test_rank_dying_mid_step_makes_the_others_raise(tmp_path, compiled: bool) ->
         assert got["steps"] == DIE_AT_STEP, got  # the steps before it completed
         assert got["error"] is not None and "RuntimeError" in got["error"], got
         assert got["seconds"] < PG_TIMEOUT_S, got
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, in start (pid) order (Linux /proc)."""
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"spawn_main" in cmdline:  # a spawned rank, not a tracker
+            out.append(int(entry))
+    return sorted(out)
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="finds the ranks in /proc")
+def test_train_cli_exits_nonzero_naming_the_dead_rank() -> None:
+    """``traceable-hsdp train`` (2 spawned gloo ranks, eager, a long run): rank 1 is
+    killed (SIGKILL) once steps are being printed. The command must exit with status 1
+    at once and name the rank (torch.multiprocessing's error: "process 1 terminated
+    with signal SIGKILL"); the survivor is terminated, nothing hangs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "traceable_hsdp.cli", "train", "--eager", "--steps", "100000",
+           "--no-progress", "--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "8",
+           "--init", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # rank 0's step lines: training is under way
+            if line.startswith("step 3/"):
+                break
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)  # started second: rank 1
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, (proc.returncode, err[-2000:])
+    assert "a rank died: process 1 terminated with signal SIGKILL" in err, err[-2000:]
+    assert seconds < 30, seconds
+    assert not [p for p in ranks if os.path.exists(f"/proc/{p}") and
+                open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"], ranks
