@@ -27,8 +27,8 @@ Where it survives, on torch 2.13 (checked with the demo Llama, 2 ranks):
   the same compile, matching collectives in graph order (see ``_dump.py``).
 
 ``torch.fx.traceback.annotate`` (and dynamo's support for it) exists since torch
-2.10, so on torch 2.13, the one version supported and tested; where it is missing, the helper is
-a no-op and dumps show no unit or parameter.
+2.10, so on torch 2.13, the one version supported and tested; where it is missing,
+the helper is a no-op and dumps show no unit or parameter.
 """
 
 from __future__ import annotations
