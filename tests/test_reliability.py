@@ -261,7 +261,9 @@ def test_fsdp_copy_and_resizes_survive_functionalization() -> None:
 PG_TIMEOUT_S = 30.0
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
 def test_rank_dying_mid_step_makes_the_others_raise(tmp_path, compiled: bool) -> None:
     """3 gloo ranks with a 30 s process-group timeout; rank 1 exits (os._exit, as a
     crash) after a step's forward. Ranks 0 and 2 are then in that step's backward
