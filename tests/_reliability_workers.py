@@ -380,15 +380,18 @@ def _fat_build(mesh: Any) -> Llama:
     """Block 0: hsdp level2 (reshard_after_forward=False; the RMSNorm weights, under
     threshold=1 KiB, kept whole and all-reduced), which also turns comm_fusion on with
     a bucket cap. Block 1: fully_shard in bf16 (reduce in fp32, output fp32),
-    reshard_after_forward=True. Root: the tied embedding/output and the final norm,
-    kept gathered after forward (torch's default for the root)."""
+    reshard_after_forward=True. Root: the tied embedding/output and the final norm
+    (kept whole: threshold=1 KiB), through hsdp level1 (its gathered storage is never
+    freed; each forward refills it from the shards)."""
     torch.manual_seed(0)
     model = Llama(FAT_CFG)
     assert model.output.weight is model.tok_embeddings.weight
     th.hsdp(model.layers[0], threshold=1, optimizer_level="level2", comm_fusion=True,
             bucket_size=FAT_BUCKET_MB, mesh=mesh)
     th.fully_shard(model.layers[1], mesh=mesh, mp_policy=FAT_BF16, reshard_after_forward=True)
-    th.fully_shard(model, mesh=mesh)
+    # The same pass configuration again: hsdp() sets it for the whole process.
+    th.hsdp(model, threshold=1, optimizer_level="level1", comm_fusion=True,
+            bucket_size=FAT_BUCKET_MB, mesh=mesh)
     return model
 
 

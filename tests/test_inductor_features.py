@@ -5,7 +5,8 @@ block 0 through ``hsdp(optimizer_level="level2", threshold=1, comm_fusion=True,
 bucket_size=1)`` (reshard_after_forward=False, its RMSNorm weights kept whole and
 all-reduced, the bucketing passes on with a 1 MiB cap); block 1 through
 ``fully_shard`` in bf16 (reduce and output in fp32, reshard_after_forward=True); the
-root holds the tied embedding/output head. Three optimizer steps (SGD with momentum)
+root, holding the tied embedding/output head, through ``hsdp`` level1 (storage kept
+across steps). Three optimizer steps (SGD with momentum)
 of two micro-batches, gradient sync off on the first; compiled with compiled
 autograd and Inductor; a DCP checkpoint saved before the last step and loaded back
 after it, and the last step run again.
@@ -38,6 +39,7 @@ from _dist import run_ranks
 from _reliability_workers import FAT_STEPS as STEPS, fat_worker
 
 N_BLOCK0 = 9  # parameters of block 0: 7 sharded weights and 2 RMSNorm weights kept whole
+N_ROOT = 2  # the tied embedding/output (sharded) and the final norm (kept whole)
 
 
 def _expected(hsdp: bool) -> list[dict[str, int]]:
@@ -46,25 +48,26 @@ def _expected(hsdp: bool) -> list[dict[str, int]]:
 
     - All-gathers: the forward has two buckets, fp32 (the root and block 0, merged
       by the cap: without it they would be two) and bf16 (block 1; another dtype,
-      never merged with fp32). Each backward re-gathers the root and block 1 (both
-      reshard after forward), again one fp32 and one bf16 gather; block 0 stays
-      gathered.
+      never merged with fp32). Each backward re-gathers block 1 only (bf16): block 0
+      (level2) and the root (level1) stay gathered.
     - Reduce-scatters: one in the syncing backward, all three units' gradients in
       one bucket (fp32 reduce dtype, within the cap); none without sync.
-    - All-reduces (never bucketed): block 0's two whole RMSNorm weights over the
-      shard group; on 2x2 also over the replicate group, plus every sharded
-      gradient over the replicate group (18 sharded parameters, the tied one
-      counted once): 2 + 2 + 18.
+    - All-reduces (never bucketed): the three whole RMSNorm weights (block 0's two,
+      the root's) over the shard group; on 2x2 also over the replicate group, plus
+      every sharded gradient over the replicate group (17 sharded parameters, the
+      tied one counted once): 3 + 3 + 17.
     - Block 0 (level2) is gathered in the forward and freed in the backward: its 9
-      grow + fsdp.copy_ stay in the forward and its 9 frees in each backward (a
+      grows and fsdp.copy_ stay in the forward and its 9 frees in each backward (a
       grow/copy/free region spanning two graphs is not removed; see passes.md). The
-      other units' regions are removed entirely.
+      root (level1) keeps its storage: each forward grows (a no-op) and refills its
+      2 placeholders, never freed. Block 1's regions are removed entirely.
     """
-    ar = 2 + 2 + 18 if hsdp else 2
+    kept = N_BLOCK0 + N_ROOT
+    ar = 3 + 3 + 17 if hsdp else 3
     return [
-        dict(all_gather=2, reduce_scatter=0, all_reduce=0, fsdp_copy=N_BLOCK0, resize=N_BLOCK0),
-        dict(all_gather=2, reduce_scatter=0, all_reduce=0, fsdp_copy=0, resize=N_BLOCK0),
-        dict(all_gather=2, reduce_scatter=1, all_reduce=ar, fsdp_copy=0, resize=N_BLOCK0),
+        dict(all_gather=2, reduce_scatter=0, all_reduce=0, fsdp_copy=kept, resize=kept),
+        dict(all_gather=1, reduce_scatter=0, all_reduce=0, fsdp_copy=0, resize=N_BLOCK0),
+        dict(all_gather=1, reduce_scatter=1, all_reduce=ar, fsdp_copy=0, resize=N_BLOCK0),
     ]
 
 
@@ -72,9 +75,9 @@ def _check(results: list[dict[str, Any]], hsdp: bool) -> None:
     for r in results:
         counts = [{k: v for k, v in g.items() if not k.endswith("_in")} for g in r["graphs"]]
         assert counts == _expected(hsdp), counts
-        # The gathered dtypes: one fp32 and one bf16 bucket in every graph.
-        for g in r["graphs"]:
-            assert sorted(d for _, d in g["all_gather_in"]) == ["torch.bfloat16", "torch.float32"], g
+        # The gathered dtypes: fp32 and bf16 buckets forward, bf16 backward.
+        dtypes = [sorted(d for _, d in g["all_gather_in"]) for g in r["graphs"]]
+        assert dtypes == [["torch.bfloat16", "torch.float32"]] + [["torch.bfloat16"]] * 2, dtypes
         e, c = r["eager"], r["compiled"]
         assert c["graphs_after_step"] == [3] * STEPS, c["graphs_after_step"]
         assert c["resumed_graphs"] == 3
@@ -86,7 +89,7 @@ def _check(results: list[dict[str, Any]], hsdp: bool) -> None:
             torch.testing.assert_close(c["resumed_params"][k], v, rtol=0, atol=0, msg=k)
         pl = r["placements"]
         whole = "(Replicate(), Replicate())" if hsdp else "(Replicate(),)"
-        assert pl["layers.0.attn_norm.weight"] == whole, pl
+        assert pl["layers.0.attn_norm.weight"] == pl["norm.weight"] == whole, pl
         assert "output.weight" in pl and "Shard(dim=0)" in pl["output.weight"], pl
 
 
