@@ -105,6 +105,34 @@ the reduced gradient shard is copied back. The placeholder lives on the device.
 With ``pin_memory=True`` the CPU shard is pinned when an accelerator is present
 (pinning needs one; on a CPU-only machine it is skipped).
 
+[Note: Offload copies and the CPU]
+A device-to-host copy with ``non_blocking=True`` returns a CPU tensor before the copy
+ran (torch allocates it pinned); reading it on the CPU before the device's stream
+reaches the copy reads stale memory, with no error. So, as torch's FSDP2 does in its
+reduce-scatter epilogue, the reduced gradient is copied back to the CPU
+(``_grad_to_cpu``):
+
+- asynchronously only when nothing on the CPU reads it during the backward: eager,
+  ``pin_memory=True``, no gradient to add it to, and no post-accumulate-grad hook on
+  the sharded parameter (optimizer-in-backward reads ``.grad`` there). Then an event
+  is recorded on the current stream after the copy, and the root's end-of-backward
+  callback waits for it on the CPU (``wait_grad_offload``), before ``backward()``
+  returns and so before the optimizer step; the CPU never reads the gradient
+  earlier. A later read that comes first (a pending event when the gradient is
+  reduced again) waits for it too;
+- blocking otherwise: when accumulating (the CPU add reads the copy at once), with
+  a hook, without pinned memory, and while tracing (a compiled backward has no
+  end-of-backward callback to wait in).
+
+The copy in (``all_gather_input``, host to device, ``non_blocking=True`` as torch's)
+needs no event: its reader is the next op on the same stream, which the stream
+orders after it. Its source, the CPU shard, is written only by the optimizer or the
+user after ``backward()``, and by then the CPU has waited for the stream to pass the
+forward's copies (the blocking gradient copy, or the event above, both come after
+them on the stream). A forward with no backward (evaluation) is followed by no such
+wait: writing the CPU shards right after it, before the device finished the
+forward, needs ``torch.accelerator.synchronize()`` first, as with torch's FSDP2.
+
 [Note: The forward reads the local shard, not the DTensor]
 The all-gather input is read from the sharded parameter's ``_local_tensor`` (a plain
 tensor that does not require grad and shares the DTensor's storage, so optimizer
@@ -237,6 +265,9 @@ class FSDPParam:
         # HSDP: the sharded grad holds shard-reduced gradients not yet all-reduced
         # over the replicas (set_requires_all_reduce(False)).
         self.replicas_pending = False
+        # An asynchronous copy of the reduced gradient to the CPU not yet waited for.
+        # See [Note: Offload copies and the CPU].
+        self.grad_offload_event: torch.Event | None = None
         # Unsharded gradient summed over backwards without gradient sync, in
         # reduce_dtype (ND, full shape), or None.
         self.accumulated_grad: torch.Tensor | None = None
@@ -273,6 +304,7 @@ class FSDPParam:
         # See [Note: The forward reads the local shard, not the DTensor].
         local = self.sharded_param._local_tensor
         if local.device != self.device:  # CPU offload: copy in for the gather
+            # Stream-ordered before its reader; see [Note: Offload copies and the CPU].
             local = local.to(self.device, non_blocking=True)
         local = local.to(self.dtype)
         if self.shard_dim != 0:
@@ -486,6 +518,7 @@ class FSDPParam:
                 return
             if self.replicas_pending:
                 # Fold in what earlier backwards reduced without the all-reduce.
+                self.wait_grad_offload()
                 sp = self.sharded_param
                 local = sp.grad.to_local().to(local.device, local.dtype) + local
                 sp.grad = None
@@ -561,8 +594,35 @@ class FSDPParam:
     def _accumulate_reduced(self, local: torch.Tensor) -> None:
         local = local.to(self.orig_dtype)
         if self.offload is not None:  # CPU offload: the sharded grad lives on the CPU
-            local = local.to("cpu", non_blocking=True)
+            local = self._grad_to_cpu(local)
         self.accumulate_sharded_grad(local)
+
+    def _grad_to_cpu(self, local: torch.Tensor) -> torch.Tensor:
+        """The reduced gradient shard copied to the CPU, asynchronously only when no
+        CPU read comes before :meth:`wait_grad_offload`. See [Note: Offload copies
+        and the CPU]."""
+        if local.device.type == "cpu":
+            return local
+        self.wait_grad_offload()  # the gradient read below must be complete
+        sp = self.sharded_param
+        assert self.offload is not None
+        non_blocking = (
+            not torch.compiler.is_compiling()
+            and self.offload.pin_memory
+            and sp.grad is None
+            and not getattr(sp, "_post_accumulate_grad_hooks", None)
+        )
+        cpu = local.to("cpu", non_blocking=non_blocking)
+        if non_blocking:
+            self.grad_offload_event = torch.accelerator.current_stream(local.device).record_event()
+        return cpu
+
+    def wait_grad_offload(self) -> None:
+        """Blocks the CPU until the gradient's asynchronous copy to the CPU is done
+        (eager, root's end of backward). See [Note: Offload copies and the CPU]."""
+        if self.grad_offload_event is not None:
+            self.grad_offload_event.synchronize()
+            self.grad_offload_event = None
 
     def accumulate_sharded_grad(self, local: torch.Tensor) -> None:
         sp = self.sharded_param

@@ -531,6 +531,12 @@ class FSDPParamGroup:
             return float(self.mesh_info.shard_size * self.mesh_info.replicate_size)
         return self.gradient_divide_factor
 
+    def wait_grad_offload(self) -> None:
+        """Waits on the CPU for the asynchronous gradient copies of CPU offload (eager
+        only). See [Note: Offload copies and the CPU] in ``_param.py``."""
+        for fp in self.fsdp_params:
+            fp.wait_grad_offload()
+
     def input_grad_ready(self) -> None:
         """Runs when the gradient of one of the unit's forward inputs is complete."""
         self._count_down()
@@ -558,6 +564,7 @@ class FSDPParamGroup:
         HSDP shard-reduced gradients not yet all-reduced). Sharded gradients already
         reduced stay."""
         self.reshard()
+        self.wait_grad_offload()
         for fp in self.fsdp_params:
             fp.unsharded_param.grad = None
             fp.accumulated_grad = None

@@ -418,6 +418,8 @@ class FSDPState:
         for state in self.states:
             if state.param_group is not None:
                 state.param_group.reduce_held_grads()
+                # Before backward() returns; see [Note: Offload copies and the CPU].
+                state.param_group.wait_grad_offload()
         if self.is_last_backward:
             for state in self.states:
                 state._finish_backward()

@@ -1,0 +1,544 @@
+"""Per-rank bodies of tests/test_reliability.py (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import traceable_hsdp as th
+from traceable_hsdp.models import Llama, LlamaConfig
+
+# ------------------------------------------------------------------- prefetch
+# Three units of distinct widths, so the numel of an all-gather's input names its
+# unit: on 2 ranks the weight shards hold 24, 30, 20 elements and the bias shards 3,
+# 5, 2 (a gather of a whole unit's flat shard: 27, 35, 22).
+PREFETCH_WIDTHS = (8, 6, 10, 4)
+
+
+def _prefetch_model(mesh: Any) -> nn.Sequential:
+    torch.manual_seed(0)
+    w = PREFETCH_WIDTHS
+    model = nn.Sequential(*(nn.Linear(w[i], w[i + 1]) for i in range(len(w) - 1)))
+    for layer in model:
+        th.fully_shard(layer, mesh=mesh)
+    th.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _unit_of_numel(world: int) -> dict[int, int]:
+    w = PREFETCH_WIDTHS
+    out = {}
+    for u in range(len(w) - 1):
+        weight, bias = w[u] * w[u + 1] // world, w[u + 1] // world
+        out.update({weight: u, bias: u, weight + bias: u})
+    return out
+
+
+def _compress(tokens: list[str]) -> list[str]:
+    """Consecutive repeats folded: one unit's per-parameter gathers count once, as do
+    back-to-back compute ops."""
+    return [t for i, t in enumerate(tokens) if i == 0 or tokens[i - 1] != t]
+
+
+class _OpOrder(TorchDispatchMode):
+    """Records, in dispatch order, each all-gather (as ``ag<unit>``) and each matmul
+    (``mm``) that runs eagerly."""
+
+    def __init__(self, unit_of: dict[int, int]) -> None:
+        super().__init__()
+        self.unit_of, self.tokens = unit_of, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        name = str(func)
+        if "all_gather_into_tensor" in name:
+            self.tokens.append(f"ag{self.unit_of[args[0].numel()]}")
+        elif name.split(".")[1] in ("mm", "addmm"):
+            self.tokens.append("mm")
+        return func(*args, **(kwargs or {}))
+
+
+def _graph_order(gm: torch.fx.GraphModule, unit_of: dict[int, int]) -> list[str]:
+    """The same tokens, in the program order of a captured graph."""
+    tokens = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = str(n.target)
+        if "all_gather_into_tensor" in name:
+            inp = n.args[0].meta
+            tokens.append(f"ag{unit_of[inp.get('example_value', inp.get('val')).numel()]}")
+        elif "linear" in name or name.split(".")[-2:-1] in (["mm"], ["addmm"]):
+            tokens.append("mm")
+    return tokens
+
+
+def _set_prefetch(model: nn.Sequential) -> None:
+    # Not the default order: unit 0 issues unit 2's gather before unit 1's, and unit
+    # 2's backward issues unit 0's (unit 1's comes in its own pre-backward).
+    model[0].set_modules_to_forward_prefetch([model[2], model[1]])
+    model[2].set_modules_to_backward_prefetch([model[0]])
+
+
+def prefetch_order_worker(rank: int, world: int) -> dict[str, Any]:
+    """The order of all-gathers and matmuls: eagerly without and with explicit
+    prefetch, and in the graphs compiled (aot_eager) with it; with the losses and
+    gradients of both eager runs and the compiled run."""
+    mesh = init_device_mesh("cpu", (world,))
+    unit_of = _unit_of_numel(world)
+    x = torch.randn(4, PREFETCH_WIDTHS[0], generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {}
+    for name in ("eager", "eager_prefetch"):
+        model = _prefetch_model(mesh)
+        if name == "eager_prefetch":
+            _set_prefetch(model)
+        fwd, bwd = _OpOrder(unit_of), _OpOrder(unit_of)
+        with fwd:
+            loss = model(x).square().sum()
+        with bwd:
+            loss.backward()
+        out[name] = dict(fwd=_compress(fwd.tokens), bwd=_compress(bwd.tokens), loss=loss.item(),
+                         grads=[p.grad.full_tensor() for p in model.parameters()])
+    graphs: list[tuple[bool, list[str]]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        cid = torch._guards.CompileContext.current_compile_id()
+        graphs.append((cid is not None and cid.compiled_autograd_id is not None,
+                       _compress(_graph_order(gm, unit_of))))
+        return aot_eager(gm, example_inputs)
+
+    model = _prefetch_model(mesh)
+    _set_prefetch(model)
+    th.enable_compiled_autograd(backend=backend)
+    try:
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        loss = compiled(x).square().sum()
+        loss.backward()
+    finally:
+        th.disable_compiled_autograd()
+    out["compiled_prefetch"] = dict(
+        fwd=[g for is_bwd, g in graphs if not is_bwd],
+        bwd=[g for is_bwd, g in graphs if is_bwd],
+        loss=loss.item(),
+        grads=[p.grad.full_tensor() for p in model.parameters()],
+    )
+    return out
+
+
+# --------------------------------------------------------------- uneven shards
+# Widths chosen for the edges: on 4 shard ranks (1-D) the first weight's 3 rows are
+# held 1, 1, 1, 0; the last layer's single row 1, 0, 0, 0; the middle weights are
+# sharded on dim 1 (shard_placement_fn): 3 columns (1, 1, 1, 0) and 7 columns (2, 2,
+# 2, 1: uneven, none empty). On 2x2 (HSDP, shard groups of 2): 2, 1; 1, 0 (a 0-row
+# rank in HSDP); 2, 1; 4, 3.
+UNEVEN_WIDTHS = (8, 3, 7, 5, 1)
+UNEVEN_STEPS, UNEVEN_LR, UNEVEN_BATCH = 3, 0.1, 8
+
+
+def _uneven_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    w, layers = UNEVEN_WIDTHS, []
+    for i in range(len(w) - 1):
+        layers += [nn.Linear(w[i], w[i + 1]), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _uneven_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(UNEVEN_BATCH, UNEVEN_WIDTHS[0], generator=g),
+             torch.randn(UNEVEN_BATCH, 1, generator=g)) for _ in range(UNEVEN_STEPS)]
+
+
+def uneven_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch, SGD: the ground truth."""
+    model = _uneven_model()
+    opt = torch.optim.SGD(model.parameters(), lr=UNEVEN_LR)
+    losses = []
+    for x, y in _uneven_data():
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def uneven_worker(rank: int, world: int) -> dict[str, Any]:
+    """Trains the edge-width model on a 1-D mesh of all ranks and on a 2 x (world/2)
+    HSDP mesh, eagerly and compiled (aot_eager), on this rank's slice of the global
+    batch (ranks are data-parallel index order on both meshes)."""
+    from torch.distributed.tensor import Shard
+
+    from _workers import GraphRecorder
+
+    middle = {2, 4}  # module indices of the Linear layers sharded on dim 1
+    out: dict[str, Any] = {}
+    for mesh_name, shape in (("1d", (world,)), ("hsdp", (2, world // 2))):
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for mode in ("eager", "compiled"):
+            model = _uneven_model()
+            dim1 = {id(model[i].weight) for i in middle}
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    th.fully_shard(layer, mesh=mesh,
+                                   shard_placement_fn=lambda p: Shard(1) if id(p) in dim1 else None)
+            th.fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=UNEVEN_LR)
+            rec = GraphRecorder()
+            fwd = model
+            if mode == "compiled":
+                th.enable_compiled_autograd(backend=rec)
+                fwd = torch.compile(model, backend=rec, fullgraph=True)
+            losses = []
+            try:
+                for x, y in _uneven_data():
+                    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+                    loss = (fwd(xs) - ys).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    t = loss.detach().clone()
+                    torch.distributed.all_reduce(t)
+                    losses.append(t.item() / world)
+            finally:
+                th.disable_compiled_autograd()
+            sd = model.state_dict()
+            out[f"{mesh_name}_{mode}"] = dict(
+                losses=losses,
+                params={k: v.full_tensor() for k, v in sd.items()},
+                local_shapes={k: tuple(v.to_local().shape) for k, v in sd.items()},
+                placements={k: str(v.placements) for k, v in sd.items()},
+                graphs=(len(rec.forward), len(rec.backward)),
+            )
+    return out
+
+
+# ------------------------------------------------------ compiled below the root
+def _below_root_model(frozen_block: bool) -> tuple[nn.Module, nn.Module]:
+    """(reference, copy to shard): Linear, a block (Linear, Tanh, Linear, Tanh,
+    Linear) whose middle Linear is a unit of its own (its output hooked inside the
+    block's graph), Linear. ``frozen_block``: the block's parameters are frozen
+    while its input needs grad (the first Linear is trainable)."""
+    import copy
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), block, nn.Tanh(), nn.Linear(8, 4))
+    if frozen_block:
+        block.requires_grad_(False)
+    return ref, copy.deepcopy(ref)
+
+
+def below_root_worker(rank: int, world: int) -> dict[str, Any]:
+    """Compiled units below an eager root, without compiled autograd (aot_eager):
+    "nested" compiles the block (a unit holding another unit) alone; "frozen" the
+    same with the block frozen; "frozen_root": a wholly frozen model compiled whole
+    (the root's compile check sees no trainable parameter), fed by a trainable
+    Linear outside it. Each against a one-process reference: losses, parameters and
+    the outside Linear's gradient; and the placeholder bytes left after each forward
+    and backward."""
+    from _workers import _placeholder_bytes
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    for case in ("nested", "frozen", "frozen_root"):
+        torch._dynamo.reset()  # each case its own dynamo caches (and recompile limit)
+        ref, model = _below_root_model(frozen_block=case == "frozen")
+        if case == "frozen_root":
+            ref.requires_grad_(False)
+            model.requires_grad_(False)
+        torch.manual_seed(1)
+        pre = nn.Linear(8, 8)  # outside fully_shard: its input gradient path
+        ref_pre = nn.Linear(8, 8)
+        ref_pre.load_state_dict(pre.state_dict())
+        th.fully_shard(model[2][2], mesh=mesh)
+        for i in (0, 2, 4):
+            th.fully_shard(model[i], mesh=mesh)
+        th.fully_shard(model, mesh=mesh)
+        if case == "frozen_root":
+            fwd = torch.compile(model, backend="aot_eager")
+        else:
+            model[2] = torch.compile(model[2], backend="aot_eager")
+            fwd = model
+        params = [p for p in (*model.parameters(), *pre.parameters()) if p.requires_grad]
+        ref_params = [p for p in (*ref.parameters(), *ref_pre.parameters()) if p.requires_grad]
+        opt, ref_opt = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(ref_params, lr=0.1)
+        g = torch.Generator().manual_seed(2)
+        losses, ref_losses, bytes_fwd, bytes_bwd = [], [], [], []
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=g)
+            y = fwd(pre(x.chunk(world)[rank]))
+            bytes_fwd.append(_placeholder_bytes(model))
+            loss = y.square().mean()
+            loss.backward()
+            bytes_bwd.append(_placeholder_bytes(model))
+            # The outside Linear is replicated by hand: average its gradient.
+            for p in pre.parameters():
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            torch.distributed.all_reduce(t)
+            losses.append(t.item() / world)
+            ref_loss = ref(ref_pre(x)).square().mean()
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(ref_loss.item())
+        sd = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
+        diff = {k: (sd[k].full_tensor() - v).abs().max().item() for k, v in ref.state_dict().items()}
+        diff.update({f"pre.{k}": (getattr(pre, k) - getattr(ref_pre, k)).abs().max().item()
+                     for k in ("weight", "bias")})
+        out[case] = dict(losses=losses, ref_losses=ref_losses, diff=diff,
+                         bytes_fwd=bytes_fwd, bytes_bwd=bytes_bwd)
+    return out
+
+
+# ------------------------------------------------- the post-grad graph before passes
+def prepass_order_worker(rank: int, world: int) -> dict[str, Any]:
+    """Two Linear units (and a root without parameters) compiled by Inductor with
+    compiled autograd. A spy wrapped around our post-grad pre-pass records, for each
+    graph it is handed (the real post-grad graph, functionalized, before any of our
+    passes), the placeholder-storage events in node order: ``("grow", p)``,
+    ``("copy", p)``, ``("free", p)``, with p the graph input written, and matmuls
+    ``("mm", "")``; and how many storage events are left after our passes."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from traceable_hsdp.passes import TraceableHSDPPass
+    from traceable_hsdp.passes import _predicates as P
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    th.fully_shard(model[0], mesh=mesh)
+    th.fully_shard(model[2], mesh=mesh)
+    th.fully_shard(model, mesh=mesh)
+    ours = torch._inductor.config.post_grad_custom_pre_pass
+    assert isinstance(ours, TraceableHSDPPass), ours
+    before: list[list[tuple[str, str]]] = []
+    after: list[int] = []
+
+    def events(graph: torch.fx.Graph) -> list[tuple[str, str]]:
+        out = []
+        for n in graph.nodes:
+            if P.is_resize(n):
+                kind = "free" if P.resize_nbytes(n) == 0 else "grow"
+            elif P.is_fsdp_copy(n):
+                kind = "copy"
+            elif n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                out.append(("mm", ""))
+                continue
+            else:
+                continue
+            base = P.alias_base(n.args[0])
+            out.append((kind, base.name if base.op == "placeholder" else f"not an input: {base}"))
+        return out
+
+    class Spy(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            before.append(events(graph))
+            ours(graph)
+            after.append(sum(kind != "mm" for kind, _ in events(graph)))
+
+        def uuid(self) -> None:
+            return None  # never from the FX cache: every graph is seen
+
+    torch._inductor.config.post_grad_custom_pre_pass = Spy()
+    th.enable_compiled_autograd()
+    try:
+        compiled = torch.compile(model, fullgraph=True)
+        x = torch.randn(4, 8)
+        compiled(x).sum().backward()
+    finally:
+        th.disable_compiled_autograd()
+    return dict(before=before, after=after)
+
+
+# ------------------------------------------------ Inductor, every feature at once
+# The body of tests/test_inductor_features.py.
+
+# Tied embeddings: the output head is the token embedding (one parameter in the root).
+FAT_CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=16, tie_embeddings=True)
+FAT_SEQ, FAT_BATCH_PER_RANK, FAT_STEPS, FAT_MICRO, FAT_LR = 8, 2, 3, 2, 0.05
+# hsdp(bucket_size=...) in MiB: the whole model's gathered fp32 parameters are
+# ~0.1 MiB, so adjacent units of one dtype merge into one bucket.
+FAT_BUCKET_MB = 1
+FAT_BF16 = th.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                               output_dtype=torch.float32)
+
+
+def _fat_build(mesh: Any) -> Llama:
+    """Block 0: hsdp level2 (reshard_after_forward=False; the RMSNorm weights, under
+    threshold=1 KiB, kept whole and all-reduced), which also turns comm_fusion on with
+    a bucket cap. Block 1: fully_shard in bf16 (reduce in fp32, output fp32),
+    reshard_after_forward=True. Root: the tied embedding/output and the final norm
+    (kept whole: threshold=1 KiB), through hsdp level1 (its gathered storage is never
+    freed; each forward refills it from the shards)."""
+    torch.manual_seed(0)
+    model = Llama(FAT_CFG)
+    assert model.output.weight is model.tok_embeddings.weight
+    th.hsdp(model.layers[0], threshold=1, optimizer_level="level2", comm_fusion=True,
+            bucket_size=FAT_BUCKET_MB, mesh=mesh)
+    th.fully_shard(model.layers[1], mesh=mesh, mp_policy=FAT_BF16, reshard_after_forward=True)
+    # The same pass configuration again: hsdp() sets it for the whole process.
+    th.hsdp(model, threshold=1, optimizer_level="level1", comm_fusion=True,
+            bucket_size=FAT_BUCKET_MB, mesh=mesh)
+    return model
+
+
+def _fat_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(FAT_STEPS):
+        tok = torch.randint(0, FAT_CFG.vocab_size, (8 * FAT_BATCH_PER_RANK * FAT_MICRO, FAT_SEQ + 1), generator=g)
+        out.append((tok[:, :-1], tok[:, 1:]))
+    return out
+
+
+def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    from traceable_hsdp.passes import _predicates as P
+
+    c = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "fsdp_copy", "resize"), 0)
+    for n in graph.nodes:
+        for key, pred in (("all_gather", P.is_all_gather), ("reduce_scatter", P.is_reduce_scatter),
+                          ("all_reduce", P.is_all_reduce), ("fsdp_copy", P.is_fsdp_copy),
+                          ("resize", P.is_resize)):
+            if pred(n):
+                c[key] += 1
+                v = P.tensor_val(n.args[0])
+                c.setdefault(key + "_in", []).append(
+                    (tuple(v.shape), str(v.dtype)) if v is not None else None)
+    return c
+
+
+def fat_worker(rank: int, world: int, mesh_shape: tuple[int, ...], ckpt: str) -> dict[str, Any]:
+    """Trains the model of ``_fat_build`` eagerly, then compiled with Inductor (every pass
+    on, compiled autograd), FAT_STEPS optimizer steps of FAT_MICRO micro-batches (gradient
+    sync off on all but the last). Compiled, a DCP checkpoint is saved after step
+    FAT_STEPS-1 and loaded back after step FAT_STEPS, which is then run again."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    graphs: list[dict[str, int]] = []
+
+    class Record(CustomGraphPass):
+        """Inductor's post-grad post-pass: each graph after our passes."""
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            graphs.append(_fat_counts(graph))
+
+        def uuid(self) -> None:
+            return None  # never from the FX cache: every graph is seen
+
+    def run(compiled: bool) -> dict[str, Any]:
+        model = _fat_build(mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=FAT_LR, momentum=0.9)
+        fwd = model
+        if compiled:
+            torch._inductor.config.post_grad_custom_post_pass = Record()
+            th.enable_compiled_autograd()
+            fwd = torch.compile(model, fullgraph=True)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+            xs, ys = x.chunk(world)[rank].chunk(FAT_MICRO), y.chunk(world)[rank].chunk(FAT_MICRO)
+            total = torch.zeros(())
+            for i in range(FAT_MICRO):
+                model.set_requires_gradient_sync(i == FAT_MICRO - 1)
+                loss = F.cross_entropy(fwd(xs[i]).flatten(0, 1), ys[i].flatten()) / FAT_MICRO
+                loss.backward()
+                total += loss.detach()
+            assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+            torch.distributed.all_reduce(total)
+            return total.item() / world
+
+        losses, graphs_after_step = [], []
+        data = _fat_data()
+        try:
+            for i, (x, y) in enumerate(data):
+                if compiled and i == FAT_STEPS - 1:
+                    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                             checkpoint_id=ckpt)
+                losses.append(step(x, y))
+                graphs_after_step.append(len(graphs))
+            out = dict(losses=losses, graphs_after_step=graphs_after_step,
+                       params={k: v.full_tensor() for k, v in model.state_dict().items()})
+            if compiled:
+                # Resume: load the checkpoint into the same model and optimizer (in
+                # place), and run the last step again.
+                state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                dcp.load(state, checkpoint_id=ckpt)
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optim"])
+                out["resumed_loss"] = step(*data[-1])
+                out["resumed_graphs"] = len(graphs)
+                out["resumed_params"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            return out
+        finally:
+            if compiled:
+                th.disable_compiled_autograd()
+                torch._inductor.config.post_grad_custom_post_pass = None
+
+    eager = run(compiled=False)
+    compiled = run(compiled=True)
+    return dict(eager=eager, compiled=compiled, graphs=graphs,
+                placements={k: str(v.placements) for k, v in _fat_build(mesh).state_dict().items()})
+
+
+# ------------------------------------------------------------- a rank that dies
+DIE_AT_STEP = 2  # rank 1 exits after this step's forward, before its backward
+DIE_EXIT_CODE = 17
+
+
+def dying_rank_main(rank: int, world: int, tmp: str, compiled: bool, pg_timeout_s: float) -> None:
+    """One rank (a spawned process) of a run where rank 1 exits mid-step: after step
+    ``DIE_AT_STEP``'s forward, with its peers in that step's backward collectives.
+    Every other rank writes what it raised and how long that step took to
+    ``{tmp}/rank{rank}.json``."""
+    import datetime
+    import json
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    th.fully_shard(model[0], mesh=mesh)
+    th.fully_shard(model[2], mesh=mesh)
+    th.fully_shard(model, mesh=mesh)
+    fwd = model
+    if compiled:
+        th.enable_compiled_autograd(backend="aot_eager")
+        fwd = torch.compile(model, backend="aot_eager", fullgraph=True)
+    result: dict[str, Any] = {"error": None, "steps": 0}
+    start = time.monotonic()
+    try:
+        for step in range(DIE_AT_STEP + 2):
+            start = time.monotonic()
+            loss = fwd(torch.randn(4, 8)).square().mean()
+            if step == DIE_AT_STEP and rank == 1:
+                os._exit(DIE_EXIT_CODE)  # no cleanup, as a crash
+            loss.backward()
+            result["steps"] += 1
+    except Exception as e:  # what the survivor raised
+        result["error"] = f"{type(e).__name__}: {e}"[:2000]
+    result["seconds"] = time.monotonic() - start
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
