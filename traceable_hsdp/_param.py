@@ -556,6 +556,7 @@ class FSDPParam:
         as ``reduce_grad`` does."""
         if not self.replicas_pending:
             return
+        self.wait_grad_offload()  # see [Note: Offload copies and the CPU]
         sp = self.sharded_param
         local.add_(sp.grad.to_local().to(local.device, local.dtype))
         sp.grad = None
