@@ -129,6 +129,7 @@ __all__ = [
     "is_resize",
     "is_view",
     "is_wait",
+    "max_in_flight",
     "merge_annotations",
     "read_schedule",
     "scheduled_collective_name",
@@ -937,6 +938,26 @@ def scheduled_collective_name(op: ScheduledOp) -> str | None:
         return None
     parsed = _code_op(op.name)
     return None if parsed is None else parsed[1]
+
+
+def max_in_flight(schedule: Sequence[ScheduledOp]) -> dict[str, int]:
+    """The most collectives of each op (``all_gather_into_tensor``, ...) issued and
+    not yet waited for at any point of ``schedule``. More than one all-gather in
+    flight is what gloo cannot take on torch 2.13 (see [Note: In-flight all-gathers
+    on gloo] in ``traceable_hsdp/_collectives.py``)."""
+    op_of: dict[int, str] = {}
+    now: Counter[str] = Counter()
+    most: dict[str, int] = {}
+    for op in schedule:
+        if op.kind == "collective" and op.collective is not None:
+            name = scheduled_collective_name(op) or op.name
+            op_of[op.collective] = name
+            now[name] += 1
+            most[name] = max(most.get(name, 0), now[name])
+        elif op.kind == "wait" and op.collective in op_of:
+            name = op_of.pop(op.collective)  # a coalesced op's later waits: no-ops
+            now[name] -= 1
+    return most
 
 
 def _name_family(name: str) -> Family | None:

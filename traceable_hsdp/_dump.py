@@ -74,8 +74,10 @@ torch's own ``inductor_collective_schedule`` artifact. The code is written to
 ``scheduled/`` and read (``read_schedule``) into the final order of collectives,
 waits and kernels; the rows of the graph Inductor compiled (the post-grad graph
 after every pass, with the annotations the dump copied) get their positions and
-overlap distances (``with_schedule``). The order of issues and waits read from the
-code is checked against torch's artifact, and the summary says whether they agree.
+overlap distances (``with_schedule``), and the graph the most collectives of each
+op in flight at once (``max_in_flight``: more than one all-gather is what gloo cannot
+take). The order of issues and waits read from the code is checked against torch's
+artifact, and the summary says whether they agree.
 With the ``trace_log`` handler present torch renders every structured-trace
 payload, which adds to compile time (as ``TORCH_TRACE`` does).
 
@@ -123,6 +125,7 @@ from .passes._graph import (
     current_compile,
     graph_counts,
     is_collective,
+    max_in_flight,
     read_schedule,
     with_schedule,
 )
@@ -265,6 +268,8 @@ class GraphRecord:
         schedule_note: the ``"scheduled"`` stage only: whether the order of issues
             and waits agrees with torch's ``inductor_collective_schedule``, or why
             the schedule could not be read.
+        in_flight: the ``"scheduled"`` stage only: the most collectives of each op
+            issued and not yet waited for at once.
     """
 
     name: str
@@ -277,6 +282,7 @@ class GraphRecord:
     annotations: str = "node meta"
     schedule: list[str] | None = None
     schedule_note: str = ""
+    in_flight: dict[str, int] | None = None
 
 
 @dataclass
@@ -439,10 +445,13 @@ class GraphDump:
                 if op.kind != "kernel" else op.name
                 for op in schedule
             ]
-            record.schedule_note = "not checked: torch logged no collective schedule"
-            self._issue_order[cid] = [
-                op.name for op in schedule if op.kind != "kernel"
-            ]
+            record.in_flight = max_in_flight(schedule)
+            issues_and_waits = [op.name for op in schedule if op.kind != "kernel"]
+            if issues_and_waits:
+                record.schedule_note = "not checked: torch logged no collective schedule"
+                self._issue_order[cid] = issues_and_waits
+            else:
+                record.schedule_note = f"{len(schedule)} kernels, no collectives"
         except ValueError as e:
             record.schedule_note = f"not read: {e}"
         self.records.append(record)
@@ -538,6 +547,9 @@ class GraphDump:
                     out.append(f"  schedule: {rec.schedule_note}")
                     if rec.schedule is not None:
                         out.append(f"  {overlap_line(rec.collectives)}")
+                    if rec.in_flight:
+                        most = ", ".join(f"{op} {n}" for op, n in rec.in_flight.items())
+                        out.append(f"  most in flight at once: {most}")
                 out.append(format_table(rec.collectives))
         b = self._breaks
         out.append("")
