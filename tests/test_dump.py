@@ -1,18 +1,23 @@
 """``traceable_hsdp.dump_graphs`` and ``traceable-hsdp dump``.
 
-Tier 1 (no processes, no model compile): the collective table, the annotation copy
-from a dynamo-style graph to a post-grad-style graph, and the merged annotation of a
-bucketed collective, on hand-built FX graphs; ``compare_dumps`` on small JSON files;
-``dump_graphs`` around a tiny function compiled with the eager backend (a graph
-break, a recompile, the files); the missing-depyf error; the CLI's arguments.
+Tier 1 (no processes, no model compile): the final schedule read from a piece of
+generated code and tied to the collective table; argument binding; the collective
+table, the annotation copy from a dynamo-style graph to a post-grad-style graph, and
+the merged annotation of a bucketed collective, on hand-built FX graphs;
+``compare_dumps`` on small JSON files; ``dump_graphs`` around a tiny function
+compiled with the eager backend (a graph break, a recompile, the files); the
+missing-depyf error; the CLI's arguments.
 
 Tier 2 (slow): Inductor on one in-process gloo rank, annotated functional
 collectives: the post-grad graph before and after our passes, the bucketed
-all-gather listing both parameters. And the console script ``traceable-hsdp dump``
-on 2 spawned gloo ranks with aot_eager: the collective counts in ``collectives.json``
-equal the counts in the graphs that actually ran, counted independently in depyf's
-source of AOTAutograd's graphs; no graph break, no recompile in 2 steps; both ranks
-agree.
+all-gather listing both parameters, the final schedule with waits right after their
+issues. Inductor on 2 spawned gloo ranks with a fully_shard model: the final
+schedule of the forward and backward graphs, checked against torch's collective
+schedule, and the overlap distances with the passes on and off. And the console
+script ``traceable-hsdp dump`` on 2 spawned gloo ranks with aot_eager: the
+collective counts in ``collectives.json`` equal the counts in the graphs that
+actually ran, counted independently in depyf's source of AOTAutograd's graphs; no
+graph break, no recompile in 2 steps; both ranks agree.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +200,117 @@ def test_collective_annotation_sets_node_meta_when_traced() -> None:
     assert ANNOTATION_KEY in next(n for n in gm.graph.nodes if n.name == "y").meta["custom"]
 
 
+# ------------------------------------------------------------ final schedule
+# The ``call`` of Inductor's generated code, as torch 2.13 writes it on the CPU (cut
+# down from a real compile): two all-gathers issued first, the second waited for
+# after three kernels; a storage resize (no compute) and buffer reuse in between.
+_OUTPUT_CODE = """
+import torch
+async_compile = AsyncCompile()
+cpp_fused_relu_0 = async_compile.cpp_pybinding(['float*'], r'''...''')
+cpp_fused_sum_1 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''...''')
+async_compile.wait(globals())
+del async_compile
+
+class Runner:
+    def call(self, args):
+        arg0_1, arg1_1, arg2_1 = args
+        args.clear()
+        assert_size_stride(arg0_1, (4, 8), (8, 1), 'input')
+        buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(arg0_1, 2, '0')
+        buf1 = torch.ops._c10d_functional.all_gather_into_tensor.default(arg2_1, 2, '0')
+        torch.ops._c10d_functional.wait_tensor.default(buf0)
+        buf4 = empty_strided_cpu((8, 8), (8, 1), torch.float32)
+        extern_kernels.mm(arg1_1, buf0, out=buf4)
+        buf5 = buf4; del buf4  # reuse
+        cpp_fused_relu_0(buf5)
+        torch.ops.inductor.resize_storage_bytes_.default(arg1_1, 0)
+        buf6 = empty_strided_cpu((8, 8), (8, 1), torch.float32)
+        extern_kernels.mm(buf5, reinterpret_tensor(buf5, (8, 8), (1, 8), 0), out=buf6)
+        buf7 = reinterpret_tensor(buf1, (8, 8), (8, 1), 0)
+        torch.ops._c10d_functional.wait_tensor.default(buf7)
+        buf8 = empty_strided_cpu((), (), torch.float32)
+        cpp_fused_sum_1(buf6, buf8)
+        return (buf8, )
+"""
+
+
+def test_read_schedule_and_overlap_distances() -> None:
+    schedule = G.read_schedule(_OUTPUT_CODE)
+    short = [
+        ("C" if o.kind == "collective" else "W") + str(o.collective) if o.kind != "kernel"
+        else o.name
+        for o in schedule
+    ]
+    assert short == [
+        "C0", "C1", "W0", "extern_kernels.mm", "cpp_fused_relu_0", "extern_kernels.mm",
+        "W1", "cpp_fused_sum_1",
+    ], short
+    assert [o.position for o in schedule] == list(range(8))
+    assert schedule[0].group_name == "0"
+    assert _OUTPUT_CODE.splitlines()[schedule[0].line - 1].strip().startswith("buf0 = ")
+    # Rows of the graph Inductor compiled: the k-th collective is row k.
+    b = _Builder()
+    w0, w1 = b.input("w0", 4, 8), b.input("w1", 4, 8)
+    rows = G.collective_table(b.done(
+        b(WAIT, b(ALL_GATHER, w0, 2, "0", ann=("Block", ["a"]))),
+        b(WAIT, b(ALL_GATHER, w1, 2, "0", ann=("Block", ["b"]))),
+    ))
+    placed = G.with_schedule(rows, schedule)
+    assert [(r.params, r.issued_at, r.waited_at, r.kernels_before_wait) for r in placed] == [
+        (("a",), 0, 2, 0), (("b",), 1, 6, 3)
+    ]
+    assert _dump.overlap_line(placed) == (
+        "overlap: all_gather_into_tensor: 1 of 2 with >=1 kernel before the wait, "
+        "median 1.5 kernels"
+    )
+    assert "wait after" in _dump.format_table(placed)
+    # Both all-gathers are issued before the first wait.
+    assert G.max_in_flight(schedule) == {"all_gather_into_tensor": 2}
+    # A schedule that is not the graph's is refused, not half-matched.
+    with pytest.raises(ValueError, match="2 collectives in the output code, 1 in the graph"):
+        G.with_schedule(rows[:1], schedule)
+    other = [replace(r, group_name="1") for r in rows]
+    with pytest.raises(ValueError, match="collective 0 differs"):
+        G.with_schedule(other, schedule)
+    with pytest.raises(ValueError, match="not Python"):
+        G.read_schedule("void call() {}")
+    # Collectives that write into a buffer (in place, or ``out=``) are waited for
+    # on that buffer.
+    code = (
+        "k0 = async_compile.cpp_pybinding([], '')\n"
+        "def call(args):\n"
+        "    torch.ops._c10d_functional.all_reduce_.default(buf7, 'avg', '3')\n"
+        "    torch.ops._c10d_functional.all_gather_into_tensor_out.default(buf1, 2, '0', out=buf3)\n"
+        "    k0(buf2)\n"
+        "    torch.ops._c10d_functional.wait_tensor.default(buf3)\n"
+        "    buf8 = buf7; del buf7  # reuse\n"
+        "    torch.ops._c10d_functional.wait_tensor.default(buf8)\n"
+    )
+    assert [(o.kind, o.collective, o.group_name) for o in G.read_schedule(code)] == [
+        ("collective", 0, "3"), ("collective", 1, "0"), ("kernel", None, None),
+        ("wait", 1, None), ("wait", 0, None),
+    ]
+    assert G.max_in_flight(G.read_schedule(code)) == {
+        "all_reduce_": 1, "all_gather_into_tensor_out": 1
+    }
+
+
+def test_bound_args_uses_torch_normalized_arguments() -> None:
+    """Both op forms bind by the schema's names (torch's helper); a node torch
+    cannot bind (an argument missing) falls back to what it has."""
+    g = fx.Graph()
+    a = g.placeholder("a")
+    post_grad = g.call_function(REDUCE_SCATTER, (a, "avg", 2, "0"))
+    dynamo = g.call_function(_c10d.reduce_scatter_tensor, (a, "avg"), {"group_size": 2,
+                                                                        "group_name": "0"})
+    partial = g.call_function(_c10d.all_gather_into_tensor.default, (a, 2))  # no group
+    expected = {"input": a, "reduce_op": "avg", "group_size": 2, "group_name": "0"}
+    assert G.bound_args(post_grad) == expected == G.bound_args(dynamo)
+    assert G.bound_args(partial) == {"input": a, "group_size": 2}
+    assert G.bound_args(g.placeholder("b")) == {}
+
+
 # ----------------------------------------------------------- compare_dumps
 def _fake_dump(d: Path, ops: list[str]) -> Path:
     d.mkdir(parents=True)
@@ -362,7 +479,7 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     torch._dynamo.reset()
     assert out.item() == 32 * 4.0
     by_stage = {r.stage: r for r in dump.records}
-    assert set(by_stage) == {"dynamo", "before_passes", "after_passes"}
+    assert set(by_stage) == {"dynamo", "before_passes", "after_passes", "scheduled"}
     assert {r.name for r in dump.records} == {"00_fwd"}
     before, after = by_stage["before_passes"], by_stage["after_passes"]
     assert before.counts["all_gather_into_tensor"] == 2
@@ -373,6 +490,16 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     assert (ar.op, ar.reduce_op, ar.group_name, ar.group_size, ar.unit) == (
         "all_reduce", "avg", group, 1, None
     )
+    # The final schedule: each wait right after its issue (nothing to overlap
+    # with: every kernel reads a gathered tensor), checked against torch's log.
+    sched = by_stage["scheduled"]
+    assert [(c.op, c.params, c.kernels_before_wait) for c in sched.collectives] == [
+        # Inductor's own later post-grad passes made the all-reduce in place.
+        ("all_gather_into_tensor", ("w0", "w1"), 0), ("all_reduce_", (), 0)
+    ], sched.schedule
+    assert sched.schedule_note.endswith("in the order torch logged (inductor_collective_schedule)")
+    i = sched.schedule.index("C0")
+    assert sched.schedule[i + 1] == "W0" and sched.schedule.index("C1") > i
     for r in dump.records:
         assert (tmp_path / r.file).exists()
     assert (tmp_path / "post_grad" / "00_fwd_after_passes.py").read_text().count(
@@ -453,3 +580,71 @@ def test_dump_command_counts_match_the_graphs_that_ran(tmp_path: Path) -> None:
     assert len(re.findall(r"^  \d+ +all_gather_into_tensor ", out, re.M)) == 2 * n_params
     assert "ranks agree: all 2 dumps" in out
     assert "graph breaks: none" in out and "recompiles: none" in out
+
+
+@pytest.mark.slow
+def test_dump_final_schedule_and_overlap_distances(tmp_path: Path) -> None:
+    """2 gloo ranks, a two-block fully_shard model, one step compiled with Inductor
+    and the default passes, then its forward alone with the passes off: every
+    Inductor graph gets its final schedule, read from the generated code and checked
+    against torch's own collective schedule; the collectives keep their unit and
+    parameters; the overlap pass's prefetched all-gather and late reduce-scatter
+    waits have kernels before their waits, and without passes none has."""
+    from _dist import run_ranks
+    from _dump_workers import inductor_schedule_worker
+
+    results = run_ranks(inductor_schedule_worker, 2, str(tmp_path))
+    for rank, res in enumerate(results):
+        compiled, eager = res["loss"]
+        assert abs(compiled - eager) <= 1e-6 * abs(eager), res["loss"]  # fp32 reorderings
+        recs = {r["name"]: r for r in res["scheduled"]}
+        assert sorted(recs) == ["00_fwd", "01_bwd", "02_fwd"], sorted(recs)
+        for r in recs.values():
+            assert r["schedule_note"].endswith(
+                "are in the order torch logged (inductor_collective_schedule)"
+            ), r["schedule_note"]
+            assert (tmp_path / f"rank{rank}" / r["file"]).read_text().count("def call(") == 1
+            rows = r["collectives"]
+            # The final order: issues in graph order, each wait after its issue,
+            # every collective waited for in its graph.
+            issued = [c["issued_at"] for c in rows]
+            assert issued == sorted(issued)
+            assert all(c["waited_at"] > c["issued_at"] for c in rows), rows
+            for c in rows:
+                assert r["schedule"][c["issued_at"]] == f"C{c['index']}"
+                assert r["schedule"][c["waited_at"]] == f"W{c['index']}"
+                between = r["schedule"][c["issued_at"] + 1 : c["waited_at"]]
+                assert c["kernels_before_wait"] == sum(
+                    1 for e in between if not re.fullmatch(r"[CW]\d+", e)
+                )
+                assert c["unit"] is not None and c["params"], c
+        fwd, bwd = recs["00_fwd"]["collectives"], recs["01_bwd"]["collectives"]
+        # One bucketed all-gather per block (the root holds no parameter). The
+        # second is issued before the first block's compute (prefetch): kernels run
+        # before its wait. The first has nothing to overlap with.
+        assert [(c["op"], c["unit"]) for c in fwd] == [
+            ("all_gather_into_tensor", "0"), ("all_gather_into_tensor", "1")
+        ], fwd
+        assert fwd[0]["kernels_before_wait"] == 0
+        assert fwd[1]["kernels_before_wait"] >= 1, recs["00_fwd"]["schedule"]
+        rs = [c for c in bwd if c["op"] == "reduce_scatter_tensor"]
+        assert rs and any(c["kernels_before_wait"] >= 1 for c in rs), recs["01_bwd"]["schedule"]
+        # Passes off: one all-gather per parameter, each waited for right after it
+        # is issued (the runtime's order; Inductor's scheduler keeps it).
+        off = recs["02_fwd"]["collectives"]
+        assert [c["params"] for c in off] == [
+            ("0.weight",), ("0.bias",), ("2.weight",), ("2.bias",)
+        ] * 2, off
+        assert all(c["kernels_before_wait"] == 0 for c in off), recs["02_fwd"]["schedule"]
+        assert "overlap: all_gather_into_tensor: 1 of 2 with >=1 kernel" in res["summary"]
+        assert "wait after" in res["summary"]
+        # The overlap pass keeps one all-gather in flight (gloo needs that), and
+        # Inductor's scheduler does not add one.
+        assert all(r["in_flight"]["all_gather_into_tensor"] == 1 for r in recs.values()), [
+            r["in_flight"] for r in recs.values()]
+    coll = json.loads((tmp_path / "rank0" / "collectives.json").read_text())
+    stages = [(g["name"], g["stage"]) for g in coll["graphs"]]
+    assert {("00_fwd", "scheduled"), ("01_bwd", "scheduled"), ("02_fwd", "scheduled")} <= set(
+        stages), stages
+    assert _dump.compare_dumps([tmp_path / "rank0", tmp_path / "rank1"]).startswith("ranks agree")
+

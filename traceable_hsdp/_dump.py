@@ -13,12 +13,18 @@ is written under ``out_dir``:
   (``traceable_hsdp.passes``). Only the ``inductor`` backend has post-grad graphs.
 - ``graphs/NN_KIND_dynamo.py``: the graph dynamo hands the backend, when compiling
   with ``backend=dump.backend(...)`` (see [Note: The recording backend]).
+- ``scheduled/NN_KIND_output_code.py``: the code Inductor generated for each graph,
+  whose ``call`` function runs the kernels in the final order, after Inductor's
+  scheduler and its reordering (see [Note: The final schedule in the dump]).
 - ``collectives.json``: per recorded graph and stage, each collective in graph
   order (op, group, group size, dtype, bytes, fully_shard unit and parameters), and
-  per-graph counts (collectives, waits, ``fsdp.copy_``, storage resizes).
+  per-graph counts (collectives, waits, ``fsdp.copy_``, storage resizes). The
+  ``scheduled`` stage adds each collective's place in the final order and its
+  overlap distance (kernels between its issue and its wait), and the order itself.
 - ``breaks_and_recompiles.json``: graph breaks and recompiles, with reasons.
 - ``summary.txt``: what is printed at the end (a table of the graphs, and each
-  graph's collectives in its last recorded stage).
+  graph's collectives in its last recorded stage, with one ``overlap:`` line per
+  Inductor graph).
 - ``trace/`` and ``tlparse/`` with ``trace=True``: a ``TORCH_TRACE``-style structured
   log, and tlparse's HTML report of it when the ``tlparse`` program is on ``PATH``.
 
@@ -57,6 +63,23 @@ it to ``torch.compile`` and to ``traceable_hsdp.enable_compiled_autograd``. Then
 
 Without it (plain ``torch.compile(model)``), Inductor's post-grad graphs are still
 recorded, forward graphs keep their annotations, and backward ones show none.
+
+[Note: The final schedule in the dump]
+The post-grad graph after our passes is not yet the order that runs: Inductor's
+scheduler reorders it (see [Note: The final schedule] in ``passes/_graph.py``).
+While dumping, a handler on torch's structured-trace logger (the logger
+``TORCH_TRACE`` writes through; it is added for the block and removed after)
+receives each graph's ``inductor_output_code`` record, the generated code, and
+torch's own ``inductor_collective_schedule`` artifact. The code is written to
+``scheduled/`` and read (``read_schedule``) into the final order of collectives,
+waits and kernels; the rows of the graph Inductor compiled (the post-grad graph
+after every pass, with the annotations the dump copied) get their positions and
+overlap distances (``with_schedule``), and the graph the most collectives of each
+op in flight at once (``max_in_flight``: more than one all-gather is what gloo cannot
+take). The order of issues and waits read from the code is checked against torch's
+artifact, and the summary says whether they agree.
+With the ``trace_log`` handler present torch renders every structured-trace
+payload, which adds to compile time (as ``TORCH_TRACE`` does).
 
 [Note: Entering before the first compile]
 depyf and the recorders see only compiles that happen inside the block; a function
@@ -102,6 +125,9 @@ from .passes._graph import (
     current_compile,
     graph_counts,
     is_collective,
+    max_in_flight,
+    read_schedule,
+    with_schedule,
 )
 
 __all__ = [
@@ -114,13 +140,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Stage = Literal["dynamo", "before_passes", "after_passes"]
+Stage = Literal["dynamo", "before_passes", "after_passes", "scheduled"]
 
 _STAGE_TITLE = {
-    "dynamo": "dynamo", "before_passes": "before passes", "after_passes": "after passes"
+    "dynamo": "dynamo", "before_passes": "before passes", "after_passes": "after passes",
+    "scheduled": "final schedule",
 }
+_STAGE_ORDER = {"dynamo": 0, "before_passes": 1, "after_passes": 2, "scheduled": 3}
 _OUR_PATHS = (
-    "depyf", "graphs", "post_grad", "trace", "tlparse",
+    "depyf", "graphs", "post_grad", "scheduled", "trace", "tlparse",
     "collectives.json", "breaks_and_recompiles.json", "summary.txt",
 )
 
@@ -133,6 +161,35 @@ def _human_bytes(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     raise AssertionError("unreachable")
+
+
+def _kernels(n: float) -> str:
+    return f"{n:g} kernel" + ("" if n == 1 else "s")
+
+
+def overlap_line(rows: Sequence[CollectiveRow]) -> str:
+    """One line on the overlap distances of a graph's final schedule, per collective
+    op: how many have at least one kernel between issue and wait, and the median
+    distance in kernels."""
+    by_op: dict[str, list[int]] = {}
+    unwaited: Counter[str] = Counter()
+    for r in rows:
+        if r.kernels_before_wait is None:
+            unwaited[r.op] += 1
+        else:
+            by_op.setdefault(r.op, []).append(r.kernels_before_wait)
+    parts = []
+    for op in dict.fromkeys(r.op for r in rows):
+        d = sorted(by_op.get(op, []))
+        text = f"{op}: {sum(1 for x in d if x >= 1)} of {len(d)} with >=1 kernel before the wait"
+        if d:
+            mid = len(d) // 2
+            median = d[mid] if len(d) % 2 else (d[mid - 1] + d[mid]) / 2
+            text += f", median {_kernels(median)}"
+        if unwaited[op]:
+            text += f" ({unwaited[op]} not waited for in this graph)"
+        parts.append(text)
+    return "overlap: " + ("; ".join(parts) if parts else "no collectives")
 
 
 def _brief(reason: str) -> str:
@@ -153,10 +210,21 @@ def _params_text(params: Sequence[str], limit: int = 4) -> str:
 
 
 def format_table(rows: Sequence[CollectiveRow]) -> str:
-    """The collectives as an aligned text table, one line each."""
+    """The collectives as an aligned text table, one line each. Rows placed in a
+    final schedule get the column ``wait after``: the kernels that run between the
+    collective's issue and its wait."""
+    scheduled = any(r.issued_at is not None for r in rows)
     header = ("#", "op", "reduce", "group", "size", "dtype", "in -> out", "unit", "params")
+    if scheduled:
+        header = header[:-2] + ("wait after",) + header[-2:]
     lines = [header]
     for r in rows:
+        distance: tuple[str, ...] = ()
+        if scheduled:
+            distance = (
+                "no wait" if r.kernels_before_wait is None
+                else _kernels(r.kernels_before_wait),
+            )
         lines.append((
             str(r.index),
             r.op,
@@ -165,6 +233,7 @@ def format_table(rows: Sequence[CollectiveRow]) -> str:
             "?" if r.group_size is None else str(r.group_size),
             r.dtype or "?",
             f"{_human_bytes(r.in_bytes)} -> {_human_bytes(r.out_bytes)}",
+            *distance,
             r.unit or "-",
             _params_text(r.params),
         ))
@@ -193,6 +262,14 @@ class GraphRecord:
         collectives: :func:`collective_table` of the graph.
         annotations: where the unit/parameter columns come from: ``"node meta"``,
             or what :func:`copy_annotations` reported.
+        schedule: the ``"scheduled"`` stage only: the final order, one entry per
+            collective (``"C3"``: issue of collective 3), wait (``"W3"``) or kernel
+            (its name), see [Note: The final schedule in the dump].
+        schedule_note: the ``"scheduled"`` stage only: whether the order of issues
+            and waits agrees with torch's ``inductor_collective_schedule``, or why
+            the schedule could not be read.
+        in_flight: the ``"scheduled"`` stage only: the most collectives of each op
+            issued and not yet waited for at once.
     """
 
     name: str
@@ -203,6 +280,9 @@ class GraphRecord:
     counts: dict[str, int]
     collectives: list[CollectiveRow]
     annotations: str = "node meta"
+    schedule: list[str] | None = None
+    schedule_note: str = ""
+    in_flight: dict[str, int] | None = None
 
 
 @dataclass
@@ -230,6 +310,9 @@ class GraphDump:
         self._names: dict[tuple[str | None, int], str] = {}
         self._post_grad_seen: Counter[str | None] = Counter()
         self._dynamo_graphs: dict[str | None, fx.GraphModule] = {}
+        # compile id -> the latest post-grad graph of that compile (name, record)
+        self._lowering: dict[str | None, tuple[str, RecordedGraph]] = {}
+        self._issue_order: dict[str | None, list[str]] = {}
         self._breaks = _Breaks()
         self._trace_note = "off"
         self._depyf_note = ""  # why depyf/ was not written, if it was not
@@ -318,6 +401,8 @@ class GraphDump:
             )
             if before is not None:
                 annotations = before.annotations
+        if stage == "after_passes":
+            self._lowering[cid] = (name, rec)
         rel = f"post_grad/{name}_{stage}.py"
         self._write(rel, f"post-grad graph {name} {_STAGE_TITLE[stage]}, compile id {cid}", gm)
         self.records.append(
@@ -327,19 +412,90 @@ class GraphDump:
             )
         )
 
+    def _record_output_code(self, code: str) -> None:
+        """The generated code of the graph Inductor just compiled: written to
+        ``scheduled/`` and read into the final schedule. See [Note: The final
+        schedule in the dump]."""
+        cid, _ = current_compile()
+        if cid not in self._lowering:
+            return  # a graph whose post-grad passes were not recorded
+        name, rec = self._lowering.pop(cid)
+        rel = f"scheduled/{name}_output_code.py"
+        path = self.out_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            f"# Inductor's generated code of {name}, compile id {cid}: its `call` runs "
+            f"in the final schedule\n{code}"
+        )
+        graph = rec.final_graph()
+        rows = collective_table(graph)
+        before = next(
+            (r for r in reversed(self.records) if r.name == name and r.stage == "after_passes"),
+            None,
+        )
+        record = GraphRecord(
+            name, "scheduled", rec.kind, cid, rel, graph_counts(graph), rows,
+            before.annotations if before is not None else "node meta",
+        )
+        try:
+            schedule = read_schedule(code)
+            record.collectives = with_schedule(rows, schedule)
+            record.schedule = [
+                ("C" if op.kind == "collective" else "W") + str(op.collective)
+                if op.kind != "kernel" else op.name
+                for op in schedule
+            ]
+            record.in_flight = max_in_flight(schedule)
+            issues_and_waits = [op.name for op in schedule if op.kind != "kernel"]
+            if issues_and_waits:
+                record.schedule_note = "not checked: torch logged no collective schedule"
+                self._issue_order[cid] = issues_and_waits
+            else:
+                record.schedule_note = f"{len(schedule)} kernels, no collectives"
+        except ValueError as e:
+            record.schedule_note = f"not read: {e}"
+        self.records.append(record)
+
+    def _check_torch_schedule(self, torch_order: list[Any]) -> None:
+        """Compares torch's ``inductor_collective_schedule`` artifact (the issues
+        and waits of the graph just compiled, by kernel name) with the order read
+        from the code."""
+        cid, _ = current_compile()
+        ours = self._issue_order.pop(cid, None)
+        record = next(
+            (r for r in reversed(self.records) if r.stage == "scheduled" and r.compile_id == cid),
+            None,
+        )
+        if ours is None or record is None:
+            return
+        if ours == torch_order:
+            record.schedule_note = (
+                f"the {len(ours)} issues and waits are in the order torch logged "
+                "(inductor_collective_schedule)"
+            )
+        else:
+            where = next(
+                (i for i, (a, b) in enumerate(zip(ours, torch_order)) if a != b),
+                min(len(ours), len(torch_order)),
+            )
+            record.schedule_note = (
+                f"DIFFERS from torch's inductor_collective_schedule at entry {where} "
+                f"({len(ours)} issues and waits read from the code, {len(torch_order)} "
+                "logged): the distances may be wrong"
+            )
+
     # -------------------------------------------------------------- results
     def graph_names(self) -> list[str]:
         """The recorded graphs' names, in order."""
         return list(dict.fromkeys(r.name for r in self.records))
 
     def last_stage(self, name: str) -> GraphRecord:
-        """The graph's record at its last stage (after passes, else before, else
-        dynamo's)."""
-        order = {"dynamo": 0, "before_passes": 1, "after_passes": 2}
+        """The graph's record at its last stage (the final schedule, else after
+        passes, else before, else dynamo's)."""
         recs = [r for r in self.records if r.name == name]
         if not recs:
             raise KeyError(f"no recorded graph named {name!r}; have {self.graph_names()}")
-        return max(recs, key=lambda r: order[r.stage])
+        return max(recs, key=lambda r: _STAGE_ORDER[r.stage])
 
     def summary(self) -> str:
         """The text printed when the block exits (also in ``summary.txt``)."""
@@ -380,12 +536,20 @@ class GraphDump:
             for name in self.graph_names():
                 rec = self.last_stage(name)
                 out.append("")
+                order = "final" if rec.stage == "scheduled" else "graph"
                 out.append(
                     f"{name} ({_STAGE_TITLE[rec.stage]}, compile id {rec.compile_id}): "
-                    f"{len(rec.collectives)} collectives in graph order"
+                    f"{len(rec.collectives)} collectives in {order} order"
                 )
                 if rec.annotations != "node meta":
                     out.append(f"  unit/params: {rec.annotations}")
+                if rec.stage == "scheduled":
+                    out.append(f"  schedule: {rec.schedule_note}")
+                    if rec.schedule is not None:
+                        out.append(f"  {overlap_line(rec.collectives)}")
+                    if rec.in_flight:
+                        most = ", ".join(f"{op} {n}" for op, n in rec.in_flight.items())
+                        out.append(f"  most in flight at once: {most}")
                 out.append(format_table(rec.collectives))
         b = self._breaks
         out.append("")
@@ -531,6 +695,46 @@ def _run_tlparse(log_files: list[Path], out: Path) -> str:
     return f"tlparse report {index}" if index.exists() else f"tlparse wrote {out}"
 
 
+# ---------------------------------------------------------------- schedule
+class _ScheduleCapture(logging.Handler):
+    """A handler on torch's structured-trace logger that hands the dump each
+    graph's generated code and torch's collective schedule. See [Note: The final
+    schedule in the dump]."""
+
+    def __init__(self, dump: GraphDump) -> None:
+        super().__init__(logging.DEBUG)
+        self.dump = dump
+
+    def emit(self, record: logging.LogRecord) -> None:
+        meta = getattr(record, "metadata", None)
+        payload = getattr(record, "payload", None)
+        if not isinstance(meta, dict) or not isinstance(payload, str) or not self.dump._active:
+            return
+        try:
+            if "inductor_output_code" in meta:
+                self.dump._record_output_code(payload)
+            elif (isinstance(meta.get("artifact"), dict)
+                  and meta["artifact"].get("name") == "inductor_collective_schedule"):
+                self.dump._check_torch_schedule(json.loads(payload))
+        except Exception:  # a dump must never break the compile it watches
+            log.exception("dump_graphs: recording Inductor's final schedule failed")
+
+
+@contextlib.contextmanager
+def _capture_schedule(dump: GraphDump) -> Iterator[None]:
+    from torch._logging._internal import trace_log
+
+    handler = _ScheduleCapture(dump)
+    old_level = trace_log.level
+    trace_log.setLevel(logging.DEBUG)
+    trace_log.addHandler(handler)
+    try:
+        yield
+    finally:
+        trace_log.removeHandler(handler)
+        trace_log.setLevel(old_level)
+
+
 # ----------------------------------------------------------------- entry point
 def _recorder(dump: GraphDump, stage: Stage) -> PostGradRecorder:
     """The recording pass of one stage (one before our passes, one after); its
@@ -657,6 +861,7 @@ def dump_graphs(
     try:
         if trace:
             trace_files = stack.enter_context(_structured_trace(out / "trace"))
+        stack.enter_context(_capture_schedule(dump))
         if depyf is not None:
             with warnings.catch_warnings():
                 # depyf warns on every entry that the code must run several times.
