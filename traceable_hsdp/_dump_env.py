@@ -73,8 +73,8 @@ def start_from_env(environ: Mapping[str, str] | None = None) -> Path | None:
         This rank's dump directory, or ``None`` when the switch is off.
 
     Raises:
-        RuntimeError: the variable is set but the dump cannot start (depyf missing,
-            a directory that holds files no dump wrote); the message names the
+        RuntimeError: the variable is set but the dump cannot start (a directory
+            that holds files no dump wrote); the message names the
             variable and the fix.
     """
     global _checked, _stack, _dir, _rank_, _pid
