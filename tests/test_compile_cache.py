@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from _dist import run_ranks

@@ -129,7 +129,7 @@ def test_hsdp_comm_fusion_travels_with_the_unit(one_rank) -> None:
     # The FX graph cache key does not see annotations: the units' options enter our
     # uuid() (test_passes_unit.py checks how).
     key = passes._install._unit_options_key()
-    assert f"=UnitPassOptions(bucket=True, bucket_cap_mb=8.0)" in key, key
+    assert "=UnitPassOptions(bucket=True, bucket_cap_mb=8.0)" in key, key
 
 
 def test_fsdp_module_comm_options_2x2_eager() -> None:

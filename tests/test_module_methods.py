@@ -13,6 +13,7 @@ replicas, the unused-parameter run) use the tolerance of test_runtime.py: losses
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import pytest
 import torch

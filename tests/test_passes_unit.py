@@ -279,7 +279,7 @@ def test_remove_resize_copy_skips_incomplete_or_mutated(
     with caplog.at_level(logging.INFO, logger="traceable_hsdp.passes.remove_resize_copy"):
         assert remove_resize_copy(gm) == 0
     assert _graph_text(gm) == text
-    assert f"leaving p alone: " in caplog.text and reason in caplog.text, caplog.text
+    assert "leaving p alone: " in caplog.text and reason in caplog.text, caplog.text
 
 
 def test_remove_resize_copy_control_case_of_the_defects() -> None:

@@ -259,11 +259,6 @@ def _run_dump(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if os.environ.get(ENV_DUMP, "").strip():
         parser.error(f"{ENV_DUMP} is set: traceable-hsdp dump writes its own dump (to "
                      f"OUT_DIR), and the two would wrap each other. Unset {ENV_DUMP}.")
-    try:
-        import depyf  # noqa: F401
-    except ImportError:
-        parser.error("traceable-hsdp dump needs depyf: pip install depyf, or "
-                     "pip install -e '.[dump]' in the repository")
     cfg = dataclasses.replace(
         _train_config(args, parser), dump_dir=args.out_dir, dump_trace=args.trace
     )
