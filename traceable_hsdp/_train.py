@@ -381,6 +381,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     """
     # Imported here so that ``traceable_hsdp.cli --help`` stays cheap.
     from tqdm import tqdm
+
     from traceable_hsdp.models import LlamaConfig
 
     if not dist.is_initialized():
