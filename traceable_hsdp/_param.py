@@ -163,7 +163,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
-from ._common import MeshInfo, PostForwardInfo, ShardedState
+from ._common import MeshInfo, PostForwardInfo, ShardedState, compiling
 
 
 @dataclass(frozen=True)
@@ -608,7 +608,7 @@ class FSDPParam:
         sp = self.sharded_param
         assert self.offload is not None
         non_blocking = (
-            not torch.compiler.is_compiling()
+            not compiling()
             and self.offload.pin_memory
             and sp.grad is None
             and not getattr(sp, "_post_accumulate_grad_hooks", None)

@@ -18,7 +18,7 @@ from ._collectives import (
     wait_all_gather,
 )
 from .passes._graph import UnitPassOptions
-from ._common import MeshInfo, ShardedState, TrainingState, refusal
+from ._common import MeshInfo, ShardedState, TrainingState, compiling, refusal
 from ._param import FSDPParam
 
 
@@ -149,7 +149,7 @@ from ._param import FSDPParam
 # parity with torch's fully_shard (1-D, HSDP 2x2, 4 ranks with an int
 # ``reshard_after_forward``, ``hsdp()`` with replicated parameters).
 #
-# A traced unit keeps one collective per parameter (``torch.compiler.is_compiling()``):
+# A traced unit keeps one collective per parameter ([Note: Eager or traced]):
 # the graph passes bucket those, and the traced graphs are unchanged. What stays
 # per parameter eagerly: the all-reduce hook is called once per parameter on its
 # shard (see [Note: The all-reduce hook]), and an eager all-gather that a traced
@@ -249,7 +249,7 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.UNSHARDED or self._pending is not None:
             return
         with torch.no_grad():
-            if torch.compiler.is_compiling():
+            if compiling():
                 # See [Note: Collective annotations] (passes/_graph.py).
                 self._pending = [
                     call_annotated(
@@ -358,7 +358,7 @@ class FSDPParamGroup:
         self.backward_syncs = self.reduce_grads
         if self.unshard_in_backward:
             self.unshard()
-            if not torch.compiler.is_compiling():
+            if not compiling():
                 # See [Note: The module holds the placeholder only in forward] (_param.py).
                 self.register_unsharded()
         self._grads_pending = len(self.trainable) + self.input_grad_hooks
@@ -383,7 +383,7 @@ class FSDPParamGroup:
             grad = fsdp_param.accumulated_grad + grad
             fsdp_param.accumulated_grad = None
         if self.reduce_grads and not self.reduce_scatter_unused_params:
-            if torch.compiler.is_compiling():
+            if compiling():
                 self._reduce(fsdp_param, grad)
             else:
                 # Kept until the unit's last trainable gradient: see [Note: One
@@ -421,7 +421,7 @@ class FSDPParamGroup:
         self._grads_ready = 0
         if not held:
             return
-        if torch.compiler.is_compiling():
+        if compiling():
             for fp, grad in held:
                 self._reduce(fp, grad)
         else:
@@ -594,7 +594,7 @@ def _call_on_stream(
 ) -> None:
     """Runs ``hook(reduced)`` on ``stream``, ordered after the current stream's work
     and before its later work. Eager only. See [Note: The all-reduce hook]."""
-    if torch.compiler.is_compiling():
+    if compiling():
         _refuse_hook_stream_compiled()
     current = torch.accelerator.current_stream(reduced.device)
     stream.wait_stream(current)

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ._api import MixedPrecisionPolicy
 
-from ._common import TrainingState, refusal
+from ._common import TrainingState, compiling, refusal
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
 
@@ -67,7 +67,7 @@ def _check_compile_mode(needs_backward: bool) -> None:
     # See [Note: Why compiled autograd] in _compile.py.
     if (
         needs_backward
-        and torch.compiler.is_compiling()
+        and compiling()
         and not compiled_autograd.compiled_autograd_enabled
     ):
         _refuse_compile_without_compiled_autograd()
@@ -106,13 +106,13 @@ _refuse_held_after_sync = refusal(HELD_AFTER_SYNC_FIX)
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward now (eagerly). See
     [Note: Forward during the unit's backward]."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+    return not compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _queue_final_callback(callback: Callable[[], None]) -> None:
     """Queues ``callback`` to run after the current backward, eagerly only.
     See [Note: Hooks and compiled autograd]."""
-    if not torch.compiler.is_compiling():
+    if not compiling():
         Variable._execution_engine.queue_callback(callback)
 
 
@@ -233,7 +233,7 @@ class FSDPState:
             return
         changed = [fp for fp in pg.fsdp_params if fp.changed_by_user()]
         if changed and not (
-            torch.compiler.is_compiling() and all(fp.only_frozen() for fp in changed)
+            compiling() and all(fp.only_frozen() for fp in changed)
         ):
             self._apply_user_changes()
 
@@ -260,7 +260,7 @@ class FSDPState:
             # See [Note: Forward during the unit's backward].
             if pg is not None and pg.unshard_in_backward:
                 pg.unshard()  # no-op unless something resharded it since
-                if not torch.compiler.is_compiling():
+                if not compiling():
                     # See [Note: The module holds the placeholder only in forward].
                     pg.register_unsharded()
             return self._cast_inputs(args, kwargs)
@@ -348,7 +348,7 @@ class FSDPState:
                 # The data stays gathered for backward. Eagerly the modules keep
                 # holding it, as torch's; see [Note: The module holds the placeholder
                 # only in forward] (_param.py).
-                if torch.compiler.is_compiling():
+                if compiling():
                     pg.register_sharded()
             else:  # an int: keep 1/raf for a smaller re-gather in backward
                 pg.post_forward_reshard()
@@ -387,7 +387,7 @@ class FSDPState:
         self, pg: FSDPParamGroup, fp: Any
     ) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
-            if pg.reduce_scatter_unused_params and torch.compiler.is_compiling():
+            if pg.reduce_scatter_unused_params and compiling():
                 # A backward compiled without a compiled forward (the root's
                 # pre-forward refuses the other cases). See [Note: Unused parameters].
                 _refuse_unused_params_compiled()
