@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ._api import MixedPrecisionPolicy
 
 from ._common import TrainingState, compiling, refusal
-from ._param import FSDPParam
+from ._param import FSDPParam, UserChange
 from ._param_group import FSDPParamGroup
 
 COMPILE_FIX = (
@@ -231,10 +231,9 @@ class FSDPState:
         pg = self.param_group
         if pg is None:
             return
-        changed = [fp for fp in pg.fsdp_params if fp.changed_by_user()]
-        if changed and not (
-            compiling() and all(fp.only_frozen() for fp in changed)
-        ):
+        changes = [fp.user_change() for fp in pg.fsdp_params]
+        # A compiled step follows a freeze without applying it (see the Note).
+        if UserChange.OTHER in changes or (not compiling() and UserChange.FROZEN in changes):
             self._apply_user_changes()
 
     @torch._dynamo.disable(reason="traceable_hsdp: a parameter changed after fully_shard")
@@ -264,10 +263,13 @@ class FSDPState:
                     # See [Note: The module holds the placeholder only in forward].
                     pg.register_unsharded()
             return self._cast_inputs(args, kwargs)
+        # A root checks its whole subtree before anything runs; a unit whose own
+        # forward is called outside its root's, itself.
+        for state in self.states if self.is_root else (self,):
+            if state.init_errors:
+                raise ValueError(state.init_errors[0])
         if self.is_root:
             self._root_pre_forward()
-        if self.init_errors:
-            raise ValueError(self.init_errors[0])
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         if pg is not None:
@@ -301,9 +303,6 @@ class FSDPState:
         return output
 
     def _root_pre_forward(self) -> None:
-        for state in self.states:
-            if state.init_errors:
-                raise ValueError(state.init_errors[0])
         needs_backward = torch.is_grad_enabled() and any(
             s.param_group is not None and s.param_group.trainable for s in self.states
         )
