@@ -219,6 +219,8 @@ class FSDPParam:
         shard_dim: int = 0,
         offload: CPUOffloadPolicy | None = None,
         replicate: bool = False,
+        keep_storage: bool = False,
+        post_forward: PostForwardInfo | None = None,
     ) -> None:
         self.fqn = fqn
         # See [Note: Replicated parameters].
@@ -271,11 +273,11 @@ class FSDPParam:
         self.module_holds_unsharded = False
         # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage (the
         # parameter stays whole in memory across steps; the next unshard refills it).
-        self.keep_storage = False
+        self.keep_storage = keep_storage
         # After an int reshard_after_forward: this rank's block of the padded gathered
         # rows (ND, dim 0 = shard dim), or None. See [Note: Reshard to a smaller world].
         self.post_forward_shard: torch.Tensor | None = None
-        self.post_forward: PostForwardInfo | None = None
+        self.post_forward = post_forward
         # HSDP: the sharded grad holds shard-reduced gradients not yet all-reduced
         # over the replicas (set_requires_all_reduce(False)).
         self.replicas_pending = False

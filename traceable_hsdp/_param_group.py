@@ -189,7 +189,13 @@ class FSDPParamGroup:
     (see [Note: One collective per unit, eagerly]).
     """
 
-    def __init__(self, fsdp_params: list[FSDPParam], mesh_info: MeshInfo, label: str):
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        mesh_info: MeshInfo,
+        label: str,
+        pass_options: UnitPassOptions | None = None,
+    ):
         self.fsdp_params = fsdp_params
         self.mesh_info = mesh_info
         self.label = label  # the unit's module class name, for messages
@@ -213,7 +219,7 @@ class FSDPParamGroup:
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # The unit's own pass options (hsdp()), carried in its collectives'
         # annotations; see [Note: Per-unit pass options] (passes).
-        self.pass_options: UnitPassOptions | None = None
+        self.pass_options = pass_options
         self.all_reduce_hook_stream: torch.Stream | None = None
         # See [Note: Unused parameters].
         self.reduce_scatter_unused_params = False
