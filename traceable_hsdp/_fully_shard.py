@@ -1,4 +1,12 @@
-"""``fully_shard`` and the ``FSDPModule`` mixin."""
+"""``fully_shard`` and the ``FSDPModule`` mixin.
+
+``fully_shard`` is a short sequence of named steps, as torch's: check the modules and
+the options into a ``UnitOptions`` (``_init.py``), collect the parameters
+(``collect_params``), build the unit (``_build_unit``: one ``FSDPParam`` per
+parameter, their ``FSDPParamGroup``, the ``FSDPState``), wire the tree
+(``FSDPState.adopt_nested``), swap the classes (``_add_fsdp_class``), install the
+global switches. ``hsdp()`` enters after the first step, through ``shard_unit``.
+"""
 
 from __future__ import annotations
 
@@ -499,7 +507,6 @@ def _require_state(module: Any) -> FSDPState:
     if state is None:
         raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
     return state
-
 
 
 @overload
