@@ -116,7 +116,7 @@ def test_hsdp_comm_fusion_travels_with_the_unit(one_rank) -> None:
     collectives' annotations), never the process-wide PassConfig. The bucketing they
     cause is checked from post-grad graphs in test_passes_e2e.py."""
     from traceable_hsdp import passes
-    from traceable_hsdp._fully_shard import _get_state
+    from traceable_hsdp._state import state_of as _get_state
 
     before = passes.get_config()
     fused = th.hsdp(nn.Linear(2, 2), comm_fusion=True, bucket_size=8)

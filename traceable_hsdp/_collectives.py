@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ._common import compiling
+
 _c10d = torch.ops._c10d_functional
 
 
@@ -48,7 +50,7 @@ def all_gather_start(shard: torch.Tensor, world_size: int, group_name: str) -> t
     if world_size == 1:
         return shard
     shard = shard.contiguous()
-    if torch.compiler.is_compiling() or not _has_device_backend(group_name, shard.device):
+    if compiling() or not _has_device_backend(group_name, shard.device):
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
     out = shard.new_empty((world_size * shard.size(0), *shard.shape[1:]))
     return _c10d.all_gather_into_tensor_out(shard, world_size, group_name, out=out)
@@ -70,7 +72,7 @@ def _has_device_backend(group_name: str, device: torch.device) -> bool:
 def wait_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """Waits for an all-gather issued by :func:`all_gather_start` and returns its
     result (while tracing it was waited for at issue: returned as it is)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return tensor
     return _c10d.wait_tensor(tensor)  # a no-op on a tensor no collective produced
 

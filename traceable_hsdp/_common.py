@@ -1,4 +1,4 @@
-"""Shared enums and mesh information."""
+"""Shared enums, mesh information, and the one eager-or-traced test (``compiling``)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,26 @@ class PostForwardInfo:
     group_name: str
     size: int
     index: int
+
+
+# [Note: Eager or traced]
+# The runtime runs the same code eagerly and under dynamo, and a few steps differ
+# between the two: eagerly a unit issues one flat collective per kind and waits for it
+# explicitly, keeps its unsharded parameters registered on the modules after forward,
+# queues end-of-backward callbacks and uses streams and events; traced, each parameter
+# keeps its own collective (the graph passes bucket them), waits are folded into the
+# graph, and nothing eager-only may run. Every such branch asks :func:`compiling`, the
+# one place that decides: "traced" means dynamo is tracing the frame now (the forward
+# graph, or the backward graph compiled autograd captures). It reads
+# ``torch.compiler.is_compiling()`` on every call (a constant ``True`` to dynamo, so
+# the traced graphs hold no trace of the branch); tests that stand in for tracing
+# patch that function.
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the code that calls it (``False`` when it runs
+    eagerly). See [Note: Eager or traced]."""
+    return torch.compiler.is_compiling()
 
 
 def refusal(message: str) -> Callable[..., NoReturn]:

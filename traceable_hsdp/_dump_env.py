@@ -6,7 +6,7 @@ Set ``TRACEABLE_HSDP_DUMP=DIR`` in the environment of the ranks (before torchrun
 ``TORCH_TRACE``) and every process that calls ``fully_shard`` writes the dump of
 :func:`traceable_hsdp.dump_graphs` to ``DIR/rank<r>``, without a code change. The
 variable is read once, at the process's first ``fully_shard`` call
-(:func:`start_from_env`, called from ``_fully_shard_impl`` after the passes are
+(:func:`start_from_env`, called from ``_fully_shard._shard`` after the passes are
 installed): that is before the first compile in any program that shards its model
 before compiling it, as ``dump_graphs`` needs ([Note: Entering before the first
 compile] in ``_dump.py``). The rank is the default process group's when it is

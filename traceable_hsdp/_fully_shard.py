@@ -1,32 +1,43 @@
-"""``fully_shard`` and the ``FSDPModule`` mixin."""
+"""``fully_shard`` and the ``FSDPModule`` mixin.
+
+``fully_shard`` is a short sequence of named steps, as torch's: check the modules and
+the options into a ``UnitOptions`` (``_init.py``), collect the parameters
+(``collect_params``), build the unit (``_build_unit``: one ``FSDPParam`` per
+parameter, their ``FSDPParamGroup``, the ``FSDPState``), wire the tree
+(``FSDPState.adopt_nested``), swap the classes (``_add_fsdp_class``), install the
+global switches. ``hsdp()`` enters after the first step, through ``shard_unit``.
+"""
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, get_args, overload
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._common import MeshInfo, PostForwardInfo
-from ._param import FSDPParam, ParamModuleInfo
+from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._init import (
+    CollectedParams,
+    UnitOptions,
+    check_modules,
+    collect_params,
+    mark_managed,
+    post_forward_info,
+    shard_dim,
+    unit_options,
+)
+from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
-from ._state import FSDPState
+from ._state import FSDPState, state_of
 from .passes import install as _install_passes
+from .passes import track_unit_options
 
 __all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
-
-_STATE_ATTR = "_traceable_hsdp_state"
-
-
-def _get_state(module: nn.Module) -> FSDPState | None:
-    return module.__dict__.get(_STATE_ATTR)
 
 
 class FSDPModule:
@@ -470,7 +481,7 @@ def _states(module: Any, recurse: bool) -> list[FSDPState]:
         return [root]
     out: list[FSDPState] = []
     for m in module.modules():
-        s = _get_state(m)
+        s = state_of(m)
         if s is not None and s not in out:
             out.append(s)
     return out
@@ -481,7 +492,7 @@ def _prefetch_states(modules: Any, which: str) -> list[FSDPState]:
         raise TypeError(f"set_modules_to_{which}_prefetch expects a list of modules.")
     out = []
     for m in modules:
-        s = _get_state(m) if isinstance(m, nn.Module) else None
+        s = state_of(m) if isinstance(m, nn.Module) else None
         if s is None:
             raise TypeError(
                 f"set_modules_to_{which}_prefetch got a {type(m).__name__} that is not a "
@@ -492,142 +503,10 @@ def _prefetch_states(modules: Any, which: str) -> list[FSDPState]:
 
 
 def _require_state(module: Any) -> FSDPState:
-    state = _get_state(module)
+    state = state_of(module)
     if state is None:
         raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
     return state
-
-
-def _default_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard(mesh=None) builds a mesh over the default process group, and "
-            "none is initialized. Call torch.distributed.init_process_group() first "
-            "(torchrun sets the environment for it) or pass mesh=."
-        )
-    backend = dist.get_backend()
-    use_cuda = torch.cuda.is_available() and "nccl" in str(backend)
-    device_type = "cuda" if use_cuda else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            "fully_shard(mesh=...) expects a torch.distributed.device_mesh.DeviceMesh, got "
-            f"{type(mesh).__name__}. Build one with init_device_mesh(device_type, (world,)) "
-            "for FSDP or (replicate, shard) for HSDP."
-        )
-    if mesh.ndim == 1:
-        return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
-    if mesh.ndim == 2:
-        return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
-    raise ValueError(
-        f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP, "
-        f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice it, e.g. "
-        "mesh['dp_replicate', 'dp_shard']."
-    )
-
-
-def _managed_params(
-    module: nn.Module, ignored: set[nn.Parameter], conflicts: list[str]
-) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]]:
-    """Parameters of ``module``'s subtree not owned by a nested unit nor ignored, in
-    registration order, with every place each is registered. A parameter an earlier
-    unit already sharded is left out, and why is appended to ``conflicts``.
-
-    Raises:
-        ValueError: a module of a nested unit is reachable outside it. See
-            [Note: One unit per parameter].
-    """
-    owned_elsewhere: set[int] = set()  # every parameter in a nested unit's subtree
-    nested_managed: dict[int, str] = {}  # a nested unit's managed tensors -> its FQN
-    for sub in module.modules():
-        state = _get_state(sub)
-        if sub is module or state is None:
-            continue
-        for p in sub.parameters():
-            owned_elsewhere.add(id(p))
-        if state.param_group is not None:
-            for fp in state.param_group.fsdp_params:
-                desc = f"{fp.fqn!r} of the fully_shard unit {state.param_group.label}"
-                nested_managed[id(fp.sharded_param)] = desc
-                nested_managed[id(fp.unsharded_param)] = desc
-    order: list[nn.Parameter] = []
-    where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]] = {}
-    for mod_name, sub in _own_modules(module):
-        for pname, p in list(sub._parameters.items()):
-            if p is None or p in ignored:
-                continue
-            fqn = f"{mod_name}.{pname}" if mod_name else pname
-            if id(p) in nested_managed:
-                raise ValueError(
-                    f"Parameter {fqn!r} of {type(module).__name__} is "
-                    f"{nested_managed[id(p)]}, nested inside it: its module is also "
-                    "reachable outside that unit, whose forward alone gathers it. A "
-                    f"parameter can belong to one fully_shard unit only. {_SHARED_FIX}"
-                )
-            if id(p) in owned_elsewhere:
-                continue
-            prior = getattr(p, _SHARDED_AS_ATTR, None)
-            if prior is not None:
-                # Raised at the first forward, as torch's; see [Note: One unit per
-                # parameter]. The parameter stays out of this unit.
-                conflicts.append(
-                    f"Parameter {fqn!r} of {type(module).__name__} is already managed by "
-                    f"another fully_shard unit: it is shared with {prior}, which an "
-                    "earlier fully_shard call sharded; sharding it again would make an "
-                    "independent copy (silently untied). A parameter can belong to one "
-                    f"fully_shard unit only. {_SHARED_FIX}"
-                )
-                continue
-            if p not in where:
-                order.append(p)
-                where[p] = []
-            if all(info.module is not sub or info.param_name != pname for _, info in where[p]):
-                where[p].append((fqn, ParamModuleInfo(sub, pname)))
-    return order, where
-
-
-_SHARED_FIX = (
-    "Fix: shard every module that uses it in one unit: do not call fully_shard on those "
-    "modules separately and let their common parent's fully_shard manage the parameter "
-    "(for a tied embedding and output head: fully_shard each block, then the root), or "
-    "pass them together as one unit, fully_shard([module_a, module_b]). See "
-    "docs/state_dict.md."
-)
-
-# Set on an original parameter once fully_shard replaced it with its sharded DTensor:
-# "'<fqn>' of the fully_shard unit <Class>". See [Note: One unit per parameter].
-_SHARDED_AS_ATTR = "_traceable_hsdp_sharded_as"
-
-
-# [Note: One unit per parameter]
-# A parameter registered on several modules (a tied embedding and output head) is
-# managed once, by the unit whose own modules hold all its registrations: it is
-# gathered once per forward into one placeholder that every one of them holds, and
-# autograd sums the gradients of all uses into that placeholder's gradient before its
-# post-accumulate-grad hook reduces it. A unit gathers only for its own forward, so a
-# parameter cannot be split between units. The two ways to split it are refused
-# (neither fails clearly by itself):
-# - the original parameter is still registered outside an earlier unit: fully_shard
-#   swapped it for a DTensor only on that unit's modules, so a later unit would shard
-#   the original again into an independent copy: silently untied. Refused at the
-#   first forward, as torch's (its message says "already managed by another"): the
-#   later unit leaves the parameter out and records why;
-# - a module inside a nested unit is also reachable from the parent outside it: the
-#   parent's forward would read the nested unit's sharded DTensor ("got mixed
-#   torch.Tensor and DTensor" deep in the forward). Refused when the parent is built.
-
-
-def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """``module`` and its submodules, pre-order, every path (duplicates included),
-    without descending into nested fully_shard units."""
-    yield prefix, module
-    for name, child in module._modules.items():
-        if child is None or _get_state(child) is not None:
-            continue
-        yield from _own_modules(child, f"{prefix}.{name}" if prefix else name)
 
 
 @overload
@@ -686,8 +565,8 @@ def fully_shard(
             ``module.to_empty(device=...)`` and initialize); a 0-dim parameter;
             unsupported option values.
     """
-    return _fully_shard_impl(
-        module,
+    modules = check_modules(module)
+    options = unit_options(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         shard_placement_fn=shard_placement_fn,
@@ -695,125 +574,39 @@ def fully_shard(
         offload_policy=offload_policy,
         ignored_params=ignored_params,
     )
+    _shard(modules, options)
+    return module
 
 
 def _state_of(module: nn.Module) -> FSDPState | None:
     """``fully_shard.state(module)``, as torch's: the unit's state object, or ``None``
     for a module fully_shard was not applied to. Its attributes are ours, not torch's
     (``param_group``, ``training_state``, ``is_root``)."""
-    return _get_state(module)
+    return state_of(module)
 
 
 fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
-def _fully_shard_impl(
-    module: nn.Module | list[nn.Module],
-    *,
-    mesh: DeviceMesh | None,
-    reshard_after_forward: bool | int | None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-    ignored_params: set[nn.Parameter] | None,
-    replicate: Callable[[nn.Parameter], bool] | None = None,
-    keep_storage: bool = False,
-) -> Any:
-    """:func:`fully_shard`, plus what ``hsdp()`` adds: ``replicate(param)`` says which
-    parameters stay whole (see [Note: Replicated parameters] in ``_param.py``) and
-    ``keep_storage`` keeps gathered storage across steps (``optimizer_level="level1"``)."""
-    modules = _check_modules(module)
-    mesh = _default_mesh() if mesh is None else mesh
-    mesh_info = _mesh_info(mesh)
-    raf = _check_reshard_after_forward(reshard_after_forward, mesh_info)
-    offload_policy = _check_offload_policy(offload_policy)
-    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    mp_policy = _check_mp_policy(mp_policy)
-    ignored = _check_ignored(ignored_params)
+def shard_unit(module: nn.Module | list[nn.Module], options: UnitOptions) -> Any:
+    """Internal: :func:`fully_shard` with options already checked, for ``hsdp()``
+    (``_hsdp.py``), which builds :class:`~traceable_hsdp._init.UnitOptions` with what
+    fully_shard's arguments cannot say (replicated parameters, kept storage, the
+    unit's pass options). Not public API. See [Note: Unit options] in ``_init.py``.
 
-    # A list is one unit: its params are managed by the first module's state.
-    owner = modules[0]
-    order: list[nn.Parameter] = []
-    where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]] = {}
-    conflicts: list[str] = []
-    for m in modules:
-        o, w = _managed_params(m, ignored, conflicts)
-        for p in o:
-            if p not in where:
-                order.append(p)
-                where[p] = []
-            where[p].extend(w[p])
-    for p in order:
-        fqn = where[p][0][0]
-        # A meta parameter is sharded on meta and materialized by module.to_empty();
-        # see [Note: Changes after fully_shard] in _param.py.
-        on_cpu_offloaded = offload is not None and p.device.type == "cpu"
-        if not p.is_meta and not on_cpu_offloaded and (
-            p.device.type != mesh.device_type
-            or (p.device.type != "cpu" and p.device != mesh_info.device)
-        ):
-            where = mesh.device_type if p.device.type != mesh.device_type else mesh_info.device
-            raise ValueError(
-                f"Parameter {fqn!r} is on {p.device} but the mesh is on {where}. Move "
-                f"the module first (module.to({str(where)!r})) or build the mesh on "
-                f"{p.device.type!r}."
-            )
-        if isinstance(p, torch.distributed.tensor.DTensor):
-            raise ValueError(
-                f"Parameter {fqn!r} is already a DTensor (placements {p.placements}, "
-                "e.g. from parallelize_module): traceable_hsdp does not yet compose "
-                "fully_shard with tensor parallelism. For an FSDP x TP model use "
-                "torch.distributed.fsdp.fully_shard for now, or apply traceable_hsdp's "
-                "fully_shard to a model without parallelize_module. See docs/api.md."
-            )
-    fsdp_params = [
-        FSDPParam(
-            p,
-            where[p][0][0],
-            [info for _, info in where[p]],
-            mesh_info,
-            mp_policy,
-            shard_dim=_shard_dim(shard_placement_fn, p, where[p][0][0]),
-            offload=offload,
-            replicate=replicate is not None and replicate(p),
-        )
-        for p in order
-    ]
-    post_forward = None
-    if raf is not None and not isinstance(raf, bool):
-        post_forward = _post_forward_info(mesh_info, raf)
-    for fp in fsdp_params:
-        fp.keep_storage = keep_storage
-        fp.post_forward = post_forward
-    label = type(owner).__name__
-    for p, fp in zip(order, fsdp_params):
-        # See [Note: One unit per parameter].
-        setattr(p, _SHARDED_AS_ATTR, f"{fp.fqn!r} of the fully_shard unit {label}")
-    group = FSDPParamGroup(fsdp_params, mesh_info, label) if fsdp_params else None
-    state = FSDPState(modules, group, raf, mp_policy)
-    state.init_errors = conflicts
-    owner.__dict__[_STATE_ATTR] = state
-    for m in modules[1:]:
-        m.__dict__[_STATE_ATTR] = state
+    Returns:
+        ``module``, as :func:`fully_shard` does.
+    """
+    _shard(check_modules(module), options)
+    return module
 
-    # The new unit is root of its subtree: nested units stop being roots.
-    nested: list[FSDPState] = []
-    for m in modules:
-        for sub in m.modules():
-            s = _get_state(sub)
-            if s is not None and s is not state and s not in nested:
-                s.is_root = False
-                s.root = state
-                nested.append(s)
-    state.states = [*nested, state]
-    # Nested units are labelled by their path under this root ("layers.0"), for
-    # messages and dumps; see [Note: Collective annotations] (passes/_graph.py).
-    for m in modules:
-        for name, sub in m.named_modules():
-            s = _get_state(sub)
-            if name and s is not None and s is not state and s.param_group is not None:
-                s.param_group.label = name
 
+def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
+    """fully_shard's steps after its arguments are checked: collect the parameters,
+    build the unit, wire the tree, swap the classes, install the global switches."""
+    collected = collect_params(modules, options)
+    state = _build_unit(modules, collected, options)
+    state.adopt_nested()
     for m in modules:
         _add_fsdp_class(m)
     # Inductor's post-grad passes and the other switches of [Note: Global switches]
@@ -822,7 +615,45 @@ def _fully_shard_impl(
     from ._dump_env import start_from_env
 
     start_from_env()  # TRACEABLE_HSDP_DUMP; see [Note: The dump switch] (_dump_env.py)
-    return module
+    return state
+
+
+def _build_unit(
+    modules: list[nn.Module], collected: CollectedParams, options: UnitOptions
+) -> FSDPState:
+    """One FSDPParam per collected parameter (each replaces the original on its
+    modules by the sharded DTensor), their group, and the unit's state, attached to
+    ``modules``. A list is one unit, labelled by its first module's class."""
+    raf = options.reshard_after_forward
+    post_forward = None
+    if raf is not None and not isinstance(raf, bool):
+        post_forward = post_forward_info(options.mesh_info, raf)
+    where = collected.where
+    fsdp_params = [
+        FSDPParam(
+            p,
+            where[p][0][0],
+            [info for _, info in where[p]],
+            options.mesh_info,
+            options.mp_policy,
+            shard_dim=shard_dim(options.shard_placement_fn, p, where[p][0][0]),
+            offload=options.offload,
+            replicate=options.replicate is not None and options.replicate(p),
+            keep_storage=options.keep_storage,
+            post_forward=post_forward,
+        )
+        for p in collected.params
+    ]
+    label = type(modules[0]).__name__
+    for p, fp in zip(collected.params, fsdp_params):
+        mark_managed(p, f"{fp.fqn!r} of the fully_shard unit {label}")
+    group = None
+    if fsdp_params:
+        group = FSDPParamGroup(fsdp_params, options.mesh_info, label, options.pass_options)
+        if options.pass_options is not None:
+            # See [Note: Per-unit options and the FX graph cache] (passes).
+            track_unit_options(group)
+    return FSDPState(modules, group, options, collected.conflicts)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -881,158 +712,3 @@ def _add_fsdp_class(module: nn.Module) -> None:
     module.__class__ = new_cls
 
 
-def _check_modules(module: Any) -> list[nn.Module]:
-    mods = list(module) if isinstance(module, (list, tuple)) else [module]
-    for m in mods:
-        if not isinstance(m, nn.Module):
-            raise TypeError(
-                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}."
-            )
-        if _get_state(m) is not None:
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; apply it once "
-                "per module."
-            )
-    if not mods:
-        raise ValueError("fully_shard got an empty list of modules.")
-    return mods
-
-
-def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int | None:
-    """``True``/``False``/``None``, or an int k dividing the shard group's size (see
-    [Note: Reshard to a smaller world] in ``_param.py``): k equal to that size is
-    ``True``, k = 1 keeps the whole parameter (``False``). ``None`` stays: ``False``
-    while the unit is a root, else ``True`` (decided at each forward), as torch's."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        size = mesh_info.shard_size
-        if value < 1 or value > size or size % value:
-            raise ValueError(
-                f"reshard_after_forward={value} must divide the shard group's size {size} "
-                f"(a divisor in 1..{size}): it is the number of ranks each parameter is "
-                "resharded over after forward. Use True/False, or a divisor such as the "
-                "number of GPUs per node."
-            )
-        if value == size:
-            return True
-        if value == 1:
-            return False
-        return value
-    raise TypeError(
-        f"reshard_after_forward must be a bool or int, got {type(value).__name__}."
-    )
-
-
-# Set on a DeviceMesh object: {k: the mesh of groups of k ranks built from it}.
-_POST_FORWARD_MESHES_ATTR = "_traceable_hsdp_post_forward_meshes"
-
-
-def _post_forward_info(mesh_info: MeshInfo, k: int) -> PostForwardInfo:
-    """Groups of ``k`` consecutive ranks of each shard group (one DeviceMesh per mesh
-    object and k, built once: building it creates process groups on every rank). The
-    cache lives on the mesh object, not in a module-level table keyed by its value:
-    a mesh built again after the process group was destroyed and re-created compares
-    equal to the old one, whose cached groups no longer exist."""
-    mesh = mesh_info.mesh
-    cache: dict[int, DeviceMesh] = mesh.__dict__.setdefault(_POST_FORWARD_MESHES_ATTR, {})
-    pf_mesh = cache.get(k)
-    if pf_mesh is None:
-        ranks = mesh.mesh
-        shape = (*ranks.shape[:-1], ranks.shape[-1] // k, k)
-        pf_mesh = DeviceMesh(mesh.device_type, ranks.reshape(shape))
-        cache[k] = pf_mesh
-    return PostForwardInfo(
-        group_name=pf_mesh.get_group(pf_mesh.ndim - 1).group_name,
-        size=k,
-        index=pf_mesh.get_local_rank(pf_mesh.ndim - 1),
-    )
-
-
-def _check_mp_policy(mp_policy: Any) -> MixedPrecisionPolicy:
-    if isinstance(mp_policy, MixedPrecisionPolicy):
-        return mp_policy
-    # torch.distributed.fsdp.MixedPrecisionPolicy has the same fields: accept it, so a
-    # half-switched import still works.
-    if type(mp_policy).__name__ == "MixedPrecisionPolicy" and hasattr(mp_policy, "param_dtype"):
-        return MixedPrecisionPolicy(
-            param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
-            output_dtype=mp_policy.output_dtype,
-            cast_forward_inputs=mp_policy.cast_forward_inputs,
-        )
-    raise TypeError(
-        "mp_policy must be a traceable_hsdp.MixedPrecisionPolicy, got "
-        f"{type(mp_policy).__name__}."
-    )
-
-
-def _shard_dim(
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    param: nn.Parameter,
-    fqn: str,
-) -> int:
-    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None)."""
-    if shard_placement_fn is None:
-        return 0
-    if not callable(shard_placement_fn):
-        raise TypeError(
-            "shard_placement_fn must be a callable taking an nn.Parameter and returning "
-            f"a Shard or None, got {type(shard_placement_fn).__name__}."
-        )
-    placement = shard_placement_fn(param)
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise TypeError(
-            f"shard_placement_fn returned {placement!r} for {fqn!r}; it must return a "
-            "torch.distributed.tensor.Shard(dim) or None (for Shard(0))."
-        )
-    dim = placement.dim
-    ndim = param.dim()
-    if not -ndim <= dim < ndim:
-        raise ValueError(
-            f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which has {ndim} "
-            f"dim(s) (shape {tuple(param.shape)}); pick a dim in [{-ndim}, {ndim})."
-        )
-    return dim % ndim
-
-
-def _check_offload_policy(offload_policy: Any) -> OffloadPolicy:
-    # torch.distributed.fsdp's policies have the same names and fields: accept them,
-    # so a half-switched import still works (as for mp_policy).
-    torch_name = type(offload_policy).__name__
-    if not isinstance(offload_policy, OffloadPolicy) and torch_name in (
-        "OffloadPolicy",
-        "CPUOffloadPolicy",
-    ):
-        if torch_name == "CPUOffloadPolicy":
-            offload_policy = CPUOffloadPolicy(pin_memory=getattr(offload_policy, "pin_memory", True))
-        else:
-            offload_policy = OffloadPolicy()
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            "offload_policy must be a traceable_hsdp.OffloadPolicy (no offload) or "
-            f"CPUOffloadPolicy(pin_memory=...), got {type(offload_policy).__name__}."
-        )
-    if isinstance(offload_policy, CPUOffloadPolicy) and not isinstance(
-        offload_policy.pin_memory, bool
-    ):
-        raise TypeError(
-            "CPUOffloadPolicy.pin_memory must be a bool, got "
-            f"{type(offload_policy.pin_memory).__name__}."
-        )
-    return offload_policy
-
-
-def _check_ignored(ignored_params: Any) -> set[nn.Parameter]:
-    if ignored_params is None:
-        return set()
-    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
-        raise TypeError(
-            f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}."
-        )
-    for p in ignored_params:
-        if not isinstance(p, nn.Parameter):
-            raise TypeError(f"ignored_params holds a {type(p).__name__}, not an nn.Parameter.")
-    return set(ignored_params)

@@ -41,13 +41,12 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
-from ._fully_shard import FSDPModule, _fully_shard_impl, _get_state
-from .passes import track_unit_options
+from ._fully_shard import FSDPModule, shard_unit
+from ._init import default_mesh, unit_options
 from .passes._graph import UnitPassOptions
 
 __all__ = ["hsdp"]
@@ -141,15 +140,14 @@ def hsdp(
             )
     keep = _replicate_set(replicate_params)
     if mesh is None:
-        mesh = _mesh_for(shard_size)
+        mesh = default_mesh("hsdp()", shard_size)
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)  # checks the dtype
     cap_bytes = threshold * 1024
 
     def replicate(p: nn.Parameter) -> bool:
         return id(p) in keep or p.numel() * p.element_size() < cap_bytes
 
-    out = _fully_shard_impl(
-        module,
+    options = unit_options(
         mesh=mesh,
         reshard_after_forward=optimizer_level == "level3",
         shard_placement_fn=None,
@@ -158,18 +156,15 @@ def hsdp(
         ignored_params=None,
         replicate=replicate,
         keep_storage=optimizer_level == "level1",
+        pass_options=UnitPassOptions(
+            bucket=comm_fusion,
+            bucket_cap_mb=None if bucket_size == -1 else float(bucket_size),
+        ),
     )
+    out = shard_unit(module, options)
     factor = 1.0 if reduce_op == "sum" else gradient_divide_factor
     if factor is not None:
         out.set_gradient_divide_factor(factor)
-    state = _get_state(out)
-    if state is not None and state.param_group is not None:
-        state.param_group.pass_options = UnitPassOptions(
-            bucket=comm_fusion,
-            bucket_cap_mb=None if bucket_size == -1 else float(bucket_size),
-        )
-        # See [Note: Per-unit options and the FX graph cache] (passes).
-        track_unit_options(state.param_group)
     return out
 
 
@@ -192,28 +187,3 @@ def _replicate_set(params: Any) -> set[int]:
             raise TypeError(f"hsdp(replicate_params=...) holds a {type(p).__name__}, not an nn.Parameter.")
         out.add(id(p))
     return out
-
-
-def _mesh_for(shard_size: int) -> DeviceMesh:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "hsdp() builds its mesh over the default process group, and none is "
-            "initialized. Call torch.distributed.init_process_group() first (torchrun "
-            "sets the environment for it) or pass mesh=."
-        )
-    world = dist.get_world_size()
-    if shard_size == -1:
-        shard_size = world
-    if shard_size <= 0 or world % shard_size:
-        raise ValueError(
-            f"hsdp(shard_size={shard_size}) must be -1 or a positive divisor of the world "
-            f"size {world}: ranks are split into world/shard_size replica groups of "
-            "shard_size ranks each."
-        )
-    backend = str(dist.get_backend())
-    device_type = "cuda" if torch.cuda.is_available() and "nccl" in backend else "cpu"
-    if shard_size == world:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(
-        device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
-    )

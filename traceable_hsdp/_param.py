@@ -48,7 +48,7 @@ parameter again (``FSDPParam.reset_sharded_param``):
   ``to_empty(device=...)`` after building on the meta device. ``_apply`` swaps the
   DTensor's data in place; the unit follows the new dtype (a new 0-byte placeholder
   in the new compute dtype) and device;
-- at each unit's pre-forward, when a cheap check (``changed_by_user``: identity,
+- at each unit's pre-forward, when a cheap check (``user_change``: identity,
   ``requires_grad``, dtype and device of the sharded parameter, attribute reads that
   trace to no ops) finds a change: ``p.requires_grad_(False)`` on a sharded
   parameter freezes it (the placeholder follows, so no gradient is computed or
@@ -155,6 +155,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum, auto
 
 import torch
 import torch.distributed.fsdp  # noqa: F401  registers torch.ops.fsdp.copy_
@@ -163,7 +164,20 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
-from ._common import MeshInfo, PostForwardInfo, ShardedState
+from ._common import MeshInfo, PostForwardInfo, ShardedState, compiling
+
+
+class UserChange(Enum):
+    """What :meth:`FSDPParam.user_change` found. See [Note: Changes after fully_shard]."""
+
+    NONE = auto()
+    """Nothing changed since the unit last read the sharded parameter."""
+    FROZEN = auto()
+    """Only ``requires_grad`` went to ``False``: the one change a compiled step follows
+    without applying it (the placeholder still requires grad; its gradient is dropped
+    instead of reduced)."""
+    OTHER = auto()
+    """Replaced on a module, unfrozen, cast, or moved (left on meta): re-read it."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +219,8 @@ class FSDPParam:
         shard_dim: int = 0,
         offload: CPUOffloadPolicy | None = None,
         replicate: bool = False,
+        keep_storage: bool = False,
+        post_forward: PostForwardInfo | None = None,
     ) -> None:
         self.fqn = fqn
         # See [Note: Replicated parameters].
@@ -257,11 +273,11 @@ class FSDPParam:
         self.module_holds_unsharded = False
         # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage (the
         # parameter stays whole in memory across steps; the next unshard refills it).
-        self.keep_storage = False
+        self.keep_storage = keep_storage
         # After an int reshard_after_forward: this rank's block of the padded gathered
         # rows (ND, dim 0 = shard dim), or None. See [Note: Reshard to a smaller world].
         self.post_forward_shard: torch.Tensor | None = None
-        self.post_forward: PostForwardInfo | None = None
+        self.post_forward = post_forward
         # HSDP: the sharded grad holds shard-reduced gradients not yet all-reduced
         # over the replicas (set_requires_all_reduce(False)).
         self.replicas_pending = False
@@ -608,7 +624,7 @@ class FSDPParam:
         sp = self.sharded_param
         assert self.offload is not None
         non_blocking = (
-            not torch.compiler.is_compiling()
+            not compiling()
             and self.offload.pin_memory
             and sp.grad is None
             and not getattr(sp, "_post_accumulate_grad_hooks", None)
@@ -640,35 +656,22 @@ class FSDPParam:
             stride=sp.stride(),
         )
 
-    def changed_by_user(self) -> bool:
-        """Whether the user changed the sharded parameter since the unit last read it:
+    def user_change(self) -> UserChange:
+        """What the user changed in the sharded parameter since the unit last read it:
         replaced it on a module, flipped its ``requires_grad``, cast it, or left it on
         the meta device. Only attribute reads (traced without ops). See
         [Note: Changes after fully_shard]."""
         if self.module_holds_unsharded:
-            return False
+            return UserChange.NONE
         sp = self.sharded_param
         for info in self.module_infos:
             if info.module._parameters[info.param_name] is not sp:
-                return True
-        return (
-            sp.requires_grad is not self.unsharded_param.requires_grad
-            or sp.dtype is not self.orig_dtype
-            or sp.device.type != self._shard_device_type()
-        )
-
-    def only_frozen(self) -> bool:
-        """The one change a compiled step follows without applying it: the sharded
-        parameter was frozen while its placeholder still requires grad (its gradient
-        is then dropped instead of reduced). See [Note: Changes after fully_shard]."""
-        sp = self.sharded_param
-        return (
-            not sp.requires_grad
-            and self.unsharded_param.requires_grad
-            and sp.dtype is self.orig_dtype
-            and sp.device.type == self._shard_device_type()
-            and all(info.module._parameters[info.param_name] is sp for info in self.module_infos)
-        )
+                return UserChange.OTHER
+        if sp.dtype is not self.orig_dtype or sp.device.type != self._shard_device_type():
+            return UserChange.OTHER
+        if sp.requires_grad is not self.unsharded_param.requires_grad:
+            return UserChange.OTHER if sp.requires_grad else UserChange.FROZEN
+        return UserChange.NONE
 
     def _shard_device_type(self) -> str:
         return "cpu" if self.offload is not None else self.device.type

@@ -18,7 +18,7 @@ from ._collectives import (
     wait_all_gather,
 )
 from .passes._graph import UnitPassOptions
-from ._common import MeshInfo, ShardedState, TrainingState, refusal
+from ._common import MeshInfo, ShardedState, TrainingState, compiling, refusal
 from ._param import FSDPParam
 
 
@@ -149,7 +149,7 @@ from ._param import FSDPParam
 # parity with torch's fully_shard (1-D, HSDP 2x2, 4 ranks with an int
 # ``reshard_after_forward``, ``hsdp()`` with replicated parameters).
 #
-# A traced unit keeps one collective per parameter (``torch.compiler.is_compiling()``):
+# A traced unit keeps one collective per parameter ([Note: Eager or traced]):
 # the graph passes bucket those, and the traced graphs are unchanged. What stays
 # per parameter eagerly: the all-reduce hook is called once per parameter on its
 # shard (see [Note: The all-reduce hook]), and an eager all-gather that a traced
@@ -189,7 +189,13 @@ class FSDPParamGroup:
     (see [Note: One collective per unit, eagerly]).
     """
 
-    def __init__(self, fsdp_params: list[FSDPParam], mesh_info: MeshInfo, label: str):
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        mesh_info: MeshInfo,
+        label: str,
+        pass_options: UnitPassOptions | None = None,
+    ):
         self.fsdp_params = fsdp_params
         self.mesh_info = mesh_info
         self.label = label  # the unit's module class name, for messages
@@ -213,7 +219,7 @@ class FSDPParamGroup:
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # The unit's own pass options (hsdp()), carried in its collectives'
         # annotations; see [Note: Per-unit pass options] (passes).
-        self.pass_options: UnitPassOptions | None = None
+        self.pass_options = pass_options
         self.all_reduce_hook_stream: torch.Stream | None = None
         # See [Note: Unused parameters].
         self.reduce_scatter_unused_params = False
@@ -249,7 +255,7 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.UNSHARDED or self._pending is not None:
             return
         with torch.no_grad():
-            if torch.compiler.is_compiling():
+            if compiling():
                 # See [Note: Collective annotations] (passes/_graph.py).
                 self._pending = [
                     call_annotated(
@@ -358,7 +364,7 @@ class FSDPParamGroup:
         self.backward_syncs = self.reduce_grads
         if self.unshard_in_backward:
             self.unshard()
-            if not torch.compiler.is_compiling():
+            if not compiling():
                 # See [Note: The module holds the placeholder only in forward] (_param.py).
                 self.register_unsharded()
         self._grads_pending = len(self.trainable) + self.input_grad_hooks
@@ -383,7 +389,7 @@ class FSDPParamGroup:
             grad = fsdp_param.accumulated_grad + grad
             fsdp_param.accumulated_grad = None
         if self.reduce_grads and not self.reduce_scatter_unused_params:
-            if torch.compiler.is_compiling():
+            if compiling():
                 self._reduce(fsdp_param, grad)
             else:
                 # Kept until the unit's last trainable gradient: see [Note: One
@@ -421,7 +427,7 @@ class FSDPParamGroup:
         self._grads_ready = 0
         if not held:
             return
-        if torch.compiler.is_compiling():
+        if compiling():
             for fp, grad in held:
                 self._reduce(fp, grad)
         else:
@@ -594,7 +600,7 @@ def _call_on_stream(
 ) -> None:
     """Runs ``hook(reduced)`` on ``stream``, ordered after the current stream's work
     and before its later work. Eager only. See [Note: The all-reduce hook]."""
-    if torch.compiler.is_compiling():
+    if compiling():
         _refuse_hook_stream_compiled()
     current = torch.accelerator.current_stream(reduced.device)
     stream.wait_stream(current)

@@ -35,7 +35,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,11 +44,12 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._api import MixedPrecisionPolicy
-
-from ._common import TrainingState, refusal
-from ._param import FSDPParam
+from ._common import TrainingState, compiling, refusal
+from ._param import FSDPParam, UserChange
 from ._param_group import FSDPParamGroup
+
+if TYPE_CHECKING:
+    from ._init import UnitOptions
 
 COMPILE_FIX = (
     "traceable_hsdp: this forward is being compiled while compiled autograd is off, so "
@@ -67,7 +68,7 @@ def _check_compile_mode(needs_backward: bool) -> None:
     # See [Note: Why compiled autograd] in _compile.py.
     if (
         needs_backward
-        and torch.compiler.is_compiling()
+        and compiling()
         and not compiled_autograd.compiled_autograd_enabled
     ):
         _refuse_compile_without_compiled_autograd()
@@ -106,13 +107,13 @@ _refuse_held_after_sync = refusal(HELD_AFTER_SYNC_FIX)
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward now (eagerly). See
     [Note: Forward during the unit's backward]."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+    return not compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _queue_final_callback(callback: Callable[[], None]) -> None:
     """Queues ``callback`` to run after the current backward, eagerly only.
     See [Note: Hooks and compiled autograd]."""
-    if not torch.compiler.is_compiling():
+    if not compiling():
         Variable._execution_engine.queue_callback(callback)
 
 
@@ -163,20 +164,38 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 #   have an event only (one more graph variant, not a recompile per event).
 
 
+# The attribute of a module's ``__dict__`` that holds its unit's state.
+_STATE_ATTR = "_traceable_hsdp_state"
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The state of the fully_shard unit ``module`` belongs to as one of its modules,
+    or ``None``."""
+    return module.__dict__.get(_STATE_ATTR)
+
+
 class FSDPState:
-    """The fully_shard state of one unit (one module, or a list sharded together)."""
+    """The fully_shard state of one unit (one module, or a list sharded together).
+
+    Built by ``fully_shard`` from the unit's checked options (see [Note: Unit options]
+    in ``_init.py``), it attaches itself to its modules; the units nested in them
+    join its tree through :meth:`adopt_nested`.
+    """
 
     def __init__(
         self,
         modules: list[nn.Module],
         param_group: FSDPParamGroup | None,
-        reshard_after_forward: bool | int | None,
-        mp_policy: MixedPrecisionPolicy,
+        options: UnitOptions,
+        init_errors: list[str],
     ) -> None:
         self.modules = modules
         self.param_group = param_group
-        self.reshard_after_forward = reshard_after_forward
-        self.mp_policy = mp_policy
+        self.options = options
+        # Changed by FSDPModule.set_reshard_after_forward; the options keep the
+        # value the unit was built with.
+        self.reshard_after_forward = options.reshard_after_forward
+        self.mp_policy = options.mp_policy
         self.is_root = True
         # For the root: every state in its subtree, itself included, in module order.
         self.states: list[FSDPState] = [self]
@@ -194,8 +213,8 @@ class FSDPState:
         self._post_optim_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked: set[int] = set()  # ids of the FSDPParams with a post-acc hook
         # Why fully_shard left parameters out of this unit, raised at its first
-        # forward. See [Note: One unit per parameter] (_fully_shard.py).
-        self.init_errors: list[str] = []
+        # forward. See [Note: One unit per parameter] (_init.py).
+        self.init_errors = init_errors
         if param_group is not None:
             self._register_post_acc_hooks()
             for m in modules:
@@ -212,6 +231,37 @@ class FSDPState:
                 )
         for m in modules:
             m.register_load_state_dict_pre_hook(self._before_load_subtree)
+        for m in modules:
+            m.__dict__[_STATE_ATTR] = self
+
+    # -------------------------------------------------------------------- tree
+    def adopt_nested(self) -> None:
+        """Makes this unit the root of the units nested in its modules (built by
+        earlier fully_shard calls), which stop being roots, and labels each nested
+        unit by its path under it ("layers.0", for messages and dumps; see [Note:
+        Collective annotations] in ``passes/_graph.py``). Called once, when this
+        unit is built."""
+        nested: list[FSDPState] = []
+        for m in self.modules:
+            for sub in m.modules():
+                s = state_of(sub)
+                if s is not None and s is not self and s not in nested:
+                    s._nest_under(self)
+                    nested.append(s)
+        self.states = [*nested, self]
+        for m in self.modules:
+            for name, sub in m.named_modules():
+                s = state_of(sub)
+                if name and s is not None and s is not self:
+                    s._label_as(name)
+
+    def _nest_under(self, root: FSDPState) -> None:
+        self.is_root = False
+        self.root = root
+
+    def _label_as(self, path: str) -> None:
+        if self.param_group is not None:
+            self.param_group.label = path
 
     def _register_post_acc_hooks(self) -> None:
         """A post-accumulate-grad hook on every trainable placeholder that has none
@@ -231,10 +281,9 @@ class FSDPState:
         pg = self.param_group
         if pg is None:
             return
-        changed = [fp for fp in pg.fsdp_params if fp.changed_by_user()]
-        if changed and not (
-            torch.compiler.is_compiling() and all(fp.only_frozen() for fp in changed)
-        ):
+        changes = [fp.user_change() for fp in pg.fsdp_params]
+        # A compiled step follows a freeze without applying it (see the Note).
+        if UserChange.OTHER in changes or (not compiling() and UserChange.FROZEN in changes):
             self._apply_user_changes()
 
     @torch._dynamo.disable(reason="traceable_hsdp: a parameter changed after fully_shard")
@@ -260,14 +309,17 @@ class FSDPState:
             # See [Note: Forward during the unit's backward].
             if pg is not None and pg.unshard_in_backward:
                 pg.unshard()  # no-op unless something resharded it since
-                if not torch.compiler.is_compiling():
+                if not compiling():
                     # See [Note: The module holds the placeholder only in forward].
                     pg.register_unsharded()
             return self._cast_inputs(args, kwargs)
+        # A root checks its whole subtree before anything runs; a unit whose own
+        # forward is called outside its root's, itself.
+        for state in self.states if self.is_root else (self,):
+            if state.init_errors:
+                raise ValueError(state.init_errors[0])
         if self.is_root:
             self._root_pre_forward()
-        if self.init_errors:
-            raise ValueError(self.init_errors[0])
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         if pg is not None:
@@ -301,9 +353,6 @@ class FSDPState:
         return output
 
     def _root_pre_forward(self) -> None:
-        for state in self.states:
-            if state.init_errors:
-                raise ValueError(state.init_errors[0])
         needs_backward = torch.is_grad_enabled() and any(
             s.param_group is not None and s.param_group.trainable for s in self.states
         )
@@ -348,7 +397,7 @@ class FSDPState:
                 # The data stays gathered for backward. Eagerly the modules keep
                 # holding it, as torch's; see [Note: The module holds the placeholder
                 # only in forward] (_param.py).
-                if torch.compiler.is_compiling():
+                if compiling():
                     pg.register_sharded()
             else:  # an int: keep 1/raf for a smaller re-gather in backward
                 pg.post_forward_reshard()
@@ -387,7 +436,7 @@ class FSDPState:
         self, pg: FSDPParamGroup, fp: Any
     ) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
-            if pg.reduce_scatter_unused_params and torch.compiler.is_compiling():
+            if pg.reduce_scatter_unused_params and compiling():
                 # A backward compiled without a compiled forward (the root's
                 # pre-forward refuses the other cases). See [Note: Unused parameters].
                 _refuse_unused_params_compiled()

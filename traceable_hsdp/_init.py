@@ -1,0 +1,502 @@
+"""What ``fully_shard`` does before it builds a unit: checks its arguments into one
+:class:`UnitOptions`, builds the default mesh, and collects the parameters the unit
+will manage (discovery and the sharing rules). Nothing here changes a module; the
+unit is built from what these return (``_fully_shard.py``).
+
+[Note: Unit options]
+Everything a unit is built from travels as one frozen :class:`UnitOptions`, checked
+once by :func:`unit_options`: the mesh, ``reshard_after_forward``, the placement
+function, the policies, the ignored parameters, and what ``hsdp()`` adds
+(``replicate``, ``keep_storage``, its pass options). ``fully_shard`` builds it from
+its arguments; ``hsdp()`` builds it from its own and hands it to
+``_fully_shard.shard_unit``, the internal seam both entries share. The options a
+user may change later through ``FSDPModule``'s setters (``reshard_after_forward``)
+are copied into the unit's state at construction; the dataclass itself never
+changes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+
+from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._common import MeshInfo, PostForwardInfo
+from ._param import ParamModuleInfo
+from ._state import state_of
+from .passes._graph import UnitPassOptions
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """The checked options of one fully_shard unit. See [Note: Unit options]."""
+
+    mesh_info: MeshInfo
+    """The mesh and which of its dims shard and replicate."""
+    reshard_after_forward: bool | int | None
+    """As checked by ``_check_reshard_after_forward``: a bool, ``None``, or a divisor
+    k of the shard group's size with 1 < k < size."""
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    ignored_params: frozenset[nn.Parameter]
+    replicate: Callable[[nn.Parameter], bool] | None = None
+    """``hsdp()``: whether a parameter stays whole on every rank (see [Note:
+    Replicated parameters] in ``_param.py``); ``None`` shards all."""
+    keep_storage: bool = False
+    """``hsdp(optimizer_level="level1")``: gathered storage is kept across steps."""
+    pass_options: UnitPassOptions | None = None
+    """``hsdp()``: the unit's own pass options (see [Note: Per-unit pass options] in
+    ``passes/bucket_collectives.py``); ``None`` leaves the ``PassConfig`` to decide."""
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.mesh_info.mesh
+
+    @property
+    def offload(self) -> CPUOffloadPolicy | None:
+        """The CPU offload policy, or ``None`` for no offload."""
+        p = self.offload_policy
+        return p if isinstance(p, CPUOffloadPolicy) else None
+
+
+def unit_options(
+    *,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: Any,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mp_policy: Any,
+    offload_policy: Any,
+    ignored_params: Any,
+    replicate: Callable[[nn.Parameter], bool] | None = None,
+    keep_storage: bool = False,
+    pass_options: UnitPassOptions | None = None,
+) -> UnitOptions:
+    """Checks ``fully_shard``'s arguments (and ``hsdp()``'s additions) into one
+    :class:`UnitOptions`; ``mesh=None`` builds the default mesh.
+
+    Raises:
+        TypeError, ValueError: as documented on ``fully_shard``.
+        RuntimeError: ``mesh=None`` and no process group is initialized.
+    """
+    mesh = default_mesh("fully_shard(mesh=None)") if mesh is None else mesh
+    info = _mesh_info(mesh)
+    return UnitOptions(
+        mesh_info=info,
+        reshard_after_forward=_check_reshard_after_forward(reshard_after_forward, info),
+        offload_policy=_check_offload_policy(offload_policy),
+        mp_policy=_check_mp_policy(mp_policy),
+        ignored_params=frozenset(_check_ignored(ignored_params)),
+        shard_placement_fn=shard_placement_fn,
+        replicate=replicate,
+        keep_storage=keep_storage,
+        pass_options=pass_options,
+    )
+
+
+def default_mesh(caller: str, shard_size: int | None = None) -> DeviceMesh:
+    """The mesh ``fully_shard(mesh=None)`` and ``hsdp(mesh=None)`` build over the
+    default process group: on CUDA when its backend is NCCL, else on the CPU.
+
+    Args:
+        caller: the call that needs it, for the error message.
+        shard_size: ``None`` (``fully_shard``, as torch's): a 1-D mesh over every
+            rank with unnamed dims. An int (``hsdp()``'s ``shard_size``; ``-1`` for
+            every rank): a 1-D ``("shard",)`` mesh over every rank, or a 2-D
+            ``("replicate", "shard")`` mesh of ``world / shard_size`` groups of
+            ``shard_size`` consecutive ranks.
+
+    Raises:
+        RuntimeError: no process group is initialized.
+        ValueError: ``shard_size`` is not -1 nor a positive divisor of the world size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{caller} builds its mesh over the default process group, and none is "
+            "initialized. Call torch.distributed.init_process_group() first (torchrun "
+            "sets the environment for it) or pass mesh=."
+        )
+    world = dist.get_world_size()
+    backend = str(dist.get_backend())
+    device_type = "cuda" if torch.cuda.is_available() and "nccl" in backend else "cpu"
+    if shard_size is None:
+        return init_device_mesh(device_type, (world,))
+    if shard_size == -1:
+        shard_size = world
+    if shard_size <= 0 or world % shard_size:
+        raise ValueError(
+            f"hsdp(shard_size={shard_size}) must be -1 or a positive divisor of the world "
+            f"size {world}: ranks are split into world/shard_size replica groups of "
+            "shard_size ranks each."
+        )
+    if shard_size == world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+@dataclass
+class CollectedParams:
+    """What a unit manages: its parameters in registration order, each with every
+    place it is registered (``(fqn, ParamModuleInfo)``, the first one naming it), and
+    why parameters were left out (raised at the unit's first forward; see [Note: One
+    unit per parameter])."""
+
+    params: list[nn.Parameter]
+    where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]
+    conflicts: list[str]
+
+
+def collect_params(modules: list[nn.Module], options: UnitOptions) -> CollectedParams:
+    """The parameters of ``modules`` (one unit: a list is managed together) that no
+    nested unit owns and that are not ignored, checked against the mesh.
+
+    Raises:
+        ValueError: a parameter on another device than the mesh's, a parameter that
+            is already a DTensor, or a module of a nested unit reachable outside it.
+    """
+    mesh, mesh_info, offload = options.mesh, options.mesh_info, options.offload
+    ignored = set(options.ignored_params)
+    order: list[nn.Parameter] = []
+    where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]] = {}
+    conflicts: list[str] = []
+    for m in modules:
+        o, w = _managed_params(m, ignored, conflicts)
+        for p in o:
+            if p not in where:
+                order.append(p)
+                where[p] = []
+            where[p].extend(w[p])
+    for p in order:
+        fqn = where[p][0][0]
+        # A meta parameter is sharded on meta and materialized by module.to_empty();
+        # see [Note: Changes after fully_shard] in _param.py.
+        on_cpu_offloaded = offload is not None and p.device.type == "cpu"
+        if not p.is_meta and not on_cpu_offloaded and (
+            p.device.type != mesh.device_type
+            or (p.device.type != "cpu" and p.device != mesh_info.device)
+        ):
+            where = mesh.device_type if p.device.type != mesh.device_type else mesh_info.device
+            raise ValueError(
+                f"Parameter {fqn!r} is on {p.device} but the mesh is on {where}. Move "
+                f"the module first (module.to({str(where)!r})) or build the mesh on "
+                f"{p.device.type!r}."
+            )
+        if isinstance(p, torch.distributed.tensor.DTensor):
+            raise ValueError(
+                f"Parameter {fqn!r} is already a DTensor (placements {p.placements}, "
+                "e.g. from parallelize_module): traceable_hsdp does not yet compose "
+                "fully_shard with tensor parallelism. For an FSDP x TP model use "
+                "torch.distributed.fsdp.fully_shard for now, or apply traceable_hsdp's "
+                "fully_shard to a model without parallelize_module. See docs/api.md."
+            )
+    return CollectedParams(order, where, conflicts)
+
+
+def mark_managed(param: nn.Parameter, desc: str) -> None:
+    """Records on an original parameter that a unit sharded it (``desc``: "'<fqn>' of
+    the fully_shard unit <Class>"), for the sharing rule. See [Note: One unit per
+    parameter]."""
+    setattr(param, _SHARDED_AS_ATTR, desc)
+
+
+# [Note: Post-forward meshes]
+# An int ``reshard_after_forward=k`` re-gathers over groups of k consecutive ranks of
+# each shard group: one DeviceMesh per mesh object and k, built once (building it
+# creates process groups on every rank). The table is keyed by the mesh object, not
+# by its value: a mesh built again after the process group was destroyed and
+# re-created compares equal to the old one, whose cached groups no longer exist. It
+# lives beside the mesh (an entry dies with its mesh), not in the mesh's ``__dict__``:
+# that is the mesh's pickled state, which the FX graph cache key holds (see [Note: FX
+# graph cache keys across processes] in ``_cache.py``), so a unit with an int
+# ``reshard_after_forward`` would change the keys of every graph on that mesh.
+_post_forward_meshes: dict[int, tuple[weakref.ref[DeviceMesh], dict[int, DeviceMesh]]] = {}
+
+
+def post_forward_info(mesh_info: MeshInfo, k: int) -> PostForwardInfo:
+    """Groups of ``k`` consecutive ranks of each shard group. See [Note: Post-forward
+    meshes]."""
+    mesh = mesh_info.mesh
+    key = id(mesh)
+    entry = _post_forward_meshes.get(key)
+    if entry is None or entry[0]() is not mesh:
+
+        def drop(ref: weakref.ref[DeviceMesh], key: int = key) -> None:
+            if _post_forward_meshes.get(key, (None,))[0] is ref:
+                del _post_forward_meshes[key]
+
+        entry = (weakref.ref(mesh, drop), {})
+        _post_forward_meshes[key] = entry
+    cache = entry[1]
+    pf_mesh = cache.get(k)
+    if pf_mesh is None:
+        ranks = mesh.mesh
+        shape = (*ranks.shape[:-1], ranks.shape[-1] // k, k)
+        pf_mesh = DeviceMesh(mesh.device_type, ranks.reshape(shape))
+        cache[k] = pf_mesh
+    return PostForwardInfo(
+        group_name=pf_mesh.get_group(pf_mesh.ndim - 1).group_name,
+        size=k,
+        index=pf_mesh.get_local_rank(pf_mesh.ndim - 1),
+    )
+
+
+def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            "fully_shard(mesh=...) expects a torch.distributed.device_mesh.DeviceMesh, got "
+            f"{type(mesh).__name__}. Build one with init_device_mesh(device_type, (world,)) "
+            "for FSDP or (replicate, shard) for HSDP."
+        )
+    if mesh.ndim == 1:
+        return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
+    if mesh.ndim == 2:
+        return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    raise ValueError(
+        f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP, "
+        f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice it, e.g. "
+        "mesh['dp_replicate', 'dp_shard']."
+    )
+
+
+def _managed_params(
+    module: nn.Module, ignored: set[nn.Parameter], conflicts: list[str]
+) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]]:
+    """Parameters of ``module``'s subtree not owned by a nested unit nor ignored, in
+    registration order, with every place each is registered. A parameter an earlier
+    unit already sharded is left out, and why is appended to ``conflicts``.
+
+    Raises:
+        ValueError: a module of a nested unit is reachable outside it. See
+            [Note: One unit per parameter].
+    """
+    owned_elsewhere: set[int] = set()  # every parameter in a nested unit's subtree
+    nested_managed: dict[int, str] = {}  # a nested unit's managed tensors -> its FQN
+    for sub in module.modules():
+        state = state_of(sub)
+        if sub is module or state is None:
+            continue
+        for p in sub.parameters():
+            owned_elsewhere.add(id(p))
+        if state.param_group is not None:
+            for fp in state.param_group.fsdp_params:
+                desc = f"{fp.fqn!r} of the fully_shard unit {state.param_group.label}"
+                nested_managed[id(fp.sharded_param)] = desc
+                nested_managed[id(fp.unsharded_param)] = desc
+    order: list[nn.Parameter] = []
+    where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]] = {}
+    for mod_name, sub in _own_modules(module):
+        for pname, p in list(sub._parameters.items()):
+            if p is None or p in ignored:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            if id(p) in nested_managed:
+                raise ValueError(
+                    f"Parameter {fqn!r} of {type(module).__name__} is "
+                    f"{nested_managed[id(p)]}, nested inside it: its module is also "
+                    "reachable outside that unit, whose forward alone gathers it. A "
+                    f"parameter can belong to one fully_shard unit only. {_SHARED_FIX}"
+                )
+            if id(p) in owned_elsewhere:
+                continue
+            prior = getattr(p, _SHARDED_AS_ATTR, None)
+            if prior is not None:
+                # Raised at the first forward, as torch's; see [Note: One unit per
+                # parameter]. The parameter stays out of this unit.
+                conflicts.append(
+                    f"Parameter {fqn!r} of {type(module).__name__} is already managed by "
+                    f"another fully_shard unit: it is shared with {prior}, which an "
+                    "earlier fully_shard call sharded; sharding it again would make an "
+                    "independent copy (silently untied). A parameter can belong to one "
+                    f"fully_shard unit only. {_SHARED_FIX}"
+                )
+                continue
+            if p not in where:
+                order.append(p)
+                where[p] = []
+            if all(info.module is not sub or info.param_name != pname for _, info in where[p]):
+                where[p].append((fqn, ParamModuleInfo(sub, pname)))
+    return order, where
+
+
+_SHARED_FIX = (
+    "Fix: shard every module that uses it in one unit: do not call fully_shard on those "
+    "modules separately and let their common parent's fully_shard manage the parameter "
+    "(for a tied embedding and output head: fully_shard each block, then the root), or "
+    "pass them together as one unit, fully_shard([module_a, module_b]). See "
+    "docs/state_dict.md."
+)
+
+# Set on an original parameter once fully_shard replaced it with its sharded DTensor:
+# "'<fqn>' of the fully_shard unit <Class>". See [Note: One unit per parameter].
+_SHARDED_AS_ATTR = "_traceable_hsdp_sharded_as"
+
+
+# [Note: One unit per parameter]
+# A parameter registered on several modules (a tied embedding and output head) is
+# managed once, by the unit whose own modules hold all its registrations: it is
+# gathered once per forward into one placeholder that every one of them holds, and
+# autograd sums the gradients of all uses into that placeholder's gradient before its
+# post-accumulate-grad hook reduces it. A unit gathers only for its own forward, so a
+# parameter cannot be split between units. The two ways to split it are refused
+# (neither fails clearly by itself):
+# - the original parameter is still registered outside an earlier unit: fully_shard
+#   swapped it for a DTensor only on that unit's modules, so a later unit would shard
+#   the original again into an independent copy: silently untied. Refused at the
+#   first forward, as torch's (its message says "already managed by another"): the
+#   later unit leaves the parameter out and records why;
+# - a module inside a nested unit is also reachable from the parent outside it: the
+#   parent's forward would read the nested unit's sharded DTensor ("got mixed
+#   torch.Tensor and DTensor" deep in the forward). Refused when the parent is built.
+
+
+def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``module`` and its submodules, pre-order, every path (duplicates included),
+    without descending into nested fully_shard units."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is None or state_of(child) is not None:
+            continue
+        yield from _own_modules(child, f"{prefix}.{name}" if prefix else name)
+
+
+def check_modules(module: Any) -> list[nn.Module]:
+    mods = list(module) if isinstance(module, (list, tuple)) else [module]
+    for m in mods:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}."
+            )
+        if state_of(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once "
+                "per module."
+            )
+    if not mods:
+        raise ValueError("fully_shard got an empty list of modules.")
+    return mods
+
+
+def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int | None:
+    """``True``/``False``/``None``, or an int k dividing the shard group's size (see
+    [Note: Reshard to a smaller world] in ``_param.py``): k equal to that size is
+    ``True``, k = 1 keeps the whole parameter (``False``). ``None`` stays: ``False``
+    while the unit is a root, else ``True`` (decided at each forward), as torch's."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        size = mesh_info.shard_size
+        if value < 1 or value > size or size % value:
+            raise ValueError(
+                f"reshard_after_forward={value} must divide the shard group's size {size} "
+                f"(a divisor in 1..{size}): it is the number of ranks each parameter is "
+                "resharded over after forward. Use True/False, or a divisor such as the "
+                "number of GPUs per node."
+            )
+        if value == size:
+            return True
+        if value == 1:
+            return False
+        return value
+    raise TypeError(
+        f"reshard_after_forward must be a bool or int, got {type(value).__name__}."
+    )
+
+
+# Set on a DeviceMesh object: {k: the mesh of groups of k ranks built from it}.
+def _check_mp_policy(mp_policy: Any) -> MixedPrecisionPolicy:
+    if isinstance(mp_policy, MixedPrecisionPolicy):
+        return mp_policy
+    # torch.distributed.fsdp.MixedPrecisionPolicy has the same fields: accept it, so a
+    # half-switched import still works.
+    if type(mp_policy).__name__ == "MixedPrecisionPolicy" and hasattr(mp_policy, "param_dtype"):
+        return MixedPrecisionPolicy(
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            output_dtype=mp_policy.output_dtype,
+            cast_forward_inputs=mp_policy.cast_forward_inputs,
+        )
+    raise TypeError(
+        "mp_policy must be a traceable_hsdp.MixedPrecisionPolicy, got "
+        f"{type(mp_policy).__name__}."
+    )
+
+
+def shard_dim(
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    param: nn.Parameter,
+    fqn: str,
+) -> int:
+    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None)."""
+    if shard_placement_fn is None:
+        return 0
+    if not callable(shard_placement_fn):
+        raise TypeError(
+            "shard_placement_fn must be a callable taking an nn.Parameter and returning "
+            f"a Shard or None, got {type(shard_placement_fn).__name__}."
+        )
+    placement = shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(
+            f"shard_placement_fn returned {placement!r} for {fqn!r}; it must return a "
+            "torch.distributed.tensor.Shard(dim) or None (for Shard(0))."
+        )
+    dim = placement.dim
+    ndim = param.dim()
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which has {ndim} "
+            f"dim(s) (shape {tuple(param.shape)}); pick a dim in [{-ndim}, {ndim})."
+        )
+    return dim % ndim
+
+
+def _check_offload_policy(offload_policy: Any) -> OffloadPolicy:
+    # torch.distributed.fsdp's policies have the same names and fields: accept them,
+    # so a half-switched import still works (as for mp_policy).
+    torch_name = type(offload_policy).__name__
+    if not isinstance(offload_policy, OffloadPolicy) and torch_name in (
+        "OffloadPolicy",
+        "CPUOffloadPolicy",
+    ):
+        if torch_name == "CPUOffloadPolicy":
+            offload_policy = CPUOffloadPolicy(pin_memory=getattr(offload_policy, "pin_memory", True))
+        else:
+            offload_policy = OffloadPolicy()
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            "offload_policy must be a traceable_hsdp.OffloadPolicy (no offload) or "
+            f"CPUOffloadPolicy(pin_memory=...), got {type(offload_policy).__name__}."
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy) and not isinstance(
+        offload_policy.pin_memory, bool
+    ):
+        raise TypeError(
+            "CPUOffloadPolicy.pin_memory must be a bool, got "
+            f"{type(offload_policy.pin_memory).__name__}."
+        )
+    return offload_policy
+
+
+def _check_ignored(ignored_params: Any) -> set[nn.Parameter]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
+        raise TypeError(
+            f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}."
+        )
+    for p in ignored_params:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params holds a {type(p).__name__}, not an nn.Parameter.")
+    return set(ignored_params)
