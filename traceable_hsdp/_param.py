@@ -148,6 +148,28 @@ args/kwargs to proxy", twice per step compiled whole). Through ``_local_tensor``
 forward graph has no DTensor input and no gradient edge to the sharded parameter
 (none is needed: the post-accumulate-grad hook sets its gradient). torch's FSDP2
 gathers from the local tensor too.
+
+[Note: A lean traced path]
+Dynamo traces the runtime's Python once per parameter, in the forward and again in
+the compiled-autograd backward, and every op it meets costs a fake-tensor dispatch
+and a node. So the traced path reads what is constant for the parameter from plain
+attributes set at init (``_shard_size``, ``_shard_group_name``, ``_replicate_*``,
+``_unsharded_nbytes``, ``_sharded_stride``) instead of recomputing them:
+``MeshInfo.shard_group_name`` goes through ``DeviceMesh.get_group`` (traced each
+time), and ``sp.stride()`` on the sharded DTensor for ``DTensor.from_local`` was
+the costliest single call of the backward (dynamo dispatches it through DTensor).
+Casts and narrows that do nothing are skipped by a test on the tensor's dtype or
+size, which is static while tracing (no node, no guard beyond the tensor's own);
+eagerly ``.to`` of the same dtype and a full ``narrow`` return the input, so the
+numbers are the same. ``_sharded_stride`` follows the sharded parameter
+(``reset_sharded_param``); the group names cannot change (the mesh is fixed at
+``fully_shard``). Measured on the demo Llama, 8 layers, dim 64, 2 gloo ranks,
+``aot_eager``, compiled autograd: dynamo graph nodes 1564 -> 1414 (forward) and
+3413 -> 3038 (backward), AOTAutograd graph nodes 1232 -> 1157 and 2441 -> 2366,
+with the same collectives, ``fsdp.copy_`` and resizes in the same order (375 and
+525 of them), losses and gradients bitwise equal. At 4 layers the first step's
+process CPU time went from 20.9 s to 18.2 s (one pair of runs on a machine loaded
+to 15, so indicative only; wall times there mean nothing).
 """
 
 from __future__ import annotations
