@@ -381,7 +381,9 @@ class FSDPParamGroup:
             p.grad = None
             self._count_down()
             return
-        grad = p.grad.to(fsdp_param.reduce_dtype)
+        grad = p.grad
+        if grad.dtype != fsdp_param.reduce_dtype:  # static while tracing
+            grad = grad.to(fsdp_param.reduce_dtype)
         p.grad = None
         # Gradients held back by set_requires_gradient_sync(False) accumulate here,
         # in reduce_dtype (fp32 under bf16 mixed precision, as torch's FSDP2 does).
