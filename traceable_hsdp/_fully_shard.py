@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._common import MeshInfo, PostForwardInfo
-from ._param import FSDPParam, ParamModuleInfo
+from ._param import FSDPParam, ParamModuleInfo, check_tp_placements, spmd_mesh
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState
 from .passes import install as _install_passes
@@ -746,22 +746,23 @@ def _fully_shard_impl(
                 f"the module first (module.to({str(where)!r})) or build the mesh on "
                 f"{p.device.type!r}."
             )
+    placements = {
+        p: _shard_placement(shard_placement_fn, p, where[p][0][0], mesh_info) for p in order
+    }
+    for p in order:
         if isinstance(p, torch.distributed.tensor.DTensor):
-            raise ValueError(
-                f"Parameter {fqn!r} is already a DTensor (placements {p.placements}, "
-                "e.g. from parallelize_module): traceable_hsdp does not yet compose "
-                "fully_shard with tensor parallelism. For an FSDP x TP model use "
-                "torch.distributed.fsdp.fully_shard for now, or apply traceable_hsdp's "
-                "fully_shard to a model without parallelize_module. See docs/api.md."
+            # See [Note: FSDP x TP] in _param.py.
+            _check_tp_param(
+                p, where[p][0][0], placements[p][1], raf, replicate is not None and replicate(p)
             )
     fsdp_params = [
         FSDPParam(
             p,
             where[p][0][0],
             [info for _, info in where[p]],
-            mesh_info,
+            placements[p][1],
             mp_policy,
-            shard_dim=_shard_dim(shard_placement_fn, p, where[p][0][0]),
+            shard_dim=placements[p][0],
             offload=offload,
             replicate=replicate is not None and replicate(p),
         )
@@ -769,6 +770,15 @@ def _fully_shard_impl(
     ]
     post_forward = None
     if raf is not None and not isinstance(raf, bool):
+        for fp in fsdp_params:
+            if fp.mesh_info != mesh_info:
+                raise NotImplementedError(
+                    f"reshard_after_forward={raf} (an int) with parameter {fp.fqn!r} "
+                    f"sharded over another mesh ({fp.mesh_info.mesh}, from "
+                    "shard_placement_fn) than the unit's: the smaller re-gather groups are "
+                    "built from the unit's mesh. Use reshard_after_forward=True or False "
+                    "for this unit."
+                )
         post_forward = _post_forward_info(mesh_info, raf)
     for fp in fsdp_params:
         fp.keep_storage = keep_storage
@@ -963,35 +973,104 @@ def _check_mp_policy(mp_policy: Any) -> MixedPrecisionPolicy:
     )
 
 
-def _shard_dim(
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+def _shard_placement(
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     param: nn.Parameter,
     fqn: str,
-) -> int:
-    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None)."""
+    mesh_info: MeshInfo,
+) -> tuple[int, MeshInfo]:
+    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None) and
+    the mesh to shard it over: the unit's, unless it returns torch's
+    ``ShardPlacementResult(placement, mesh_info)`` (e.g. experts sharded over a smaller
+    mesh than the rest of their block)."""
     if shard_placement_fn is None:
-        return 0
+        return 0, mesh_info
     if not callable(shard_placement_fn):
         raise TypeError(
             "shard_placement_fn must be a callable taking an nn.Parameter and returning "
             f"a Shard or None, got {type(shard_placement_fn).__name__}."
         )
     placement = shard_placement_fn(param)
+    if type(placement).__name__ == "ShardPlacementResult" and hasattr(placement, "mesh_info"):
+        mesh_info = _mesh_info_from_result(placement.mesh_info, fqn)
+        placement = placement.placement
     if placement is None:
-        return 0
+        return 0, mesh_info
     if not isinstance(placement, Shard):
         raise TypeError(
             f"shard_placement_fn returned {placement!r} for {fqn!r}; it must return a "
-            "torch.distributed.tensor.Shard(dim) or None (for Shard(0))."
+            "torch.distributed.tensor.Shard(dim), None (for Shard(0)), or a "
+            "ShardPlacementResult(placement, mesh_info)."
         )
     dim = placement.dim
-    ndim = param.dim()
+    data = param._local_tensor if isinstance(param, torch.distributed.tensor.DTensor) else param
+    ndim = data.dim()
     if not -ndim <= dim < ndim:
         raise ValueError(
             f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which has {ndim} "
-            f"dim(s) (shape {tuple(param.shape)}); pick a dim in [{-ndim}, {ndim})."
+            f"dim(s) (shape {tuple(data.shape)}); pick a dim in [{-ndim}, {ndim})."
         )
-    return dim % ndim
+    return dim % ndim, mesh_info
+
+
+def _mesh_info_from_result(info: Any, fqn: str) -> MeshInfo:
+    """Our MeshInfo for the ``mesh_info`` of torch's ``ShardPlacementResult`` (its
+    ``FSDPMeshInfo`` or ``HSDPMeshInfo``)."""
+    if isinstance(info, MeshInfo):
+        return info
+    mesh = getattr(info, "mesh", None)
+    shard_dim = getattr(info, "shard_mesh_dim", None)
+    if not isinstance(mesh, DeviceMesh) or not isinstance(shard_dim, int):
+        raise TypeError(
+            f"shard_placement_fn returned a ShardPlacementResult for {fqn!r} whose "
+            f"mesh_info is a {type(info).__name__}; expected torch's FSDPMeshInfo(mesh, "
+            "shard_mesh_dim) or HSDPMeshInfo(mesh, shard_mesh_dim, replicate_mesh_dim)."
+        )
+    replicate_dim = getattr(info, "replicate_mesh_dim", None)
+    expected = (1, 0, None) if replicate_dim is None else (2, 1, 0)
+    if (mesh.ndim, shard_dim, replicate_dim) != expected:
+        raise ValueError(
+            f"shard_placement_fn returned a ShardPlacementResult for {fqn!r} with a "
+            f"{mesh.ndim}-D mesh {mesh}, shard_mesh_dim={shard_dim}, replicate_mesh_dim="
+            f"{replicate_dim}; expected a 1-D mesh (FSDP, shard_mesh_dim=0) or a 2-D "
+            "(replicate, shard) mesh (HSDP, shard_mesh_dim=1, replicate_mesh_dim=0)."
+        )
+    return _mesh_info(mesh)
+
+
+def _check_tp_param(
+    param: torch.distributed.tensor.DTensor,
+    fqn: str,
+    mesh_info: MeshInfo,
+    raf: bool | int | None,
+    replicate: bool,
+) -> None:
+    """Refuses what fully_shard cannot do with an already distributed parameter. See
+    [Note: FSDP x TP] in _param.py.
+
+    Raises:
+        ValueError: its layout, or its mesh with fully_shard's (``spmd_mesh``).
+        NotImplementedError: an int ``reshard_after_forward``; HSDP or ``hsdp()``
+            replication with TP.
+    """
+    check_tp_placements(param, fqn)
+    if mesh_info.replicate_mesh_dim is not None or replicate:
+        raise NotImplementedError(
+            f"Parameter {fqn!r} is a DTensor (placements {tuple(param.placements)}, from "
+            "parallelize_module) and fully_shard's mesh is 2-D (HSDP) or hsdp() keeps it "
+            "whole: traceable_hsdp composes tensor parallelism with FSDP over a 1-D dp "
+            "mesh only (2-D FSDP x TP). Use fully_shard(..., mesh=world_mesh['dp']) with "
+            "one data-parallel dim, or torch.distributed.fsdp.fully_shard for HSDP x TP. "
+            "See docs/api.md."
+        )
+    if raf is not None and not isinstance(raf, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={raf} (an int) with the DTensor parameter {fqn!r} "
+            f"(placements {tuple(param.placements)}): resharding to a smaller world is not "
+            "supported with tensor parallelism (torch's fully_shard refuses it too). Use "
+            "reshard_after_forward=True or False for this unit."
+        )
+    spmd_mesh(mesh_info.mesh, param.device_mesh, fqn)
 
 
 def _check_offload_policy(offload_policy: Any) -> OffloadPolicy:
