@@ -645,7 +645,10 @@ def fully_shard(
     Args:
         module: a module, or a list of modules sharded together as one unit.
         mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D one (replicate, shard) for HSDP.
-            Default ``None``: a 1-D mesh over the default process group.
+            Default ``None``: a 1-D mesh over the default process group. For a
+            model already distributed by ``parallelize_module`` over
+            ``world_mesh["tp"]``, pass ``world_mesh["dp"]`` (see [Note: FSDP x TP]
+            in ``_param.py``).
         reshard_after_forward: free the unsharded parameters after forward and
             re-gather them for backward (default ``True``). ``False`` keeps them from
             forward to backward. ``None``, as torch's: ``False`` for the root unit (its
@@ -654,7 +657,9 @@ def fully_shard(
             re-gathers over groups of k ranks for backward.
         shard_placement_fn: called with each managed parameter; returns the
             ``Shard(dim)`` to shard it on, or ``None`` for ``Shard(0)`` (default
-            ``None``: every parameter on dim 0).
+            ``None``: every parameter on dim 0), or torch's
+            ``ShardPlacementResult(placement, mesh_info)`` to shard it over another
+            mesh than ``mesh``.
         mp_policy: dtypes for the gathered parameters, the gradient reduction and
             the outputs (default full precision). torch's own policy object is
             accepted too.
@@ -672,7 +677,10 @@ def fully_shard(
         ValueError: a mesh of 3 or more dims; a parameter on another device than the
             mesh's (meta parameters are accepted: shard first, then
             ``module.to_empty(device=...)`` and initialize); a 0-dim parameter;
-            unsupported option values.
+            unsupported option values; a ``DTensor`` parameter whose mesh does not
+            combine with ``mesh`` or whose placements are not Shard/Replicate.
+        NotImplementedError: a ``DTensor`` parameter with HSDP (a 2-D ``mesh``), or
+            with an int ``reshard_after_forward``.
     """
     return _fully_shard_impl(
         module,
