@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -176,6 +177,12 @@ def tp_eager_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     m = build_2d(world_mesh, torch_fully_shard, mp_policy=TorchMP(**mp))
     out["mp_torch"] = train(m, m, world_mesh, 2, clip=None)
 
+    # Parameters kept gathered from forward to backward.
+    m = build_2d(world_mesh, th.fully_shard, reshard_after_forward=False)
+    out["keep_ours"] = train(m, m, world_mesh, 2, clip=None)
+    m = build_2d(world_mesh, torch_fully_shard, reshard_after_forward=False)
+    out["keep_torch"] = train(m, m, world_mesh, 2, clip=None)
+
     # DCP: save ours, load into a fresh model of each implementation.
     dcp.save(ours.state_dict(), checkpoint_id=ckpt_dir)
     for name, fn in (("ours", th.fully_shard), ("torch", torch_fully_shard)):
@@ -188,6 +195,35 @@ def tp_eager_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     fresh = build_2d(world_mesh, th.fully_shard)
     fresh.load_state_dict(out["ours"]["params"])
     out["full_load"] = _full(fresh)
+
+    # shard_placement_fn returning torch's ShardPlacementResult: the second linear
+    # sharded over another mesh (tp) than the unit's (dp), as experts are in torch's
+    # expert-parallel recipes. Two SGD steps, each rank its own batch.
+    out["placement_result"] = {}
+    for name, fn in (("ours", th.fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 6))
+        other = set(seq[2].parameters())
+        tp_info = FSDPMeshInfo(mesh=world_mesh["tp"], shard_mesh_dim=0)
+
+        def place(p: nn.Parameter) -> Any:
+            return ShardPlacementResult(placement=Shard(0), mesh_info=tp_info) if p in other else None
+
+        fn(seq, mesh=world_mesh["dp"], shard_placement_fn=place)
+        opt = torch.optim.SGD(seq.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(2):
+            loss = seq(torch.randn(4, 8, generator=g)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out["placement_result"][name] = dict(
+            losses=losses,
+            params=_full(seq),
+            meshes={k: v.device_mesh.mesh_dim_names for k, v in seq.state_dict().items()},
+        )
 
     # Refusals.
     def same_dim() -> None:  # TP and FSDP over the same mesh dim

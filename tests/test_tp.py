@@ -41,8 +41,9 @@ def _assert_equal_params(got: dict, want: dict, msg: str) -> None:
 def test_fsdp_tp_eager(tmp_path) -> None:
     """Eager 2-D training against torch's fully_shard (bitwise) and a one-process
     model; placements and meshes; what the modules hold in forward; all-gathers over
-    dp only; clip_grad_norm_; bf16 mixed precision; state_dict, full-state-dict load
-    and DCP save/load across the two implementations; refusals."""
+    dp only; clip_grad_norm_; bf16 mixed precision; reshard_after_forward=False; state_dict, full-state-dict load
+    and DCP save/load across the two implementations; a parameter sharded over
+    another mesh by shard_placement_fn's ShardPlacementResult; refusals."""
     results = run_ranks(tp_eager_worker, 4, str(tmp_path / "ckpt"))
     ref_losses, ref_params, ref_norms = reference(TP_STEPS, CLIP)
     torch.manual_seed(0)
@@ -75,6 +76,9 @@ def test_fsdp_tp_eager(tmp_path) -> None:
         _assert_equal_params(r["ours"]["params"], r["torch"]["params"], f"{msg} vs torch")
         assert r["mp_ours"]["losses"] == r["mp_torch"]["losses"], msg
         _assert_equal_params(r["mp_ours"]["params"], r["mp_torch"]["params"], f"{msg} bf16 vs torch")
+        assert r["keep_ours"]["losses"] == r["keep_torch"]["losses"], msg
+        _assert_equal_params(r["keep_ours"]["params"], r["keep_torch"]["params"], f"{msg} raf=False")
+        assert r["keep_ours"]["bytes_after"] == [0, 0], r["keep_ours"]["bytes_after"]
         # Against the one-process model (clipping active: norms above CLIP).
         torch.testing.assert_close(r["ours"]["losses"], ref_losses, rtol=1e-5, atol=0)
         torch.testing.assert_close(r["ours"]["norms"], ref_norms, rtol=1e-5, atol=0)
@@ -85,6 +89,14 @@ def test_fsdp_tp_eager(tmp_path) -> None:
         _assert_equal_params(r["dcp_into_ours"], r0["ours"]["params"], f"{msg} DCP -> ours")
         _assert_equal_params(r["dcp_into_torch"], r0["ours"]["params"], f"{msg} DCP -> torch")
         _assert_equal_params(r["full_load"], r0["ours"]["params"], f"{msg} full state dict")
+        # A parameter sharded over another mesh than its unit's (ShardPlacementResult).
+        pr = r["placement_result"]
+        assert pr["ours"]["meshes"] == {
+            "0.weight": ("dp",), "0.bias": ("dp",), "2.weight": ("tp",), "2.bias": ("tp",)
+        }, pr["ours"]["meshes"]
+        assert pr["ours"]["meshes"] == pr["torch"]["meshes"]
+        assert pr["ours"]["losses"] == pr["torch"]["losses"], msg
+        _assert_equal_params(pr["ours"]["params"], pr["torch"]["params"], f"{msg} ShardPlacementResult")
         ref_msgs = r["refusals"]
         assert ref_msgs["same_dim"].startswith("ValueError") and "overlapping" in ref_msgs["same_dim"], ref_msgs
         assert "world_mesh['dp']" in ref_msgs["same_dim"], ref_msgs
