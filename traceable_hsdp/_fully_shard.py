@@ -28,7 +28,6 @@ from ._init import (
     collect_params,
     mark_managed,
     post_forward_info,
-    shard_dim,
     unit_options,
 )
 from ._param import FSDPParam
@@ -536,7 +535,10 @@ def fully_shard(
     Args:
         module: a module, or a list of modules sharded together as one unit.
         mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D one (replicate, shard) for HSDP.
-            Default ``None``: a 1-D mesh over the default process group.
+            Default ``None``: a 1-D mesh over the default process group. For a
+            model already distributed by ``parallelize_module`` over
+            ``world_mesh["tp"]``, pass ``world_mesh["dp"]`` (see [Note: FSDP x TP]
+            in ``_param.py``).
         reshard_after_forward: free the unsharded parameters after forward and
             re-gather them for backward (default ``True``). ``False`` keeps them from
             forward to backward. ``None``, as torch's: ``False`` for the root unit (its
@@ -545,7 +547,9 @@ def fully_shard(
             re-gathers over groups of k ranks for backward.
         shard_placement_fn: called with each managed parameter; returns the
             ``Shard(dim)`` to shard it on, or ``None`` for ``Shard(0)`` (default
-            ``None``: every parameter on dim 0).
+            ``None``: every parameter on dim 0), or torch's
+            ``ShardPlacementResult(placement, mesh_info)`` to shard it over another
+            mesh than ``mesh``.
         mp_policy: dtypes for the gathered parameters, the gradient reduction and
             the outputs (default full precision). torch's own policy object is
             accepted too.
@@ -563,7 +567,10 @@ def fully_shard(
         ValueError: a mesh of 3 or more dims; a parameter on another device than the
             mesh's (meta parameters are accepted: shard first, then
             ``module.to_empty(device=...)`` and initialize); a 0-dim parameter;
-            unsupported option values.
+            unsupported option values; a ``DTensor`` parameter whose mesh does not
+            combine with ``mesh`` or whose placements are not Shard/Replicate.
+        NotImplementedError: a ``DTensor`` parameter with HSDP (a 2-D ``mesh``), or
+            with an int ``reshard_after_forward``.
     """
     modules = check_modules(module)
     options = unit_options(
@@ -627,6 +634,15 @@ def _build_unit(
     raf = options.reshard_after_forward
     post_forward = None
     if raf is not None and not isinstance(raf, bool):
+        for p in collected.params:
+            if collected.placements[p][1] != options.mesh_info:
+                raise NotImplementedError(
+                    f"reshard_after_forward={raf} (an int) with parameter "
+                    f"{collected.where[p][0][0]!r} sharded over another mesh "
+                    f"({collected.placements[p][1].mesh}, from shard_placement_fn) than "
+                    "the unit's: the smaller re-gather groups are built from the unit's "
+                    "mesh. Use reshard_after_forward=True or False for this unit."
+                )
         post_forward = post_forward_info(options.mesh_info, raf)
     where = collected.where
     fsdp_params = [
@@ -634,9 +650,9 @@ def _build_unit(
             p,
             where[p][0][0],
             [info for _, info in where[p]],
-            options.mesh_info,
+            collected.placements[p][1],
             options.mp_policy,
-            shard_dim=shard_dim(options.shard_placement_fn, p, where[p][0][0]),
+            shard_dim=collected.placements[p][0],
             offload=options.offload,
             replicate=options.replicate is not None and options.replicate(p),
             keep_storage=options.keep_storage,

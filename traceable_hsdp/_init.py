@@ -30,7 +30,7 @@ from torch.distributed.tensor import Shard
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._common import MeshInfo, PostForwardInfo
-from ._param import ParamModuleInfo
+from ._param import ParamModuleInfo, check_tp_placements, spmd_mesh
 from ._state import state_of
 from .passes._graph import UnitPassOptions
 
@@ -154,6 +154,9 @@ class CollectedParams:
     params: list[nn.Parameter]
     where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]
     conflicts: list[str]
+    # Each parameter's shard dim and the mesh it is sharded over (the unit's, unless
+    # shard_placement_fn returned a ShardPlacementResult).
+    placements: dict[nn.Parameter, tuple[int, MeshInfo]]
 
 
 def collect_params(modules: list[nn.Module], options: UnitOptions) -> CollectedParams:
@@ -162,7 +165,10 @@ def collect_params(modules: list[nn.Module], options: UnitOptions) -> CollectedP
 
     Raises:
         ValueError: a parameter on another device than the mesh's, a parameter that
-            is already a DTensor, or a module of a nested unit reachable outside it.
+            is a DTensor fully_shard cannot compose with (see :func:`check_tp_param`),
+            or a module of a nested unit reachable outside it.
+        NotImplementedError: a DTensor parameter with HSDP or an int
+            ``reshard_after_forward``.
     """
     mesh, mesh_info, offload = options.mesh, options.mesh_info, options.offload
     ignored = set(options.ignored_params)
@@ -191,15 +197,19 @@ def collect_params(modules: list[nn.Module], options: UnitOptions) -> CollectedP
                 f"the module first (module.to({str(where)!r})) or build the mesh on "
                 f"{p.device.type!r}."
             )
+    placements = {
+        p: shard_placement(options.shard_placement_fn, p, where[p][0][0], mesh_info)
+        for p in order
+    }
+    replicate = options.replicate
+    for p in order:
         if isinstance(p, torch.distributed.tensor.DTensor):
-            raise ValueError(
-                f"Parameter {fqn!r} is already a DTensor (placements {p.placements}, "
-                "e.g. from parallelize_module): traceable_hsdp does not yet compose "
-                "fully_shard with tensor parallelism. For an FSDP x TP model use "
-                "torch.distributed.fsdp.fully_shard for now, or apply traceable_hsdp's "
-                "fully_shard to a model without parallelize_module. See docs/api.md."
+            # See [Note: FSDP x TP] in _param.py.
+            check_tp_param(
+                p, where[p][0][0], placements[p][1], options.reshard_after_forward,
+                replicate is not None and replicate(p),
             )
-    return CollectedParams(order, where, conflicts)
+    return CollectedParams(order, where, conflicts, placements)
 
 
 def mark_managed(param: nn.Parameter, desc: str) -> None:
@@ -431,35 +441,104 @@ def _check_mp_policy(mp_policy: Any) -> MixedPrecisionPolicy:
     )
 
 
-def shard_dim(
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+def shard_placement(
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     param: nn.Parameter,
     fqn: str,
-) -> int:
-    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None)."""
+    mesh_info: MeshInfo,
+) -> tuple[int, MeshInfo]:
+    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None) and
+    the mesh to shard it over: the unit's, unless it returns torch's
+    ``ShardPlacementResult(placement, mesh_info)`` (e.g. experts sharded over a smaller
+    mesh than the rest of their block)."""
     if shard_placement_fn is None:
-        return 0
+        return 0, mesh_info
     if not callable(shard_placement_fn):
         raise TypeError(
             "shard_placement_fn must be a callable taking an nn.Parameter and returning "
             f"a Shard or None, got {type(shard_placement_fn).__name__}."
         )
     placement = shard_placement_fn(param)
+    if type(placement).__name__ == "ShardPlacementResult" and hasattr(placement, "mesh_info"):
+        mesh_info = mesh_info_from_result(placement.mesh_info, fqn)
+        placement = placement.placement
     if placement is None:
-        return 0
+        return 0, mesh_info
     if not isinstance(placement, Shard):
         raise TypeError(
             f"shard_placement_fn returned {placement!r} for {fqn!r}; it must return a "
-            "torch.distributed.tensor.Shard(dim) or None (for Shard(0))."
+            "torch.distributed.tensor.Shard(dim), None (for Shard(0)), or a "
+            "ShardPlacementResult(placement, mesh_info)."
         )
     dim = placement.dim
-    ndim = param.dim()
+    data = param._local_tensor if isinstance(param, torch.distributed.tensor.DTensor) else param
+    ndim = data.dim()
     if not -ndim <= dim < ndim:
         raise ValueError(
             f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which has {ndim} "
-            f"dim(s) (shape {tuple(param.shape)}); pick a dim in [{-ndim}, {ndim})."
+            f"dim(s) (shape {tuple(data.shape)}); pick a dim in [{-ndim}, {ndim})."
         )
-    return dim % ndim
+    return dim % ndim, mesh_info
+
+
+def mesh_info_from_result(info: Any, fqn: str) -> MeshInfo:
+    """Our MeshInfo for the ``mesh_info`` of torch's ``ShardPlacementResult`` (its
+    ``FSDPMeshInfo`` or ``HSDPMeshInfo``)."""
+    if isinstance(info, MeshInfo):
+        return info
+    mesh = getattr(info, "mesh", None)
+    shard_dim = getattr(info, "shard_mesh_dim", None)
+    if not isinstance(mesh, DeviceMesh) or not isinstance(shard_dim, int):
+        raise TypeError(
+            f"shard_placement_fn returned a ShardPlacementResult for {fqn!r} whose "
+            f"mesh_info is a {type(info).__name__}; expected torch's FSDPMeshInfo(mesh, "
+            "shard_mesh_dim) or HSDPMeshInfo(mesh, shard_mesh_dim, replicate_mesh_dim)."
+        )
+    replicate_dim = getattr(info, "replicate_mesh_dim", None)
+    expected = (1, 0, None) if replicate_dim is None else (2, 1, 0)
+    if (mesh.ndim, shard_dim, replicate_dim) != expected:
+        raise ValueError(
+            f"shard_placement_fn returned a ShardPlacementResult for {fqn!r} with a "
+            f"{mesh.ndim}-D mesh {mesh}, shard_mesh_dim={shard_dim}, replicate_mesh_dim="
+            f"{replicate_dim}; expected a 1-D mesh (FSDP, shard_mesh_dim=0) or a 2-D "
+            "(replicate, shard) mesh (HSDP, shard_mesh_dim=1, replicate_mesh_dim=0)."
+        )
+    return _mesh_info(mesh)
+
+
+def check_tp_param(
+    param: torch.distributed.tensor.DTensor,
+    fqn: str,
+    mesh_info: MeshInfo,
+    raf: bool | int | None,
+    replicate: bool,
+) -> None:
+    """Refuses what fully_shard cannot do with an already distributed parameter. See
+    [Note: FSDP x TP] in _param.py.
+
+    Raises:
+        ValueError: its layout, or its mesh with fully_shard's (``spmd_mesh``).
+        NotImplementedError: an int ``reshard_after_forward``; HSDP or ``hsdp()``
+            replication with TP.
+    """
+    check_tp_placements(param, fqn)
+    if mesh_info.replicate_mesh_dim is not None or replicate:
+        raise NotImplementedError(
+            f"Parameter {fqn!r} is a DTensor (placements {tuple(param.placements)}, from "
+            "parallelize_module) and fully_shard's mesh is 2-D (HSDP) or hsdp() keeps it "
+            "whole: traceable_hsdp composes tensor parallelism with FSDP over a 1-D dp "
+            "mesh only (2-D FSDP x TP). Use fully_shard(..., mesh=world_mesh['dp']) with "
+            "one data-parallel dim, or torch.distributed.fsdp.fully_shard for HSDP x TP. "
+            "See docs/api.md."
+        )
+    if raf is not None and not isinstance(raf, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={raf} (an int) with the DTensor parameter {fqn!r} "
+            f"(placements {tuple(param.placements)}): resharding to a smaller world is not "
+            "supported with tensor parallelism (torch's fully_shard refuses it too). Use "
+            "reshard_after_forward=True or False for this unit."
+        )
+    spmd_mesh(mesh_info.mesh, param.device_mesh, fqn)
 
 
 def _check_offload_policy(offload_policy: Any) -> OffloadPolicy:

@@ -133,6 +133,38 @@ them on the stream). A forward with no backward (evaluation) is followed by no s
 wait: writing the CPU shards right after it, before the device finished the
 forward, needs ``torch.accelerator.synchronize()`` first, as with torch's FSDP2.
 
+[Note: FSDP x TP]
+A parameter that is already a ``DTensor`` (from ``parallelize_module`` over a tensor-
+parallel mesh ``tp``, or expert parallelism) is sharded over the data-parallel mesh
+``dp`` as torch's FSDP2 shards it, so state dicts, DCP and ``clip_grad_norm_`` see
+torch's layout:
+
+- what FSDP gathers and reduces is the TP-local tensor (``orig_size`` is its shape;
+  ``global_size`` the DTensor's). The collectives run over the dp group only, on
+  TP-local tensors, exactly as for a plain parameter of that shape;
+- the sharded parameter is a DTensor on the concatenation of the two meshes,
+  ``(dp, tp)`` (both must be slices of one ``init_device_mesh`` with dim names),
+  with placements ``(Shard(d), *tp_placements)``, or ``_StridedShard(d,
+  split_factor=k)`` when TP already shards dim ``d`` over ``k`` ranks (FSDP then
+  shards each TP shard, not the whole tensor; ``full_tensor()`` knows the order).
+  HSDP puts ``Replicate()`` first;
+- the unsharded placeholder stays a plain tensor (its storage resized and filled by
+  ``fsdp.copy_`` as for any parameter, so the passes and the gradient hooks see no
+  difference). What the modules hold in forward is a DTensor on the TP mesh with the
+  TP placements made from it by ``DTensor.from_local`` (a view; differentiable), so
+  the TP module computes as it would on its own. Its backward redistributes the
+  gradient to the TP placements (a ``Partial`` becomes ``Replicate``) and hands the
+  placeholder a plain TP-local gradient, which is reduce-scattered over dp. torch's
+  FSDP2 instead registers an ``nn.Parameter`` DTensor wrapping the gathered tensor and
+  redistributes its gradient the same way; the numbers are the same. The difference
+  a user can see: during forward ``module.weight`` is a non-leaf DTensor, not an
+  ``nn.Parameter``.
+
+Not supported, refused at ``fully_shard``: an int ``reshard_after_forward`` (other
+than the shard-group size or 1) with a DTensor parameter (torch refuses it too), TP
+placements ``Partial`` or ``_StridedShard``, a DTensor on more than two mesh dims,
+and HSDP (a 2-D dp mesh) with TP.
+
 [Note: The forward reads the local shard, not the DTensor]
 The all-gather input is read from the sharded parameter's ``_local_tensor`` (a plain
 tensor that does not require grad and shares the DTensor's storage, so optimizer
@@ -182,7 +214,10 @@ from enum import Enum, auto
 import torch
 import torch.distributed.fsdp  # noqa: F401  registers torch.ops.fsdp.copy_
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
@@ -249,7 +284,11 @@ class FSDPParam:
         self.replicate = replicate
         self.module_infos = module_infos
         self.mesh_info = mesh_info
-        self.orig_size = param.size()
+        # See [Note: FSDP x TP]. The TP layout of a DTensor parameter, or None.
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        data = param._local_tensor if isinstance(param, DTensor) else param
+        self.orig_size = data.size()  # what is gathered: the TP-local shape
+        self.global_size = param.size()  # the sharded DTensor's shape
         self.mp_policy = mp_policy
         self._set_dtypes(param.dtype)
         if param.dim() == 0:
@@ -267,25 +306,33 @@ class FSDPParam:
         self._replicate_size = mesh_info.replicate_size
         self._replicate_group_name = mesh_info.replicate_group_name
         ws, rank = (1, 0) if replicate else (self._shard_size, mesh_info.shard_rank)
-        n = param.size(shard_dim)
+        n = data.size(shard_dim)
         self.chunk_rows = math.ceil(n / ws)  # rows (along shard_dim) of every padded shard
         self.local_rows = max(0, min(self.chunk_rows, n - rank * self.chunk_rows))
         start = min(rank * self.chunk_rows, n)
         with torch.no_grad():
-            local = param.detach().narrow(shard_dim, start, self.local_rows).clone()
+            local = data.detach().narrow(shard_dim, start, self.local_rows).clone()
             # A meta parameter stays on meta until module.to_empty(); see [Note:
             # Changes after fully_shard].
             if offload is not None and not local.is_meta:
                 local = local.cpu()
                 if offload.pin_memory and torch.accelerator.is_available():
                     local = local.pin_memory()
-        inner = Replicate() if replicate else Shard(shard_dim)
+        inner: Placement = Replicate() if replicate else Shard(shard_dim)
+        self.sharded_mesh = mesh_info.mesh  # the sharded DTensor's mesh
+        tp_placements: tuple[Placement, ...] = ()
+        if self.tp_spec is not None:  # See [Note: FSDP x TP].
+            self.sharded_mesh = spmd_mesh(mesh_info.mesh, self.tp_spec.mesh, fqn)
+            tp_placements = self.tp_spec.placements
+            split_factor = self.tp_spec.num_shards_map[shard_dim]
+            if not replicate and split_factor > 1:
+                inner = _StridedShard(shard_dim, split_factor=split_factor)
         placements = (inner,) if mesh_info.replicate_mesh_dim is None else (Replicate(), inner)
-        self.placements = placements
+        self.placements = (*placements, *tp_placements)
         dtensor = DTensor.from_local(
             local,
-            mesh_info.mesh,
-            placements,
+            self.sharded_mesh,
+            self.placements,
             run_check=False,
             shape=param.size(),
             stride=param.stride() if param.is_contiguous() else None,
@@ -469,9 +516,28 @@ class FSDPParam:
         if self.sharded_state is not ShardedState.UNSHARDED:
             raise AssertionError(f"{self.fqn}: register_unsharded needs UNSHARDED data")
         if not self.module_holds_unsharded:
+            held = self.unsharded_param if self.tp_spec is None else self._tp_view()
             for info in self.module_infos:
-                _set_param(info, self.unsharded_param)
+                _set_param(info, held)
             self.module_holds_unsharded = True
+
+    def _tp_view(self) -> DTensor:
+        """The placeholder as a DTensor on the TP mesh with the TP placements, what
+        the TP modules compute with. See [Note: FSDP x TP]."""
+        spec = self.tp_spec
+        assert spec is not None
+        # Recorded with grad on also inside an eager backward (the modules are
+        # re-registered for activation checkpointing's recompute), so that the
+        # recompute sees the same graph as the forward.
+        with torch.enable_grad():
+            return DTensor.from_local(
+                self.unsharded_param,
+                spec.mesh,
+                spec.placements,
+                run_check=False,
+                shape=self.global_size,
+                stride=spec.stride,
+            )
 
     def register_sharded(self) -> None:
         """Makes the modules hold the sharded parameter again. Idempotent."""
@@ -686,10 +752,10 @@ class FSDPParam:
             local = sp.grad.to_local() + local
         sp.grad = DTensor.from_local(
             local,
-            self.mesh_info.mesh,
+            self.sharded_mesh,
             self.placements,
             run_check=False,
-            shape=self.orig_size,
+            shape=self.global_size,
             stride=self._sharded_stride,
         )
 
@@ -777,14 +843,14 @@ class FSDPParam:
                 "change before calling fully_shard."
             )
         if (
-            new.shape != self.orig_size
+            new.shape != self.global_size
             or tuple(new.placements) != tuple(self.placements)
-            or new.device_mesh != self.mesh_info.mesh
+            or new.device_mesh != self.sharded_mesh
         ):
             raise ValueError(
                 f"{where} ({self.fqn!r}) was replaced after fully_shard by a DTensor of "
                 f"shape {tuple(new.shape)}, placements {new.placements}; expected shape "
-                f"{tuple(self.orig_size)}, placements {self.placements} on the same mesh. "
+                f"{tuple(self.global_size)}, placements {self.placements} on the same mesh. "
                 "Redistribute it first (value.redistribute(param.device_mesh, "
                 "param.placements)), or make the change before calling fully_shard."
             )
@@ -792,3 +858,64 @@ class FSDPParam:
             new = nn.Parameter(new, requires_grad=self.sharded_param.requires_grad)
         return new
 
+
+
+def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The mesh of a sharded TP parameter: ``dp_mesh``'s dims then ``tp_mesh``'s. See
+    [Note: FSDP x TP].
+
+    Raises:
+        ValueError: the meshes have no dim names, come from different
+            ``init_device_mesh`` calls, or overlap.
+    """
+    fix = (
+        "Build one mesh and slice it: world_mesh = init_device_mesh(device_type, (dp, tp), "
+        "mesh_dim_names=('dp', 'tp')); parallelize_module(model, world_mesh['tp'], plan); "
+        "fully_shard(block, mesh=world_mesh['dp']). See docs/api.md."
+    )
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"Parameter {fqn!r} is a DTensor on {tp_mesh} and fully_shard's mesh is "
+            f"{dp_mesh}; composing FSDP with TP needs both meshes to be named slices of "
+            f"one world mesh. {fix}"
+        )
+    if dp_mesh.device_type != tp_mesh.device_type:
+        raise ValueError(
+            f"Parameter {fqn!r} is a DTensor on a {tp_mesh.device_type} mesh but fully_shard's "
+            f"mesh is on {dp_mesh.device_type}. {fix}"
+        )
+    try:
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"Parameter {fqn!r} is a DTensor on {tp_mesh} (dims {tp_mesh.mesh_dim_names}), "
+            f"which does not combine with fully_shard's mesh {dp_mesh} (dims "
+            f"{dp_mesh.mesh_dim_names}): {e}. {fix}"
+        ) from None
+
+
+def check_tp_placements(param: DTensor, fqn: str) -> None:
+    """Refuses a DTensor parameter whose layout fully_shard cannot shard further.
+    See [Note: FSDP x TP].
+
+    Raises:
+        ValueError: a ``Partial`` or ``_StridedShard`` placement, or more than two
+            mesh dims.
+    """
+    placements = tuple(param.placements)
+    if len(placements) > 2:
+        raise ValueError(
+            f"Parameter {fqn!r} is a DTensor on a {len(placements)}-D mesh (placements "
+            f"{placements}); fully_shard composes with 1-D tensor parallelism (or 2-D "
+            "expert x tensor parallelism), as torch's. Apply parallelize_module over "
+            "world_mesh['tp'] only."
+        )
+    for pl in placements:
+        if isinstance(pl, (Partial, _StridedShard)):
+            raise ValueError(
+                f"Parameter {fqn!r} is a DTensor with placement {pl} (placements "
+                f"{placements}); fully_shard shards parameters laid out with Shard or "
+                "Replicate only (what parallelize_module's ColwiseParallel, "
+                "RowwiseParallel and SequenceParallel produce). Redistribute it first: "
+                "param.redistribute(param.device_mesh, [Shard(d) or Replicate()])."
+            )

@@ -451,7 +451,7 @@ class FSDPParamGroup:
             fsdp_param.fqn,
             fsdp_param.reduce_grad,
             grad,
-            self._divide_factor(),
+            self._divide_factor(fsdp_param.mesh_info),
             self.all_reduce_grads,
             self._reduced_hook(),
             options=self.pass_options,
@@ -534,9 +534,11 @@ class FSDPParamGroup:
             return hook
         return lambda reduced: _call_on_stream(hook, reduced, stream)
 
-    def _divide_factor(self) -> float | None:
+    def _divide_factor(self, mesh_info: MeshInfo) -> float | None:
+        """For a parameter sharded over ``mesh_info`` (the unit's, or the one
+        shard_placement_fn gave it)."""
         if self.gradient_divide_factor is None and self.force_sum:
-            return float(self.mesh_info.shard_size * self.mesh_info.replicate_size)
+            return float(mesh_info.shard_size * mesh_info.replicate_size)
         return self.gradient_divide_factor
 
     def wait_grad_offload(self) -> None:

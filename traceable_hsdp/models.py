@@ -102,7 +102,7 @@ class Attention(nn.Module):
         )
         q, k = _apply_rotary(q, cos[:s], sin[:s]), _apply_rotary(k, cos[:s], sin[:s])
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # -1: TP holds n_heads/tp heads
 
 
 class FeedForward(nn.Module):

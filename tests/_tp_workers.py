@@ -1,0 +1,318 @@
+"""Per-rank bodies of the FSDP x TP tests (importable by spawned ranks).
+
+The model is the project's Llama with torchtitan's tensor-parallel plan with sequence
+parallelism: attention q/k/v and the MLP's w1/w3 column-wise, wo and w2 row-wise
+(outputs sharded on the sequence), the token embedding row-wise, the output head
+column-wise with a replicated output, the RMSNorms sequence-parallel (their weights
+replicated DTensors). The world mesh is ``(dp, tp)`` (rank = dp_index * tp +
+tp_index); the ranks of one TP group see the same batch. The vocabulary (65) is
+uneven over both TP and FSDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
+from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+import traceable_hsdp as th
+from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
+from traceable_hsdp.models import Llama
+
+TP_STEPS = 3
+CLIP = 1.0  # below the gradient norms seen (about 1.1): clipping is active
+
+
+def tp_plan(model: Llama) -> dict[str, Any]:
+    """torchtitan's Llama plan with sequence parallelism. Every parameter becomes a
+    DTensor on the TP mesh, so every sharded parameter lives on the (dp, tp) mesh,
+    which torch's ``clip_grad_norm_`` needs (it cannot stack norms of two meshes)."""
+    plan: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(len(model.layers)):
+        p = f"layers.{i}."
+        plan[p + "attn_norm"] = SequenceParallel()
+        plan[p + "attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        plan[p + "ffn_norm"] = SequenceParallel()
+        plan[p + "ffn"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        for name in ("attn.wq", "attn.wk", "attn.wv", "ffn.w1", "ffn.w3"):
+            plan[p + name] = ColwiseParallel()
+        for name in ("attn.wo", "ffn.w2"):
+            plan[p + name] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def build_2d(world_mesh: DeviceMesh, fully_shard_fn: Any, **kwargs: Any) -> Llama:
+    """The torchtitan order: parallelize_module over world_mesh["tp"], then
+    fully_shard each block and the root over world_mesh["dp"]."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    tp_mesh = world_mesh["tp"]
+    parallelize_module(model, tp_mesh, tp_plan(model))
+    for layer in model.layers:
+        layer.attn.n_heads //= tp_mesh.size()  # each TP rank computes its heads
+    for layer in model.layers:
+        fully_shard_fn(layer, mesh=world_mesh["dp"], **kwargs)
+    fully_shard_fn(model, mesh=world_mesh["dp"], **kwargs)
+    return model
+
+
+def reference(steps: int, clip: float | None) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """One process, the global batch of the dp ranks (2): losses, final parameters and
+    the gradient norms before clipping."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for x, y in _data(2, steps):
+        loss = _loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def train(
+    model: nn.Module, fwd: Any, world_mesh: DeviceMesh, steps: int, clip: float | None = CLIP
+) -> dict[str, Any]:
+    """AdamW steps on this dp rank's slice of the global batch; the losses are
+    averaged over the dp ranks (every TP rank of a group computes the same loss)."""
+    dp = world_mesh["dp"].size()
+    dp_rank = world_mesh["dp"].get_local_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms, bytes_after = [], [], []
+    for x, y in _data(dp, steps):
+        loss = _loss(fwd(x.chunk(dp)[dp_rank]), y.chunk(dp)[dp_rank])
+        loss.backward()
+        bytes_after.append(_placeholder_bytes(model) if isinstance(model, th.FSDPModule) else None)
+        assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor().item())
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t, group=world_mesh["dp"].get_group())
+        losses.append(t.item() / dp)
+    return dict(losses=losses, norms=norms, bytes_after=bytes_after, params=_full(model))
+
+
+def _refusal(fn: Any) -> str:
+    try:
+        fn()
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def tp_eager_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    """Eager FSDP x TP on a (2, 2) mesh, ours against torch's fully_shard: training
+    with clipping, mixed precision, init layout, full and DCP state dicts across the
+    two implementations, collective groups, refusals."""
+    world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    out: dict[str, Any] = {}
+
+    ours = build_2d(world_mesh, th.fully_shard)
+    out["init"] = _full(ours)
+    out["placements"] = {k: tuple(v.placements) for k, v in ours.state_dict().items()}
+    out["meshes"] = {
+        k: v.device_mesh.mesh_dim_names for k, v in ours.state_dict().items()
+    }
+    dp_group = world_mesh["dp"].get_group().group_name
+    out["gather_groups_are_dp"] = all(
+        fp.mesh_info.shard_group_name == dp_group for fp in _managed(ours)
+    )
+    # What the modules hold during forward: a DTensor on the TP mesh.
+    seen: dict[str, Any] = {}
+    wq = ours.layers[0].attn.wq
+
+    def peek(module: nn.Module, args: Any) -> None:
+        w = module.weight
+        seen["type"] = type(w).__name__
+        seen["mesh"] = w.device_mesh.mesh_dim_names
+        seen["placements"] = tuple(w.placements)
+        seen["local_shape"] = tuple(w.to_local().shape)
+
+    handle = wq.register_forward_pre_hook(peek)
+    out["ours"] = train(ours, ours, world_mesh, TP_STEPS)
+    handle.remove()
+    out["seen"] = seen
+    ref_torch = build_2d(world_mesh, torch_fully_shard)
+    out["torch"] = train(ref_torch, ref_torch, world_mesh, TP_STEPS)
+
+    # Mixed precision (bf16 compute, fp32 reduction), two steps, both implementations.
+    mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    m = build_2d(world_mesh, th.fully_shard, mp_policy=th.MixedPrecisionPolicy(**mp))
+    out["mp_ours"] = train(m, m, world_mesh, 2, clip=None)
+    m = build_2d(world_mesh, torch_fully_shard, mp_policy=TorchMP(**mp))
+    out["mp_torch"] = train(m, m, world_mesh, 2, clip=None)
+
+    # Parameters kept gathered from forward to backward.
+    m = build_2d(world_mesh, th.fully_shard, reshard_after_forward=False)
+    out["keep_ours"] = train(m, m, world_mesh, 2, clip=None)
+    m = build_2d(world_mesh, torch_fully_shard, reshard_after_forward=False)
+    out["keep_torch"] = train(m, m, world_mesh, 2, clip=None)
+
+    # DCP: save ours, load into a fresh model of each implementation.
+    dcp.save(ours.state_dict(), checkpoint_id=ckpt_dir)
+    for name, fn in (("ours", th.fully_shard), ("torch", torch_fully_shard)):
+        fresh = build_2d(world_mesh, fn)
+        sd = fresh.state_dict()
+        dcp.load(sd, checkpoint_id=ckpt_dir)
+        fresh.load_state_dict(sd)
+        out[f"dcp_into_{name}"] = _full(fresh)
+    # A full (plain tensor) state dict, as from a one-process checkpoint.
+    fresh = build_2d(world_mesh, th.fully_shard)
+    fresh.load_state_dict(out["ours"]["params"])
+    out["full_load"] = _full(fresh)
+
+    # shard_placement_fn returning torch's ShardPlacementResult: the second linear
+    # sharded over another mesh (tp) than the unit's (dp), as experts are in torch's
+    # expert-parallel recipes. Two SGD steps, each rank its own batch.
+    out["placement_result"] = {}
+    for name, fn in (("ours", th.fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 6))
+        other = set(seq[2].parameters())
+        tp_info = FSDPMeshInfo(mesh=world_mesh["tp"], shard_mesh_dim=0)
+
+        def place(p: nn.Parameter) -> Any:
+            return ShardPlacementResult(placement=Shard(0), mesh_info=tp_info) if p in other else None
+
+        fn(seq, mesh=world_mesh["dp"], shard_placement_fn=place)
+        opt = torch.optim.SGD(seq.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(2):
+            loss = seq(torch.randn(4, 8, generator=g)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out["placement_result"][name] = dict(
+            losses=losses,
+            params=_full(seq),
+            meshes={k: v.device_mesh.mesh_dim_names for k, v in seq.state_dict().items()},
+        )
+
+    # Refusals.
+    def same_dim() -> None:  # TP and FSDP over the same mesh dim
+        lin = nn.Linear(8, 8)
+        parallelize_module(lin, world_mesh["dp"], ColwiseParallel())
+        th.fully_shard(lin, mesh=world_mesh["dp"])
+
+    def hsdp_tp() -> None:
+        mesh3 = init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("rep", "shard", "tp"))
+        lin = nn.Linear(8, 8)
+        parallelize_module(lin, mesh3["tp"], ColwiseParallel())
+        th.fully_shard(lin, mesh=mesh3["rep", "shard"])
+
+    def partial() -> None:
+        lin = nn.Linear(8, 8)
+        lin.weight = nn.Parameter(DTensor.from_local(torch.zeros(8, 8), world_mesh["tp"], [Partial()]))
+        th.fully_shard(lin, mesh=world_mesh["dp"])
+
+    out["refusals"] = {
+        "same_dim": _refusal(same_dim),
+        "hsdp_tp": _refusal(hsdp_tp),
+        "partial": _refusal(partial),
+    }
+    return out
+
+
+class GroupRecorder:
+    """A torch.compile backend (aot_eager underneath) that counts the collectives of
+    every graph dynamo hands it by (op, process group size), split into forward and
+    compiled-autograd graphs. On the (2, 2) mesh every group has 2 ranks, so groups
+    are told apart by name: ``groups`` maps a group name to "dp" or "tp"."""
+
+    def __init__(self, groups: dict[str, str]) -> None:
+        self.groups = groups
+        self.forward: list[dict[str, int]] = []
+        self.backward: list[dict[str, int]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        counts: dict[str, int] = {}
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or "_c10d_functional" not in str(n.target):
+                continue
+            # "_c10d_functional.all_gather_into_tensor" (dynamo) or "....default" (aten)
+            op = str(n.target).split("_c10d_functional.")[1].split(".")[0]
+            if op == "wait_tensor":
+                continue
+            group = n.args[-1] if isinstance(n.args[-1], str) else None
+            key = f"{op}@{self.groups.get(group, group)}"
+            counts[key] = counts.get(key, 0) + 1
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and "fsdp.copy_" in str(n.target):
+                counts["fsdp.copy_"] = counts.get("fsdp.copy_", 0) + 1
+        cid = torch._guards.CompileContext.current_compile_id()
+        is_bwd = cid is not None and cid.compiled_autograd_id is not None
+        (self.backward if is_bwd else self.forward).append(counts)
+        return aot_eager(gm, example_inputs)
+
+
+def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
+    """The same FSDP x TP model eager, then compiled whole (compiled autograd,
+    ``torch.compile(model, fullgraph=True)``) with aot_eager (collectives counted by
+    group) and with Inductor."""
+    world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    out: dict[str, Any] = {}
+    model = build_2d(world_mesh, th.fully_shard)
+    out["n_params"] = len(list(model.parameters()))
+    out["eager"] = train(model, model, world_mesh, TP_STEPS)
+
+    groups = {
+        world_mesh["dp"].get_group().group_name: "dp",
+        world_mesh["tp"].get_group().group_name: "tp",
+    }
+    rec = GroupRecorder(groups)
+    model = build_2d(world_mesh, th.fully_shard)
+    torch._dynamo.reset()
+    counters.clear()
+    th.enable_compiled_autograd(backend=rec)
+    try:
+        out["aot_eager"] = train(model, torch.compile(model, backend=rec, fullgraph=True), world_mesh, TP_STEPS)
+    finally:
+        th.disable_compiled_autograd()
+    out["fwd"], out["bwd"] = rec.forward, rec.backward
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+
+    model = build_2d(world_mesh, th.fully_shard)
+    torch._dynamo.reset()
+    th.enable_compiled_autograd(backend="inductor")
+    try:
+        out["inductor"] = train(model, torch.compile(model, fullgraph=True), world_mesh, TP_STEPS)
+    finally:
+        th.disable_compiled_autograd()
+    return out
