@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -461,31 +462,34 @@ class FSDPParamGroup:
         """Reduces ``held`` (parameter, unsharded gradient) in one flat collective per
         kind and ``reduce_dtype``, eagerly. See [Note: One collective per unit,
         eagerly]."""
-        divide_factor = self._divide_factor()
-        op = "avg" if divide_factor is None else "sum"
         hook = self._reduced_hook()
-        buckets: dict[tuple[bool, torch.dtype], list[tuple[FSDPParam, torch.Tensor]]] = {}
+        # Parameters sharded over another mesh (torch's ShardPlacementResult) reduce
+        # over their own groups, with their own divide factor.
+        buckets: dict[tuple[Any, ...], list[tuple[FSDPParam, torch.Tensor]]] = {}
         for fp, grad in held:
-            buckets.setdefault((fp.replicate, fp.reduce_dtype), []).append(
-                (fp, grad.to(fp.reduce_dtype))
-            )
-        for (replicate, _), bucket in buckets.items():
+            mi = fp.mesh_info
+            key = (mi.shard_group_name, mi.replicate_group_name, fp.replicate, fp.reduce_dtype)
+            buckets.setdefault(key, []).append((fp, grad.to(fp.reduce_dtype)))
+        for (_, _, replicate, _), bucket in buckets.items():
+            mi = bucket[0][0].mesh_info
+            divide_factor = self._divide_factor(mi)
+            op = "avg" if divide_factor is None else "sum"
             with collective_annotation(self.label, [fp.fqn for fp, _ in bucket]):
                 if replicate:
-                    self._all_reduce_flat(bucket, op, divide_factor, hook)
+                    self._all_reduce_flat(bucket, mi, op, divide_factor, hook)
                 else:
-                    self._reduce_scatter_flat(bucket, op, divide_factor, hook)
+                    self._reduce_scatter_flat(bucket, mi, op, divide_factor, hook)
 
     def _reduce_scatter_flat(
         self,
         bucket: list[tuple[FSDPParam, torch.Tensor]],
+        mi: MeshInfo,
         op: str,
         divide_factor: float | None,
         hook: Callable[[torch.Tensor], None] | None,
     ) -> None:
         """Sharded parameters: one reduce-scatter (and, for HSDP, one all-reduce), then
         each parameter's end as in ``FSDPParam.reduce_grad``."""
-        mi = self.mesh_info
         ws = mi.shard_size
         params = [fp for fp, _ in bucket]
         numels = [fp.flat_numel for fp in params]
@@ -509,6 +513,7 @@ class FSDPParamGroup:
     def _all_reduce_flat(
         self,
         bucket: list[tuple[FSDPParam, torch.Tensor]],
+        mi: MeshInfo,
         op: str,
         divide_factor: float | None,
         hook: Callable[[torch.Tensor], None] | None,
@@ -516,7 +521,6 @@ class FSDPParamGroup:
         """Replicated parameters (see [Note: Replicated parameters] in ``_param.py``):
         one all-reduce over the shard group and one over the replicate group, then
         each parameter's end as in ``FSDPParam.reduce_grad``."""
-        mi = self.mesh_info
         params = [fp for fp, _ in bucket]
         flat = torch.cat([grad.reshape(-1) for _, grad in bucket])
         del bucket
