@@ -314,7 +314,8 @@ def prepass_order_worker(rank: int, world: int) -> dict[str, Any]:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     from traceable_hsdp.passes import TraceableHSDPPass
-    from traceable_hsdp.passes import _predicates as P
+    from traceable_hsdp.passes import _graph as P
+    from traceable_hsdp.passes import _rewrite as R
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
@@ -339,7 +340,7 @@ def prepass_order_worker(rank: int, world: int) -> dict[str, Any]:
                 continue
             else:
                 continue
-            base = P.alias_base(n.args[0])
+            base = R.alias_base(n.args[0])
             out.append((kind, base.name if base.op == "placeholder" else f"not an input: {base}"))
         return out
 
@@ -405,7 +406,8 @@ def _fat_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
-    from traceable_hsdp.passes import _predicates as P
+    from traceable_hsdp.passes import _graph as P
+    from traceable_hsdp.passes import _rewrite as R
 
     c = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "fsdp_copy", "resize"), 0)
     for n in graph.nodes:
@@ -414,7 +416,7 @@ def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
                           ("resize", P.is_resize)):
             if pred(n):
                 c[key] += 1
-                v = P.tensor_val(n.args[0])
+                v = R.tensor_val(n.args[0])
                 c.setdefault(key + "_in", []).append(
                     (tuple(v.shape), str(v.dtype)) if v is not None else None)
     return c
