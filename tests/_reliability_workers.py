@@ -304,6 +304,16 @@ def below_root_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------- the post-grad graph before passes
+def _two_linear_units(mesh: Any) -> nn.Module:
+    """Linear(8, 8), Tanh, Linear(8, 4) from seed 0: each linear a unit, then the root."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    th.fully_shard(model[0], mesh=mesh)
+    th.fully_shard(model[2], mesh=mesh)
+    th.fully_shard(model, mesh=mesh)
+    return model
+
+
 def prepass_order_worker(rank: int, world: int) -> dict[str, Any]:
     """Two Linear units (and a root without parameters) compiled by Inductor with
     compiled autograd. A spy wrapped around our post-grad pre-pass records, for each
@@ -318,11 +328,7 @@ def prepass_order_worker(rank: int, world: int) -> dict[str, Any]:
     from traceable_hsdp.passes import _rewrite as R
 
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    th.fully_shard(model[0], mesh=mesh)
-    th.fully_shard(model[2], mesh=mesh)
-    th.fully_shard(model, mesh=mesh)
+    model = _two_linear_units(mesh)
     ours = torch._inductor.config.post_grad_custom_pre_pass
     assert isinstance(ours, TraceableHSDPPass), ours
     before: list[list[tuple[str, str]]] = []
@@ -519,11 +525,7 @@ def dying_rank_main(rank: int, world: int, tmp: str, compiled: bool, pg_timeout_
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    th.fully_shard(model[0], mesh=mesh)
-    th.fully_shard(model[2], mesh=mesh)
-    th.fully_shard(model, mesh=mesh)
+    model = _two_linear_units(mesh)
     fwd = model
     if compiled:
         th.enable_compiled_autograd(backend="aot_eager")
