@@ -47,6 +47,7 @@ class _DeviceGrad:
 
     def __init__(self, data: torch.Tensor, log: list) -> None:
         self.data, self.log = data, log
+        self.dtype = data.dtype
 
     def to(self, dest: Any, non_blocking: bool = False) -> Any:
         if isinstance(dest, torch.dtype):
