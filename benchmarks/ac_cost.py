@@ -70,18 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------ the models
 
 
-def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    mm = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
-    return CheckpointPolicy.MUST_SAVE if op in mm else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _build(model: str, shape: Any, ac: str, impl: str, mesh: Any, device: torch.device) -> Any:
     """The model from seed 0, every block wrapped for ``ac`` and sharded with ``impl``'s
     ``fully_shard``, then the root."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    # The policy of ``traceable-hsdp train --ac selective``: the benchmark measures it.
+    from traceable_hsdp._train import _save_matmuls
 
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
