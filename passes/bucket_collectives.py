@@ -471,6 +471,11 @@ def _reduce_scatter_layout(
             results.add(node)
             moved.append(node)
         node = node.next
+    # The last member's input too: a reduce-scatter that reads (through moved
+    # nodes) an earlier member's result, as tensor parallelism's sequence-parallel
+    # reduce-scatters do in the forward, cannot join that member's bucket.
+    if any(i in results for i in last.all_input_nodes):
+        return None
     for s in scatters:
         if writes_between(s.args[0], s, last, order):
             return None

@@ -593,6 +593,24 @@ def test_bucket_reduce_scatters_split_by_side_effecting_read() -> None:
     assert _counts(gm)["reduce_scatter"] == 2
 
 
+def test_bucket_reduce_scatters_never_merges_a_dependent_one() -> None:
+    """A reduce-scatter whose input is computed from an earlier one's result (tensor
+    parallelism's sequence-parallel reduce-scatters in the forward: the next layer
+    reads the last one's output) is never merged with it, under any cap. Merging put
+    the bucket before its own input (a graph that fails lint)."""
+    b = _Builder()
+    g0 = b.input("g0", 4)
+    r0 = b(WAIT, b(REDUCE_SCATTER, g0, "sum", 2, "0"))
+    h = b(aten.mul.Tensor, b(aten.cat.default, [r0, r0]), 2.0)  # the next layer
+    r1 = b(WAIT, b(REDUCE_SCATTER, h, "sum", 2, "0"))
+    gm = b.done(r1)
+    inputs = [[torch.arange(4.0) + k] for k in range(2)]
+    ref = _run_spmd(gm, inputs)
+    assert bucket_reduce_scatters(gm, bucket_cap_mb=1e3) == 0
+    assert _counts(gm)["reduce_scatter"] == 2
+    _same(_run_spmd(gm, inputs), ref)
+
+
 # ------------------------------------------------------------- all together
 def test_all_passes_on_a_forward_like_graph() -> None:
     gm, inputs = _forward_like()
