@@ -387,12 +387,14 @@ def pass_variants() -> tuple[list[Variant], str]:
                 )
             )
     if any(f.name == "bucket_cap_mb" for f in dataclasses.fields(PassConfig)):
-        # Every pass, and buckets merging adjacent units up to 1 MiB (XLA-combiner
-        # style): fewer, larger collectives, more gathered memory at once.
-        out.append(
-            Variant("ours_compiled_cap1mb", "ours", "whole", passes="all",
-                    passes_config=(*on, ("bucket_cap_mb", 1.0)))
-        )
+        # Every pass, with the bucket cap beside the default's (see [Note: The default
+        # bucket cap] in passes/bucket_collectives.py): one bucket per unit, and
+        # adjacent units merged up to 1 and 16 MiB.
+        for name, cap in (("per_unit", None), ("cap1mb", 1.0), ("cap16mb", 16.0)):
+            out.append(
+                Variant(f"ours_compiled_{name}", "ours", "whole", passes="all",
+                        passes_config=(*on, ("bucket_cap_mb", cap)))
+            )
     return out, f"passes (traceable_hsdp.passes.PassConfig switches): {', '.join(switches)}"
 
 

@@ -33,7 +33,11 @@ _LABELS = {
     "ours_eager": "traceable_hsdp fully_shard, eager",
     "ours_compiled": "traceable_hsdp fully_shard, torch.compile(model)",
     "ours_compiled_nopasses": "traceable_hsdp fully_shard, torch.compile(model), passes off",
+    "ours_compiled_per_unit": "traceable_hsdp fully_shard, torch.compile(model), "
+                              "one bucket per unit",
     "ours_compiled_cap1mb": "traceable_hsdp fully_shard, torch.compile(model), bucket_cap_mb=1",
+    "ours_compiled_cap16mb": "traceable_hsdp fully_shard, torch.compile(model), "
+                             "bucket_cap_mb=16",
     "ours_compiled_nofix": "traceable_hsdp fully_shard, torch.compile(model), "
                            "TRACEABLE_HSDP_STABLE_MESH_KEY=0",
     "ours_compiled_local_adamw": "traceable_hsdp fully_shard, torch.compile(model), "

@@ -18,8 +18,10 @@ same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same 
 - ``ours_compiled``: the same under ``torch.compile(model, fullgraph=True)`` with
   ``traceable_hsdp.enable_compiled_autograd()``, all passes on;
 - ``ours_compiled_nopasses`` (and ``ours_compiled_no_<pass>`` per switchable pass);
-- ``ours_compiled_cap1mb``: every pass, with ``bucket_cap_mb=1`` (adjacent units'
-  collectives merged up to 1 MiB);
+- ``ours_compiled_per_unit``, ``ours_compiled_cap1mb``, ``ours_compiled_cap16mb``:
+  every pass, with one bucket per unit (``bucket_cap_mb=None``) or adjacent units'
+  collectives merged up to 1 or 16 MiB, beside ``ours_compiled``'s default of 4 MiB
+  (see [Note: The default bucket cap] in ``passes/bucket_collectives.py``);
 - ``ours_compiled_local_adamw``: ``ours_compiled`` stepping with
   ``traceable_hsdp.optim.AdamW`` (torch's AdamW numbers on the local shards);
 - ``torch_eager``: ``torch.distributed.fsdp.fully_shard`` per block then root, eager;

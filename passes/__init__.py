@@ -6,7 +6,8 @@ it in place and does nothing when nothing matches:
 - :func:`remove_resize_copy`: the uses of an unsharded placeholder read the gathered
   tensor; its grow/``fsdp.copy_``/free nodes go.
 - :func:`bucket_all_gathers` / :func:`bucket_reduce_scatters`: one collective per
-  fully_shard unit (optionally merging units up to a size cap).
+  fully_shard unit, adjacent small units merged up to a size cap
+  (``DEFAULT_BUCKET_CAP_MB``, 4 MiB, by default).
 - :func:`overlap`: each all-gather is issued one unit early (before the previous
   unit's compute), each reduce-scatter waited for just before the next one.
 
@@ -42,12 +43,13 @@ from ._install import (
     uninstall,
 )
 from ._graph import UnitPassOptions
-from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
+from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
 from .save_checkpoint_outputs import save_checkpoint_outputs
 
 __all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
     "PassConfig",
     "TraceableHSDPJointPass",
     "TraceableHSDPPass",

@@ -39,8 +39,9 @@ initial value comes from the environment:
     ``none``. Names are case-insensitive; an unknown one raises ``ValueError``.
     Example: ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket`` (no overlap).
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``
-    ``bucket_cap_mb``: a number >= 0, or ``none``/empty for no cap (the default).
-    See [Note: Bucket size cap] in ``bucket_collectives.py``.
+    ``bucket_cap_mb``: a number >= 0 (MiB), or ``none`` for one bucket per unit.
+    Unset or empty: ``DEFAULT_BUCKET_CAP_MB`` (4). See [Note: Bucket size cap] and
+    [Note: The default bucket cap] in ``bucket_collectives.py``.
 
 Change it in code with ``traceable_hsdp.passes.set_config(PassConfig(...))`` or
 ``install(config=...)``. A unit's own options (``hsdp(comm_fusion=...)``) never
@@ -108,7 +109,7 @@ from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
 
 from ._graph import INFERENCE_AWARE, InferenceAwareGraphPass, annotation_of, is_collective
-from .bucket_collectives import bucket_all_gathers, bucket_reduce_scatters
+from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
 from .save_checkpoint_outputs import save_checkpoint_outputs
@@ -148,8 +149,9 @@ class PassConfig:
         bucket_reduce_scatters: one reduce-scatter per unit (default ``True``).
         overlap: issue each all-gather one unit early and wait for reduce-scatters
             late (default ``True``); see [Note: Overlap] in ``overlap.py``.
-        bucket_cap_mb: merge adjacent units' collectives up to this many MiB;
-            ``None`` (default) keeps one bucket per unit.
+        bucket_cap_mb: merge adjacent units' collectives up to this many MiB
+            (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
+            cap]); ``None`` keeps one bucket per unit.
 
     Raises:
         TypeError: a switch is not a bool, or the cap is not a number or ``None``.
@@ -160,7 +162,7 @@ class PassConfig:
     bucket_all_gathers: bool = True
     bucket_reduce_scatters: bool = True
     overlap: bool = True
-    bucket_cap_mb: float | None = None
+    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -176,7 +178,7 @@ class PassConfig:
                 if not value >= 0:
                     raise ValueError(
                         f"PassConfig.bucket_cap_mb must be >= 0 (MiB), got {value!r}. "
-                        "Use None for no cap."
+                        "Use None for one bucket per unit."
                     )
             elif not isinstance(value, bool):
                 raise TypeError(
@@ -219,7 +221,7 @@ class PassConfig:
                         f"{valid} (comma-separated)."
                     )
         cap_raw = env.get(ENV_BUCKET_CAP_MB, "").strip()
-        cap: float | None = None
+        cap: float | None = None if cap_raw.lower() == "none" else DEFAULT_BUCKET_CAP_MB
         if cap_raw and cap_raw.lower() != "none":
             try:
                 cap = float(cap_raw)
@@ -228,7 +230,8 @@ class PassConfig:
             if not cap >= 0 or cap == float("inf"):
                 raise ValueError(
                     f"{ENV_BUCKET_CAP_MB}={cap_raw!r} is not a number of MiB >= 0; set "
-                    "e.g. 25, or 'none' (or leave it unset) for no cap."
+                    "e.g. 25, 'none' for one bucket per unit, or leave it unset for "
+                    f"the default ({DEFAULT_BUCKET_CAP_MB:g})."
                 )
         return cls(
             remove_resize_copy="remove_resize_copy" in on,

@@ -81,6 +81,30 @@ all-gather, of the reduce-scatter input for a reduce-scatter); a unit is never s
 Merging all-gathers issues the later unit's gather early (its inputs are hoisted when
 they are pure); merging reduce-scatters delays the earlier unit's.
 
+[Note: The default bucket cap]
+The default is ``DEFAULT_BUCKET_CAP_MB`` = 4 MiB, chosen from the latency/bandwidth
+trade-off of the collectives (``benchmarks/collective_latency.py`` measures it):
+
+- A collective costs a fixed latency plus its bytes over the bandwidth. Below the
+  size where the two terms are equal, merging two collectives saves nearly a whole
+  latency; far above it, merging saves nothing and only gathers earlier.
+- Measured with gloo on 2 CPU ranks, an all-gather takes the same time (the
+  latency, about 0.3-0.4 ms) up to about 2 MiB of output, and twice that at about 4
+  MiB; a reduce-scatter likewise. NCCL's figures (some tens of microseconds, and
+  tens to hundreds of GB/s) put the same crossing at one to a few MiB too.
+- A unit above the cap is never merged, so a model whose blocks are each larger
+  than 4 MiB (any model with a width over about 512 in fp32) compiles exactly as
+  with one bucket per unit. Only small units merge, and those are the ones whose
+  collectives are latency-bound.
+- The memory cost is bounded by the cap: a merged all-gather holds at most 4 MiB of
+  later units' parameters early, and a merged reduce-scatter keeps at most 4 MiB of
+  earlier units' gradients alive until it is issued.
+
+``benchmarks/step_time.py`` runs the default beside one bucket per unit and larger
+caps (``ours_compiled_per_unit``, ``ours_compiled_cap16mb``); docs/benchmarks.md has
+the figures. ``bucket_cap_mb=None`` (``TRACEABLE_HSDP_BUCKET_CAP_MB=none``) restores
+one bucket per unit.
+
 [Note: Per-unit pass options]
 Whether a collective is bucketed, and under which cap, is decided per collective:
 by the :class:`UnitPassOptions` its unit carries in its annotation (``hsdp()``'s
@@ -131,6 +155,7 @@ from ._rewrite import (
 )
 
 __all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
     "bucket_all_gathers",
     "bucket_reduce_scatters",
     "plan_all_gather_buckets",
@@ -140,6 +165,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 _aten = torch.ops.aten
 _MIB = 1024 * 1024
+
+# See [Note: The default bucket cap].
+DEFAULT_BUCKET_CAP_MB = 4.0
 
 
 @dataclass

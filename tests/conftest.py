@@ -31,3 +31,13 @@ def one_rank_group() -> Iterator[str]:
             yield dist.group.WORLD.group_name
         finally:
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def per_unit_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bucket per unit in the ranks this test spawns
+    (``TRACEABLE_HSDP_BUCKET_CAP_MB=none``, read by each rank's passes at import). For
+    tests of per-unit buckets and their overlap on models so small that the default
+    4 MiB cap would merge every unit into one bucket; the default is checked in
+    test_inductor_features.py and test_passes_unit.py."""
+    monkeypatch.setenv("TRACEABLE_HSDP_BUCKET_CAP_MB", "none")

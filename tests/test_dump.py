@@ -583,9 +583,11 @@ def test_dump_command_counts_match_the_graphs_that_ran(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_dump_final_schedule_and_overlap_distances(tmp_path: Path) -> None:
+def test_dump_final_schedule_and_overlap_distances(tmp_path: Path, per_unit_buckets: None) -> None:
     """2 gloo ranks, a two-block fully_shard model, one step compiled with Inductor
-    and the default passes, then its forward alone with the passes off: every
+    and the default passes but one bucket per unit (the default cap would merge the
+    two small blocks, leaving nothing to overlap), then its forward alone with the
+    passes off: every
     Inductor graph gets its final schedule, read from the generated code and checked
     against torch's own collective schedule; the collectives keep their unit and
     parameters; the overlap pass's prefetched all-gather and late reduce-scatter

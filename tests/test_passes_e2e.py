@@ -2,7 +2,9 @@
 
 Two gloo ranks, a 4-block Llama (width 32) with nested fully_shard (5 units: 4
 blocks and the root), reshard after forward, the whole step (forward, loss,
-backward) compiled by Inductor with compiled autograd. ``fully_shard`` installed
+backward) compiled by Inductor with compiled autograd, with one bucket per unit
+(``bucket_cap_mb=None``: the default 4 MiB cap would merge these small units into one
+bucket and leave nothing to overlap). ``fully_shard`` installed
 the passes as Inductor's post-grad pre-pass; a recording pass set as the post-grad
 *post*-pass sees each graph after them and counts what is left, and checks the
 order the overlap pass gave it (each all-gather issued before the previous unit's
@@ -233,7 +235,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_passes_in_compiled_fsdp_step() -> None:
+def test_passes_in_compiled_fsdp_step(per_unit_buckets: None) -> None:
     results = run_ranks(_worker, 2)
     for r in results:
         assert r["installed"]
@@ -331,7 +333,7 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_hsdp_comm_fusion_off_leaves_other_models_bucketed() -> None:
+def test_hsdp_comm_fusion_off_leaves_other_models_bucketed(per_unit_buckets: None) -> None:
     """hsdp(comm_fusion=False) keeps its own units' collectives one per parameter and
     no longer switches bucketing off for a model compiled later in the same process
     (counted from the post-grad graphs after our passes, Inductor, 2 ranks). Two

@@ -632,7 +632,7 @@ def test_all_passes_overlap_the_buckets() -> None:
     bucket issued before the previous unit's reads (its copy-in moved with it)."""
     gm, inputs = _gathers(2, units=3)
     ref = _run_spmd(gm, inputs)
-    done = passes.run_passes(gm, PassConfig())
+    done = passes.run_passes(gm, PassConfig(bucket_cap_mb=None))
     assert (done["bucket_all_gathers"], done["overlap"]) == (3, 2)
     ags = _of(gm, ALL_GATHER)
     assert all(a.args[0].target is aten.cat.default for a in ags)
@@ -644,6 +644,13 @@ def test_all_passes_overlap_the_buckets() -> None:
     _same(_run_spmd(gm, inputs), ref)
     gm, _ = _gathers(2, units=3)
     assert "overlap" not in passes.run_passes(gm, PassConfig(overlap=False))
+    # The default cap (4 MiB) merges the three small units into one bucket: nothing
+    # is left to overlap.
+    gm, _ = _gathers(2, units=3)
+    done = passes.run_passes(gm, PassConfig())
+    assert (done["bucket_all_gathers"], done["overlap"]) == (1, 0)
+    assert len(_of(gm, ALL_GATHER)) == 1
+    _same(_run_spmd(gm, inputs), ref)
 
 
 def test_bucketing_without_remove_keeps_copies_after_the_bucket() -> None:
@@ -679,6 +686,8 @@ def test_config_from_env() -> None:
     assert f({"TRACEABLE_HSDP_PASSES": "overlap"}) == PassConfig(**{**off, "overlap": True})
     assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "25"}).bucket_cap_mb == 25.0
     assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "none"}).bucket_cap_mb is None
+    assert f({}).bucket_cap_mb == f({"TRACEABLE_HSDP_BUCKET_CAP_MB": ""}).bucket_cap_mb == 4.0
+    assert PassConfig().bucket_cap_mb == passes.DEFAULT_BUCKET_CAP_MB == 4.0
     assert f({"TRACEABLE_HSDP_BUCKET_CAP_MB": "0.5"}).bucket_cap_mb == 0.5
     with pytest.raises(ValueError, match="unknown pass 'bucketing'"):
         f({"TRACEABLE_HSDP_PASSES": "bucketing"})
