@@ -27,6 +27,7 @@ sys.path.insert(0, str(BENCH))
 
 import _harness as H  # noqa: E402
 import _report as R  # noqa: E402
+import collective_latency  # noqa: E402
 import compile_time  # noqa: E402
 import profile_step  # noqa: E402
 import step_time  # noqa: E402
@@ -371,3 +372,23 @@ def test_compile_time_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         res = run[phase]
         assert res["first_step_s"] > 0 and res["compile"]["dynamo"] > 0, res
         assert res["stable_mesh_key"] and res["recompiles"] == 0, res
+
+
+def test_collective_latency_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``collective_latency.py`` on 2 gloo ranks, sizes up to 1 MiB, one timed call
+    each: the table has every size and both collectives, and the crossing is found
+    from the medians (never a timing assertion)."""
+    assert collective_latency.main(["--out", str(tmp_path), "--iters", "1", "--max-mib", "1",
+                                    "--device", "cpu"]) == 0
+    md = (tmp_path / "collective_latency_cpu.md").read_text()
+    for size in ("4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB"):
+        assert f"| {size} |" in md, md
+    assert "all-gather: latency floor" in md and "reduce-scatter: latency floor" in md
+    data = json.loads((tmp_path / "collective_latency_cpu.json").read_text())
+    assert data["sizes_kib"] == [4, 16, 64, 256, 1024]
+    assert [len(t) for t in data["times_s"]["all_gather"]] == [1] * 5
+    # The crossing: the first size at twice the first size's time.
+    assert collective_latency._crossing([4, 16, 64], [1.0, 1.5, 2.0]) == 64
+    assert collective_latency._crossing([4, 16], [1.0, 1.9]) is None
+    with pytest.raises(SystemExit):
+        collective_latency.main([])  # --out is required

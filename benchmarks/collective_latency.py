@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""The time of one all-gather and one reduce-scatter by size: the latency/bandwidth
+trade-off that the passes' default bucket cap is sized from (see [Note: The default
+bucket cap] in ``passes/bucket_collectives.py``).
+
+    python benchmarks/collective_latency.py --out DIR [--device auto|cpu|cuda]
+                                            [--world N] [--iters N] [--max-mib M]
+
+Spawns the ranks as ``step_time.py`` does (2 gloo ranks of one thread each on the
+CPU, one NCCL rank per GPU on CUDA) and times ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` (average) of float32 tensors from 4 KiB to ``--max-mib``
+(default 256) MiB of unsharded size (the gathered output, the reduce-scatter input; what
+``bucket_cap_mb`` counts). Each size runs ``--iters`` times after 2 untimed ones; a
+time is the slowest rank's, the table shows medians. It reports, per collective, the
+latency floor (the median time of the smallest size) and the smallest size whose time
+is at least twice that floor: below it a collective is latency-bound, and merging two
+of them saves nearly a whole latency.
+
+Writes ``<out>/collective_latency_<device>.md`` (also printed) and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Unsharded sizes in KiB: 4 KiB .. 256 MiB, by 4x.
+SIZES_KIB = [4 * 4**i for i in range(9)]
+
+
+def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    device = placement.rank_device(rank)
+    ws = placement.world
+    out: dict[str, list[list[float]]] = {"all_gather": [], "reduce_scatter": []}
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = torch.tensor(time.perf_counter() - t0, device=device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return float(dt)
+
+    for kib in sizes_kib:
+        numel = kib * 1024 // 4 // ws * ws
+        full = torch.randn(numel, device=device)
+        shard = torch.randn(numel // ws, device=device)
+        gathered = torch.empty(numel, device=device)
+        reduced = torch.empty(numel // ws, device=device)
+        ag = [timed(lambda: dist.all_gather_into_tensor(gathered, shard)) for _ in range(iters + 2)]
+        rs = [
+            timed(lambda: dist.reduce_scatter_tensor(reduced, full, op=dist.ReduceOp.AVG))
+            for _ in range(iters + 2)
+        ]
+        out["all_gather"].append(ag[2:])
+        out["reduce_scatter"].append(rs[2:])
+    return out
+
+
+def _crossing(sizes_kib: list[int], medians: list[float]) -> int | None:
+    """The smallest size (KiB) whose median is at least twice the smallest size's."""
+    floor = medians[0]
+    for kib, m in zip(sizes_kib, medians):
+        if m >= 2 * floor:
+            return kib
+    return None
+
+
+def _size(kib: int) -> str:
+    return f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, HERE)
+    import _harness as H
+    import _report as R
+
+    p = argparse.ArgumentParser(prog="collective_latency.py", description=__doc__.split("\n\n")[0])
+    H.add_placement_args(p)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per size (default 10)")
+    p.add_argument("--max-mib", type=int, default=256,
+                   help="largest unsharded size in MiB (default 256)")
+    R.add_out_argument(p)
+    a = p.parse_args(argv)
+    if a.iters < 1:
+        p.error(f"--iters must be >= 1, got {a.iters}")
+    sizes = [k for k in SIZES_KIB if k <= a.max_mib * 1024]
+    if not sizes:
+        p.error(f"--max-mib must be >= 1, got {a.max_mib}")
+    placement = H.placement_from_args(p, a)
+    res = H.run_spawned_fn(_rank, placement, iters=a.iters, sizes_kib=sizes)[0]
+    med = {k: [statistics.median(ts) for ts in v] for k, v in res.items()}
+    where = (f"{placement.world} {placement.backend} ranks on {placement.device_type} "
+             f"({H.device_name(placement.rank_device(0))})")
+    lines = [
+        f"# Collective time by size: {where}",
+        "",
+        f"torch {torch.__version__}; float32; median of {a.iters} calls of the slowest rank, "
+        "after 2 untimed ones. Size: the unsharded tensor (the all-gather's output, the "
+        "reduce-scatter's input).",
+        "",
+        "| size | all-gather (ms) | reduce-scatter (ms) |",
+        "|---|---|---|",
+    ]
+    for i, kib in enumerate(sizes):
+        lines.append(f"| {_size(kib)} | {1e3 * med['all_gather'][i]:.3f} | "
+                     f"{1e3 * med['reduce_scatter'][i]:.3f} |")
+    lines.append("")
+    for k in ("all_gather", "reduce_scatter"):
+        c = _crossing(sizes, med[k])
+        lines.append(
+            f"- {k.replace('_', '-')}: latency floor {1e3 * med[k][0]:.3f} ms; twice the floor "
+            f"first at {_size(c) if c else 'no size measured'}."
+        )
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(a.out, exist_ok=True)
+    stem = os.path.join(a.out, f"collective_latency_{placement.device_type}")
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump({"sizes_kib": sizes, "times_s": res, "torch": torch.__version__,
+                   "where": where}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
