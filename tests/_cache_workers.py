@@ -14,8 +14,15 @@ def _tiny(dim: int) -> nn.Module:
     return nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
 
 
-def compile_step(rank: int, world: int, dim: int = 16) -> dict[str, Any]:
-    """Shards a 2-linear model (each linear and the root), compiles it with Inductor
+def compile_step(
+    rank: int,
+    world: int,
+    dim: int = 16,
+    mesh_shape: tuple[int, ...] | None = None,
+    reshard_after_forward: bool = True,
+) -> dict[str, Any]:
+    """Shards a 2-linear model (each linear and the root) over a mesh of
+    ``mesh_shape`` (default ``(world,)``; two dims: HSDP), compiles it with Inductor
     and compiled autograd, runs one step; returns what the caches did (the
     ``CacheCounts`` fields)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -23,12 +30,11 @@ def compile_step(rank: int, world: int, dim: int = 16) -> dict[str, Any]:
     import traceable_hsdp
     from traceable_hsdp._cache import CacheCounts
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", mesh_shape or (world,))
     torch.manual_seed(0)
     model = _tiny(dim)
-    traceable_hsdp.fully_shard(model[0], mesh=mesh)
-    traceable_hsdp.fully_shard(model[2], mesh=mesh)
-    traceable_hsdp.fully_shard(model, mesh=mesh)
+    for m in (model[0], model[2], model):
+        traceable_hsdp.fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
     before = CacheCounts.now()
     with traceable_hsdp.compiled_autograd():
         torch.compile(model, fullgraph=True)(torch.randn(4, dim)).sum().backward()

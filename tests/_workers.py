@@ -14,9 +14,12 @@ from torch.distributed.device_mesh import init_device_mesh
 import traceable_hsdp as th
 from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
 from traceable_hsdp.passes._graph import (
+    PostGradRecorder,
     bound_args,
     collective_family,
+    collective_table,
     current_compile,
+    graph_counts,
     is_fsdp_copy,
     is_resize,
 )
@@ -154,7 +157,9 @@ def parity_worker(
 ) -> dict[str, Any]:
     """Trains the sharded model for STEPS steps in ``mode`` ("eager", "compiled": plain
     loop with enable_compiled_autograd, "compiled_step": whole step compiled under
-    torch._dynamo.config.compiled_autograd) and reports what the test asserts."""
+    torch._dynamo.config.compiled_autograd, both on aot_eager; "inductor": the plain
+    loop on Inductor with every pass, its final post-grad graphs recorded) and
+    reports what the test asserts."""
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)
@@ -165,8 +170,14 @@ def parity_worker(
     # This rank's slice of the global batch: ranks are laid out (replicate, shard) in
     # row-major order, so the global rank is the data-parallel index.
     rec = GraphRecorder()
+    post_grad = PostGradRecorder()
+    backend: Any = rec
+    if mode == "inductor":
+        backend = "inductor"
+        torch._inductor.config.post_grad_custom_post_pass = post_grad
     counters.clear()
-    fwd, compiled_step = compile_for(model, {"compiled": "loop", "compiled_step": "step"}.get(mode, ""), rec)
+    how = {"compiled": "loop", "inductor": "loop", "compiled_step": "step"}.get(mode, "")
+    fwd, compiled_step = compile_for(model, how, backend)
     losses, bytes_after_fwd, bytes_after_bwd, graphs_after_step = [], [], [], []
     pf_bytes_after_fwd, pf_bytes_after_bwd = [], []
     for x, y in _data(world, STEPS):
@@ -183,14 +194,19 @@ def parity_worker(
             loss.backward()
             pf_bytes_after_bwd.append(_post_forward_bytes(model))
         bytes_after_bwd.append(_placeholder_bytes(model))
-        graphs_after_step.append((len(rec.forward), len(rec.backward)))
+        if mode == "inductor":
+            kinds = [g.kind for g in post_grad.graphs]
+            graphs_after_step.append((kinds.count("fwd"), kinds.count("bwd")))
+        else:
+            graphs_after_step.append((len(rec.forward), len(rec.backward)))
         # Every managed parameter has its sharded grad, and only that.
         assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters())
         opt.step()
         opt.zero_grad()
         losses.append(_mean_over_ranks(loss, world))
-    if mode == "compiled":
+    if mode in ("compiled", "inductor"):
         th.disable_compiled_autograd()
+    final = [(g.kind, g.final_graph()) for g in post_grad.graphs]
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     sd_types = {type(v).__name__ for v in model.state_dict().values()}
     return dict(
@@ -209,4 +225,14 @@ def parity_worker(
         pf_bytes_after_bwd=pf_bytes_after_bwd,
         placements={k: tuple(str(p) for p in v.placements) for k, v in model.state_dict().items()},
         graph_breaks={k.splitlines()[0]: v for k, v in counters["graph_break"].items()},
+        # mode "inductor": per final post-grad graph, its kind, node counts and
+        # collectives as (op, group size, unit).
+        post_grad=[
+            dict(
+                kind=kind,
+                counts=graph_counts(g),
+                collectives=[(r.op, r.group_size, r.unit) for r in collective_table(g)],
+            )
+            for kind, g in final
+        ],
     )

@@ -11,7 +11,8 @@ own ``TORCHINDUCTOR_CACHE_DIR``): Mega-Cache (``torch.compiler.save_cache_artifa
 in one process, ``load_cache_artifacts`` in a fresh one whose FX graph cache is empty)
 gives an FX graph cache hit, and no hit with the reducer off; and a changed pass
 configuration (``TRACEABLE_HSDP_PASSES``, ``TRACEABLE_HSDP_BUCKET_CAP_MB``), model
-shape or world size misses where an unchanged compile hits. Counts come from
+shape, world size, mesh shape (1-D against 1x2 HSDP) or ``fully_shard`` option
+(``reshard_after_forward``) misses where an unchanged compile hits. Counts come from
 ``torch._dynamo.utils.counters``. The forward's bypass (its ``BackwardState`` input)
 is expected in every compile.
 """
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed.device_mesh import DeviceMesh
@@ -162,11 +164,14 @@ def test_changed_configuration_shape_or_world_misses(
     # differently and misses anyway, so it could not show a wrong hit.)
     import _cache_workers as W
 
-    def one(world: int = 1, dim: int = 16, **env: str) -> list[dict[str, int]]:
+    def one(world: int = 1, dim: int = 16, *args: Any, **env: str) -> list[dict[str, int]]:
         with monkeypatch.context() as m:
             for k, v in env.items():
                 m.setenv(k, v)
-            return run_ranks(W.compile_step, world, dim)
+            return run_ranks(W.compile_step, world, dim, *args)
+
+    def all_miss(runs: list[dict[str, int]]) -> bool:
+        return all(c["fx_hit"] == 0 and c["fx_miss"] == 1 for c in runs)
 
     (first,) = one()
     assert first["fx_miss"] == 1 and first["fx_bypass"] == 1, first
@@ -176,7 +181,13 @@ def test_changed_configuration_shape_or_world_misses(
         one(TRACEABLE_HSDP_PASSES="remove_resize_copy,bucket"),  # overlap off
         one(TRACEABLE_HSDP_BUCKET_CAP_MB="1"),
         one(dim=24),
-        one(world=2),
     ):
-        for counts in changed:
-            assert counts["fx_hit"] == 0 and counts["fx_miss"] == 1, changed
+        assert all_miss(changed), changed
+    # Two ranks: the world size changed (a miss), then the same again (each rank hits
+    # its own entry), then the same world with another mesh shape (HSDP 1x2) or
+    # another fully_shard option (reshard_after_forward=False: no re-gather in the
+    # backward): misses.
+    assert all_miss(one(2))
+    assert all(c["fx_hit"] == 1 and c["fx_miss"] == 0 for c in one(2)), "2 ranks, unchanged"
+    assert all_miss(one(2, 16, (1, 2)))
+    assert all_miss(one(2, 16, None, False))

@@ -25,7 +25,8 @@ passes):
 
 Not covered here: an int ``reshard_after_forward`` is a real smaller world only on
 a shard group of 4 or more (on 2 ranks it is True or False); it is tested under
-aot_eager on 4 ranks in test_runtime.py.
+aot_eager and Inductor on 4 ranks in test_runtime.py
+(test_reshard_after_forward_int_4_ranks).
 """
 
 from __future__ import annotations
