@@ -274,7 +274,8 @@ def allocated_mib(device: torch.device) -> float | None:
 
 @dataclass(frozen=True)
 class Shape:
-    """One model/batch shape (Llama from ``traceable_hsdp.models``).
+    """One model/batch shape (of the demo Llama of ``traceable_hsdp.models`` or of HF's
+    ``LlamaForCausalLM``: see :data:`MODELS`).
 
     Args:
         name: label in the report.
@@ -545,13 +546,71 @@ def _passes_config(items: tuple[tuple[str, Any], ...]) -> Iterator[None]:
         P.set_config(old)
 
 
+MODELS = ("demo", "hf_llama")
+"""What ``--model`` builds: ``demo``, the Llama of ``traceable_hsdp.models``;
+``hf_llama``, Hugging Face ``transformers``' ``LlamaForCausalLM`` (see
+:func:`build_hf_llama`)."""
+
+
+def model_description(model: str, shape: Shape) -> str:
+    """The model a report ran, in words (its width and MLP)."""
+    if model == "hf_llama":
+        return (f"HF `LlamaForCausalLM` (transformers), hidden {shape.dim}, "
+                f"MLP {2 * shape.dim}")
+    return f"demo Llama (`traceable_hsdp.models`), dim {shape.dim}, MLP {4 * shape.dim}"
+
+
+def build_hf_llama(
+    variant: Variant, shape: Shape, mesh: Any, device: torch.device, backend: str, seed: int,
+) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """Hugging Face ``LlamaForCausalLM`` of ``shape`` (hidden ``shape.dim``, MLP twice
+    the width, ``shape.heads`` heads with as many key/value heads, untied embeddings,
+    ``use_cache=False``; random weights from ``seed``, nothing downloaded), built on the
+    CPU, moved to ``device`` and sharded and compiled exactly as :func:`build_model`
+    does the demo Llama: ``fully_shard`` per decoder layer, then the root; torch's
+    per-block recipe compiles each decoder layer first. The callable returns the
+    logits."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import traceable_hsdp
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=2 * shape.dim,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads, max_position_embeddings=shape.seq,
+        tie_word_embeddings=False, use_cache=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(device)
+    layers = model.model.layers
+    if variant.impl != "unsharded":
+        fs = traceable_hsdp.fully_shard if variant.impl == "ours" else torch_fully_shard
+        if variant.compile == "blocks":
+            # torchtitan's recipe: compile each decoder layer, then shard per layer and root.
+            for i, layer in enumerate(layers):
+                layers[i] = torch.compile(layer, backend=backend, fullgraph=True)
+        for layer in layers:
+            fs(layer, mesh=mesh)
+        fs(model, mesh=mesh)
+    run = (torch.compile(model, backend=backend, fullgraph=True)
+           if variant.compile == "whole" else model)
+    return model, lambda x: run(input_ids=x).logits
+
+
 def build_model(
     variant: Variant, shape: Shape, mesh: Any, device: torch.device, backend: str, seed: int,
+    model: str = "demo",
 ) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
     """The variant's model (the same initial weights for every variant: built on the CPU
     from ``seed``, moved to ``device``), sharded over ``mesh`` as the variant says, and
     the callable that runs its forward (compiled with ``backend`` as the variant says).
-    Sets no process-wide switch (see :meth:`Runner.active` for those)."""
+    ``model`` is one of :data:`MODELS` (``hf_llama``: :func:`build_hf_llama`). Sets no
+    process-wide switch (see :meth:`Runner.active` for those)."""
+    if model == "hf_llama":
+        return build_hf_llama(variant, shape, mesh, device, backend, seed)
+    if model != "demo":
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import traceable_hsdp
@@ -583,6 +642,7 @@ class Runner:
         device: this rank's device; the model is built on the CPU and moved there.
         backend: ``torch.compile`` backend for the compiled variants.
         seed: model init seed (the same for all variants) and data seed.
+        model: one of :data:`MODELS` (default ``"demo"``).
         default_recompute_views: torch's value of ``recompute_views`` before our
             ``fully_shard`` changed it. See [Note: Per-variant settings].
         default_pre_pass: ``post_grad_custom_pre_pass`` before our ``fully_shard``
@@ -592,9 +652,10 @@ class Runner:
     def __init__(
         self, variant: Variant, shape: Shape, mesh: Any, rank: int, backend: str,
         seed: int, default_recompute_views: bool, default_pre_pass: Any = None,
-        device: torch.device | None = None,
+        device: torch.device | None = None, model: str = "demo",
     ) -> None:
         self.v = variant
+        self.model_name = model
         self.shape = shape
         self.mesh = mesh
         self.rank = rank
@@ -656,7 +717,8 @@ class Runner:
 
     def _build(self) -> None:
         self.model, self.fwd = build_model(
-            self.v, self.shape, self.mesh, self.device, self.backend, self.seed
+            self.v, self.shape, self.mesh, self.device, self.backend, self.seed,
+            model=self.model_name,
         )
         if self.v.optimizer == "local":
             from traceable_hsdp.optim import AdamW
@@ -724,9 +786,10 @@ FAILED_ELSEWHERE = "failed on another rank"
 def run_rank(
     rank: int, placement: Placement, shape: Shape, variants: list[Variant], rounds: int,
     steps: int, warmup: int, backend: str, seed: int, progress: bool, count_graphs: bool,
+    model: str = "demo",
 ) -> dict[str, Any]:
-    """The round-robin loop on this rank. See [Note: Round-robin timing] and
-    [Note: Where the ranks run]."""
+    """The round-robin loop on this rank, on ``model`` (one of :data:`MODELS`). See
+    [Note: Round-robin timing] and [Note: Where the ranks run]."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch._dynamo
@@ -743,7 +806,7 @@ def run_rank(
     device = placement.rank_device(rank)
     mesh = init_device_mesh(placement.device_type, (world,), mesh_dim_names=("shard",))
     runners = [
-        Runner(v, shape, mesh, rank, backend, seed, default_rv, default_pre, device)
+        Runner(v, shape, mesh, rank, backend, seed, default_rv, default_pre, device, model)
         for v in variants
     ]
     results = {v.name: VariantResult(v.name) for v in variants}

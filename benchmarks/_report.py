@@ -109,3 +109,18 @@ def code_line(code: dict[str, Any]) -> str:
         return f"Code: {code.get('root', '?')} (not a git checkout)"
     dirty = code.get("dirty_runtime")
     return f"Code: commit {code['head']}" + (", with uncommitted changes" if dirty else "")
+
+
+def cpu_name() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (else ``platform.processor()`` or the
+    machine), for reports and plots."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"

@@ -11,8 +11,9 @@ for that repeat and variant: the first compiles **cold** (empty cache), the seco
 **warm** (what a restart of the same job gets). Each process joins a 1-rank gloo
 group, builds the model from the same seed (``--model demo``: the demo Llama of
 ``traceable_hsdp.models``, dim 64, 4 heads; ``--model hf_llama``: Hugging Face
-``LlamaForCausalLM``, hidden 64, 4 heads, MLP 128; both vocab 256, seq 32, batch 2,
-``--layers`` blocks), and times its first training step (forward, cross-entropy,
+``LlamaForCausalLM``, hidden 64, 4 heads, MLP 128, ``use_cache=False``, built by
+``_harness.build_hf_llama``, as ``step_time.py --model hf_llama`` builds it; both vocab
+256, seq 32, batch 2, ``--layers`` blocks), and times its first training step (forward, cross-entropy,
 backward, AdamW step, ``zero_grad``), then a second one. Variants (a "block" is a
 decoder layer):
 
@@ -100,47 +101,10 @@ BY_NAME = {v.name: v for v in VARIANTS}
 REF = "plain_whole"
 
 
-MODELS = ("demo", "hf_llama")
-
-
 def shape_for(layers: int) -> Any:
     import _harness as H
 
     return H.Shape(f"compile{layers}", layers=layers, dim=64, heads=4, vocab=256, seq=32, batch=2)
-
-
-def build_hf_llama(
-    v: CompileVariant, shape: Any, mesh: Any, backend: str, seed: int
-) -> tuple[Any, Any]:
-    """Hugging Face ``LlamaForCausalLM`` of ``shape`` (MLP twice the width), built and
-    sharded as :func:`_harness.build_model` does the demo Llama (per decoder layer, then
-    the root); the callable returns the logits."""
-    import torch
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import traceable_hsdp
-
-    config = LlamaConfig(
-        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=2 * shape.dim,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-        num_key_value_heads=shape.heads, max_position_embeddings=shape.seq,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    layers = model.model.layers
-    if v.impl != "unsharded":
-        fs = traceable_hsdp.fully_shard if v.impl == "ours" else torch_fully_shard
-        if v.compile == "blocks":
-            for i, layer in enumerate(layers):
-                layers[i] = torch.compile(layer, backend=backend, fullgraph=True)
-        for layer in layers:
-            fs(layer, mesh=mesh)
-        fs(model, mesh=mesh)
-    run = (torch.compile(model, backend=backend, fullgraph=True)
-           if v.compile == "whole" else model)
-    return model, lambda x: run(input_ids=x).logits
 
 
 def _int_list(text: str) -> list[int]:
@@ -154,6 +118,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    import _harness as H
+
     p = argparse.ArgumentParser(
         prog="compile_time.py",
         description=(
@@ -172,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma list (default all: {', '.join(v.name for v in VARIANTS)})")
     p.add_argument("--compile-threads", type=int, default=1,
                    help="TORCHINDUCTOR_COMPILE_THREADS of every process (default 1)")
-    p.add_argument("--model", choices=MODELS, default="demo",
+    p.add_argument("--model", choices=H.MODELS, default="demo",
                    help="demo: traceable_hsdp.models.Llama; hf_llama: transformers' "
                         "LlamaForCausalLM (default demo)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
@@ -223,10 +189,8 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
             import traceable_hsdp
 
             mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
-            if spec["model"] == "hf_llama":
-                model, fwd = build_hf_llama(v, shape, mesh, backend, seed)
-            else:
-                model, fwd = H.build_model(v.harness_variant(), shape, mesh, device, backend, seed)
+            model, fwd = H.build_model(v.harness_variant(), shape, mesh, device, backend, seed,
+                                       model=spec["model"])
             opt = torch.optim.AdamW(model.parameters(), lr=H.LR)
             if v.compiled_autograd:
                 traceable_hsdp.enable_compiled_autograd(backend=backend)
@@ -469,17 +433,6 @@ def _one_line(res: dict[str, Any]) -> str:
             f"{c['fx_hit']}/{c['fx_miss']}/{c['fx_bypass']})")
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def main(argv: list[str] | None = None) -> int:
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
@@ -511,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(run)
     meta = dict(
         code=_code_state(), torch=torch.__version__, python=platform.python_version(),
-        cpu=_cpu_name(), cpus=os.cpu_count(), machine=platform.platform(),
+        cpu=R.cpu_name(), cpus=os.cpu_count(), machine=platform.platform(),
         wall_s=time.time() - t_start, loadavg_before=load_before, loadavg_after=os.getloadavg(),
     )
     s = summarize(runs)

@@ -4,6 +4,7 @@
 
     python benchmarks/step_time.py --out DIR [--shape overhead|compute|both] [--steps N]
                                    [--rounds R] [--smoke] [--backend B]
+                                   [--model demo|hf_llama]
                                    [--device auto|cpu|cuda] [--world N]
 
 Spawns the ranks (``--device auto``: CUDA when ``torch.cuda.is_available()``, else the
@@ -34,10 +35,17 @@ same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same 
   per-rank batch (the other ranks wait in a barrier meanwhile): the no-communication
   floor.
 
-Writes ``<out>/step_time_<shape>.md`` (the table, also printed), ``.json`` (every raw
-step time, every rank, losses, graph and collective counts, the device and the memory
-metric) and ``.png`` (when matplotlib is importable) into the folder ``--out`` names
-(required). Tables and plots name the variants as ``_report.label`` does ([Note:
+The model (``--model``): ``demo``, the Llama of ``traceable_hsdp.models`` (MLP four
+times the width); ``hf_llama``, Hugging Face ``transformers``' ``LlamaForCausalLM`` of
+the same shape (MLP twice the width, ``use_cache=False``, random weights, nothing
+downloaded; ``_harness.build_hf_llama``, which ``compile_time.py`` builds too). Either
+is sharded per block (decoder layer) then the root, in every variant alike.
+
+Writes ``<out>/step_time_<shape>_<model>.md`` (the table, also printed), ``.json``
+(every raw step time, every rank, losses, graph and collective counts, the device and
+the memory metric) and ``.png`` (when matplotlib is importable: step time and compile
+time per variant, the torch version and CPU in its title) into the folder ``--out``
+names (required). Tables and plots name the variants as ``_report.label`` does ([Note:
 Report names] in ``_report.py``), and a cell that cannot be measured says why ([Note:
 Cells that cannot be measured]). The memory column is the peak
 RSS on the CPU and ``torch.cuda.max_memory_allocated()`` on CUDA (see
@@ -89,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="untimed steps per variant at the start of each round, after the "
                         "compile step of round 1 (default 1)")
     R.add_out_argument(p)
+    p.add_argument("--model", choices=H.MODELS, default="demo",
+                   help="demo: traceable_hsdp.models.Llama; hf_llama: transformers' "
+                        "LlamaForCausalLM of the same shape, MLP twice the width (default demo)")
     p.add_argument("--backend", default="inductor",
                    help="torch.compile backend of every compiled variant (default inductor; "
                         "collectives are only counted with inductor)")
@@ -301,11 +312,15 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
     rows = s["rows"]
     world = meta["device"]["world"]
     metric = s["memory_metric"]
+    import _harness as H
+
     lines = [
-        f"### Shape `{shape.name}`: {shape.layers} layers, dim {shape.dim}, {shape.heads} heads, "
+        f"### Shape `{shape.name}`: {H.model_description(meta.get('model', 'demo'), shape)}, "
+        f"{shape.layers} layers, {shape.heads} heads, "
         f"vocab {shape.vocab}, seq {shape.seq}, batch {shape.batch} per rank",
         "",
-        f"{device_line(meta['device'])}; torch "
+        f"{device_line(meta['device'])}"
+        + (f"; CPU {meta['cpu']}" if meta.get("cpu") else "") + "; torch "
         f"{meta['torch']}; backend `{args.backend}`; {args.rounds} rounds x {args.steps} timed "
         f"steps per variant (+{args.warmup} warm-up per round); medians over all "
         f"{max([r['n_timed'] for r in rows.values()] or [0])} timed steps, rank 0's clock. "
@@ -382,9 +397,10 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
     return "\n".join(lines) + "\n"
 
 
-def plot(shape: Any, s: dict[str, Any], path: str, where: str) -> str | None:
-    """Writes the step-time bar chart to ``path``; ``None`` without matplotlib."""
-    fig = figure(shape, s, where)
+def plot(shape: Any, s: dict[str, Any], path: str, where: str, about: str = "") -> str | None:
+    """Writes the step-time and compile-time chart to ``path``; ``None`` without
+    matplotlib."""
+    fig = figure(shape, s, where, about)
     if fig is None:
         return None
     import matplotlib.pyplot as plt
@@ -394,9 +410,11 @@ def plot(shape: Any, s: dict[str, Any], path: str, where: str) -> str | None:
     return path
 
 
-def figure(shape: Any, s: dict[str, Any], where: str) -> Any:
-    """The step-time bar chart: one bar per variant, by name, coloured by
-    implementation with a legend; ``None`` without matplotlib."""
+def figure(shape: Any, s: dict[str, Any], where: str, about: str = "") -> Any:
+    """The step-time bar chart (left) and the compile time of each variant's first step
+    (right): one bar per variant, by name, coloured by implementation with a legend;
+    ``about`` (the model, torch version, CPU, commit) goes in the title. ``None``
+    without matplotlib."""
     try:
         import matplotlib
 
@@ -412,13 +430,30 @@ def figure(shape: Any, s: dict[str, Any], where: str) -> Any:
 
     groups = [R.group(n) for n in names]
     colors = [R.GROUP_COLORS[g] for g in groups]
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(names) + 2))
-    ax.barh([R.label(n) for n in names], med, xerr=[lo, hi], color=colors, capsize=3)
+    labels = [R.label(n) for n in names]
+    fig, (ax, cax) = plt.subplots(
+        1, 2, figsize=(14, 0.5 * len(names) + 2.6), sharey=True,
+        gridspec_kw=dict(width_ratios=[3, 2]),
+    )
+    ax.barh(labels, med, xerr=[lo, hi], color=colors, capsize=3)
+    for y, (m, h) in enumerate(zip(med, hi)):
+        ax.text(m + h, y, f"  {m:.0f}", va="center", ha="left", fontsize=7)
     ax.legend(handles=[Patch(color=R.GROUP_COLORS[g], label=g) for g in dict.fromkeys(groups)],
               loc="lower right", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("median step time (ms), bars p25-p75")
-    ax.set_title(f"step time, shape {shape.name} ({shape.layers} layers, dim {shape.dim}), {where}")
+    ax.set_title("step time")
+    comp = [s["rows"][n].get("compile_s") for n in names]
+    cax.barh(labels, [c if c is not None else 0.0 for c in comp], color=colors)
+    for y, c in enumerate(comp):
+        cax.text(c if c is not None else 0.0, y,
+                 f" {c:.1f}" if c is not None else f" {R.NO_COMPILE}",
+                 va="center", ha="left", fontsize=7)
+    cax.margins(x=0.25)
+    cax.set_xlabel("compile: first step minus median step (s), cold cache")
+    cax.set_title("compile time")
+    title = f"shape {shape.name} ({shape.layers} layers, dim {shape.dim}), {where}"
+    fig.suptitle(title + (f"\n{about}" if about else ""), fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -470,7 +505,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         if bad:
             raise SystemExit(f"unknown variant(s) {bad}; known: {sorted(known)}")
         variants = [v for v in variants if v.name in want]
-    print(f"== step_time: shape {shape_name}, variants {[v.name for v in variants]}; {passes_line}",
+    print(f"== step_time: model {args.model}, shape {shape_name}, variants {[v.name for v in variants]}; {passes_line}",
           flush=True)
     t0 = time.time()
     load_before = os.getloadavg()
@@ -479,6 +514,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         placement, shape=shape, variants=variants, rounds=args.rounds, steps=args.steps,
         warmup=args.warmup, backend=args.backend, seed=args.seed,
         progress=not args.no_progress, count_graphs=not args.no_graph_count,
+        model=args.model,
     )
     wall = time.time() - t0
     device = dict(
@@ -494,6 +530,8 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         wall_s=wall, inductor_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"),
         compile_threads=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"),
         loadavg_before=load_before, loadavg_after=os.getloadavg(),
+        model=args.model, cpu=R.cpu_name(),
+        started_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
     )
     s = summarize(shape, ranks, placement)
     for v in variants:  # eager variants compile nothing: no compile time, no payback
@@ -506,9 +544,10 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     dirty = code["dirty_runtime"]
     md += ((f"Code: commit {code['head']}" if code["head"] else f"Code: {code['root']} (not a git checkout)")
            + (f", with uncommitted changes in: {' '.join(l.split()[-1] for l in dirty.splitlines())}"
-              f" (diff sha256 {code['diff_sha256']}, saved as step_time_{shape_name}.code.diff)"
+              f" (diff sha256 {code['diff_sha256']}, saved as step_time_{shape_name}_{args.model}.code.diff)"
               if dirty else (", runtime and passes as committed" if code["head"] else ""))
-           + f". Wall time of this shape's run: {wall:.0f} s; load average (1 min) "
+           + f". Started {meta['started_utc']}; wall time of this shape's run: {wall:.0f} s; "
+           f"load average (1 min) "
            f"{meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after, "
            f"{meta['loadavg_after'][2]:.1f} over the last 15 min.\n")
     print()
@@ -521,7 +560,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         print("!" * 78 + f"\n!! LOSS MISMATCH at step 1 (spread {s['loss_step1_spread']:.3e} > "
               f"{LOSS_TOL:g}): {l1}\n" + "!" * 78, file=sys.stderr, flush=True)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"step_time_{shape_name}")
+    stem = os.path.join(args.out, f"step_time_{shape_name}_{args.model}")
     with open(stem + ".md", "w") as f:
         f.write(md)
     with open(stem + ".json", "w") as f:
@@ -531,8 +570,13 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     if meta["code"]["diff"]:
         with open(stem + ".code.diff", "w") as f:
             f.write(meta["code"]["diff"] + "\n")
+    about = (f"{H.model_description(args.model, shape).replace('`', '')}; torch {meta['torch']}; "
+             f"CPU {meta['cpu']}, {meta['cpus']} cores"
+             + (f"; GPU {device['names'][0]}" if placement.device_type == "cuda" else "")
+             + (f"; commit {code['head']}" + (" + uncommitted changes" if dirty else "")
+                if code["head"] else ""))
     png = plot(shape, s, stem + ".png", f"{placement.world} {placement.backend} ranks "
-               f"({placement.device_type})")
+               f"({placement.device_type})", about)
     print(f"wrote {stem}.md, {stem}.json" + (f", {png}" if png else " (no matplotlib: no plot)"),
           flush=True)
     return s

@@ -6,13 +6,16 @@ report's per-rank cells and device line. The CUDA branches of that logic are che
 with ``torch.cuda.is_available``/``device_count`` monkeypatched; nothing here touches
 a GPU, and the CUDA run itself is not tested (CI has no GPU).
 
-One end-to-end smoke of the CPU harness: ``step_time.py --smoke`` on 2 spawned gloo
-ranks, two eager variants, checking the markdown and json it writes. Never a timing
-assertion: these are checks of the harness, not of speed.
+End-to-end smokes of the CPU harness: ``step_time.py --smoke`` on 2 spawned gloo
+ranks, two eager variants, checking the markdown and json it writes; and the same with
+``--model hf_llama`` (transformers' ``LlamaForCausalLM``) for ours and torch's eager
+and compiled variants, whose losses must agree. Never a timing assertion: these are
+checks of the harness, not of speed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -220,8 +223,9 @@ def test_step_time_smoke_on_cpu(
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
 
-    md = (out / "step_time_smoke.md").read_text()
+    md = (out / "step_time_smoke_demo.md").read_text()
     assert "Device `cpu`" in md and "2 gloo ranks" in md
+    assert "demo Llama (`traceable_hsdp.models`), dim 32, MLP 128" in md
     assert "| peak RSS MiB after round 1, r0/r1 |" in md
     assert "Memory metric: peak RSS MiB:" in md
     assert "**OK**" in md  # both variants: the same step-1 loss
@@ -233,7 +237,7 @@ def test_step_time_smoke_on_cpu(
     assert row.count(R.NOT_COUNTED) == 2, row  # collectives/step, MiB/step
     assert "not counted (--no-graph-count)" not in row and "-0.0" not in md, md
 
-    report = json.loads((out / "step_time_smoke.json").read_text())
+    report = json.loads((out / "step_time_smoke_demo.json").read_text())
     dev = report["meta"]["device"]
     assert (dev["type"], dev["backend"], dev["world"]) == ("cpu", "gloo", 2)
     assert len(dev["names"]) == 2
@@ -246,6 +250,53 @@ def test_step_time_smoke_on_cpu(
         assert len(row["peak_mem_mib"]) == 2 and all(m > 0 for m in row["peak_mem_mib"])
         assert row["peak_above_block_start_mib"] == [None, None]  # CUDA only
     assert [r["device"]["type"] for r in report["raw"]] == ["cpu", "cpu"]
+    assert report["meta"]["model"] == "demo" and report["meta"]["torch"] == torch.__version__
+
+
+def test_step_time_hf_llama_smoke_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--model hf_llama`` end to end: transformers' ``LlamaForCausalLM`` (2 decoder
+    layers, hidden 32, no weights downloaded) sharded per decoder layer then the root,
+    ours and torch's ``fully_shard`` eager and compiled (``aot_eager``: no Inductor
+    compiles, so it stays under a minute) and the unsharded model; every variant gets
+    the same step-1 loss, and the report names the model, the torch version and the
+    CPU."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
+    out = tmp_path / "results"
+    variants = ["ours_eager", "ours_compiled", "torch_eager", "torch_block_compiled",
+                "unsharded_compiled_1rank"]
+    rc = step_time.main([
+        "--smoke", "--model", "hf_llama", "--device", "cpu", "--backend", "aot_eager",
+        "--variants", ",".join(variants), "--no-graph-count", "--no-progress",
+        "--out", str(out),
+    ])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
+    md = (out / "step_time_smoke_hf_llama.md").read_text()
+    assert "HF `LlamaForCausalLM` (transformers), hidden 32, MLP 64, 2 layers" in md
+    assert f"torch {torch.__version__}" in md and f"CPU {R.cpu_name()}" in md
+    assert "**OK**" in md, md  # every variant: the same step-1 loss
+    report = json.loads((out / "step_time_smoke_hf_llama.json").read_text())
+    assert report["meta"]["model"] == "hf_llama" and report["args"]["model"] == "hf_llama"
+    summary = report["summary"]
+    assert set(summary["rows"]) == set(variants) and not summary["failed"]
+    assert summary["loss_ok"] and summary["loss_compared"] == len(variants)
+    assert max(summary["loss_traj_max_diff_vs_torch_eager"].values()) <= step_time.LOSS_TOL
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "step_time_smoke_hf_llama.png").stat().st_size > 0
+
+
+def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
+    """``compile_time.py`` and ``step_time.py`` build HF Llama with the same function."""
+    assert not hasattr(compile_time, "build_hf_llama")
+    import inspect
+
+    assert "H.build_model(" in inspect.getsource(compile_time.run_child)
+    assert "model=spec[\"model\"]" in inspect.getsource(compile_time.run_child)
 
 
 # ---------------------------------------------------------------- report cells
@@ -287,9 +338,17 @@ def test_step_time_plot_has_a_legend_and_no_target_lines() -> None:
 
     names = ["ours_compiled", "torch_eager", "torch_block_compiled", "unsharded_compiled_1rank"]
     s = dict(rows={n: row(100.0 + 10 * i) for i, n in enumerate(names)})
-    fig = step_time.figure(H.SHAPES["overhead"], s, "2 gloo ranks (cpu)")
+    for i, n in enumerate(names):
+        s["rows"][n]["compile_s"] = None if n == "torch_eager" else 10.0 * (i + 1)
+    fig = step_time.figure(H.SHAPES["overhead"], s, "2 gloo ranks (cpu)",
+                           "demo Llama; torch 2.13.0+cpu; CPU AMD EPYC, 2 cores")
     try:
-        (ax,) = fig.axes
+        ax, cax = fig.axes  # step time, compile time
+        assert "torch 2.13.0+cpu" in fig._suptitle.get_text()
+        assert "CPU AMD EPYC" in fig._suptitle.get_text()
+        assert cax.get_title() == "compile time"
+        texts = [t.get_text().strip() for t in cax.texts]
+        assert texts == ["10.0", R.NO_COMPILE, "30.0", "40.0"], texts
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         assert legend == ["traceable_hsdp fully_shard", "torch fully_shard",
                           "unsharded model (no communication)"]
