@@ -71,6 +71,12 @@ import _report as R  # noqa: E402
 
 LOSS_TOL = 1e-4
 REF_BLOCK, REF_EAGER = "torch_block_compiled", "torch_eager"
+# The step-time issue's goals, per shape: (variant, reference, the most its median step
+# may be as a multiple of the reference's).
+GOALS: dict[str, tuple[tuple[str, str, float], ...]] = {
+    "overhead": (("ours_compiled", REF_BLOCK, 0.5), ("ours_eager", REF_EAGER, 1.15)),
+    "compute": (("ours_compiled", REF_BLOCK, 0.65), ("ours_eager", REF_EAGER, 1.15)),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,7 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed steps per variant at the start of each round, after the "
                         "compile step of round 1 (default 1)")
-    R.add_out_argument(p)
+    R.add_out_argument(p, required=False)  # required unless --table-from, checked below
+    p.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: print the short table docs/benchmarks.md shows (with "
+                        "the run's date, commit, torch, CPU, load and the goals) of each "
+                        "step_time_*.json named")
     p.add_argument("--model", choices=H.MODELS, default="demo",
                    help="demo: traceable_hsdp.models.Llama; hf_llama: transformers' "
                         "LlamaForCausalLM of the same shape, MLP twice the width (default demo)")
@@ -115,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "times then depend on earlier runs)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     a = p.parse_args(argv)
+    if a.out is None and a.table_from is None:
+        p.error("the following arguments are required: --out")
     if a.smoke:
         a.steps, a.rounds = (2 if a.steps == 5 else a.steps), (1 if a.rounds == 3 else a.rounds)
     for name in ("steps", "rounds"):
@@ -380,6 +392,7 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
             f"Sharded variants over all their steps vs {R.label(REF_EAGER)}: max |loss diff| "
             f"{worst[1]:.2e} ({R.label(worst[0])})."
         )
+    lines.extend(goal_lines(shape.name, rows))
     lines.append(f"Memory metric: {metric['label']}: {metric['what']}.")
     above = {
         name: r["peak_above_block_start_mib"][0] for name, r in rows.items()
@@ -394,6 +407,78 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
     rss_end = ", ".join(f"rank {i} {v:.0f} MiB" for i, v in enumerate(s["peak_rss_mib"]))
     host = " (host)" if meta["device"]["type"] == "cuda" else ""
     lines.append(f"Peak RSS per process at the end{host}: {rss_end}.")
+    return "\n".join(lines) + "\n"
+
+
+def goal_lines(shape_name: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per goal of :data:`GOALS` for this shape: the ratio of medians and
+    whether it is met, or why it cannot be said."""
+    out = []
+    for name, ref, most in GOALS.get(shape_name, ()):
+        what = f"Goal: {R.label(name)} at most {most:g}x {R.label(ref)}"
+        if name not in rows or ref not in rows:
+            out.append(f"{what}: not measured in this run.")
+            continue
+        ratio = rows[name]["median_s"] / rows[ref]["median_s"]
+        out.append(f"{what}: {ratio:.2f}x, **{'met' if ratio <= most else 'not met'}**.")
+    return out
+
+
+def doc_table(report: dict[str, Any]) -> str:
+    """The short table of one ``step_time_*.json`` that ``docs/benchmarks.md`` shows:
+    where and when it ran, and per variant the median step, its ratios to torch's
+    per-block compiled and eager ``fully_shard``, the first step and the compile time
+    in it, the steps to pay that back, and the collectives per step; then the loss
+    check and the goals. Every number is read from the report."""
+    import _harness as H
+
+    meta, s, args = report["meta"], report["summary"], report["args"]
+    shape = H.Shape(**report["shape"])
+    rows = s["rows"]
+    code = meta["code"]
+    commit = (f"commit {code['head']}" + (" with uncommitted runtime changes"
+                                          if code.get("dirty_runtime") else "")
+              if code.get("head") else f"{code.get('root')} (not a git checkout)")
+    lb, la = meta["loadavg_before"], meta["loadavg_after"]
+    lines = [
+        f"Run started {meta.get('started_utc', '?')}, {commit}; "
+        f"{H.model_description(meta.get('model', 'demo'), shape)}, {shape.layers} layers, "
+        f"{shape.heads} heads, vocab {shape.vocab}, seq {shape.seq}, batch {shape.batch} "
+        f"per rank; {device_line(meta['device'])}; CPU {meta.get('cpu', '?')}; torch "
+        f"{meta['torch']}; backend `{args['backend']}`; {args['rounds']} rounds x "
+        f"{args['steps']} timed steps per variant, round-robin, medians of rank 0's clock; "
+        f"{'Inductor cache as left by earlier runs' if args.get('keep_inductor_cache') else 'fresh Inductor cache'}. Load average (1 min) {lb[0]:.1f} at the start, {la[0]:.1f} "
+        f"at the end ({la[2]:.1f} over the last 15 min); wall time {meta['wall_s'] / 60:.0f} min.",
+        "",
+        f"| variant | median step (ms) | p25-p75 (ms) | vs {R.label(REF_BLOCK)} "
+        f"| vs {R.label(REF_EAGER)} | first step (s) | compile (s) "
+        f"| steps to pay back vs {R.label(REF_BLOCK)} | collectives/step AG/RS/AR |",
+        "|" + "---|" * 9,
+    ]
+    for name, r in rows.items():
+        compiled = r.get("compiled", True)
+        coll_n, _ = _coll_cells(name, r["collectives"])
+        lines.append(
+            f"| {R.label(name)} | {r['median_s'] * 1e3:.1f} "
+            f"| {r['p25_s'] * 1e3:.1f}-{r['p75_s'] * 1e3:.1f} "
+            f"| {_ratio(r.get('vs_' + REF_BLOCK))} | {_ratio(r.get('vs_' + REF_EAGER))} "
+            f"| {_fmt(r['first_step_s'], '.1f')} "
+            f"| {_fmt(r['compile_s'], '.1f') if compiled else R.NO_COMPILE} "
+            f"| {payback_cell(r, rows.get(REF_BLOCK))} | {coll_n} |"
+        )
+    for name, f in s["failed"].items():
+        lines.append(f"| {R.label(name)} | FAILED: `{f['error'].splitlines()[0][:120]}` |"
+                     + " |" * 7)
+    lines.append("")
+    verdict = "OK" if s["loss_ok"] and s["loss_compared"] > 1 else "MISMATCH"
+    lines.append(
+        f"Loss check: step-1 loss of rank 0 equal across the {s['loss_compared']} variants "
+        f"within {LOSS_TOL:g} (spread {s['loss_step1_spread']:.1e}): **{verdict}**."
+    )
+    goals = goal_lines(shape.name, rows)
+    if goals:
+        lines.append("")
+        lines.extend(f"- {g}" for g in goals)
     return "\n".join(lines) + "\n"
 
 
@@ -584,6 +669,11 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # puts HERE on sys.path
+    if args.table_from:
+        for path in args.table_from:
+            with open(path) as f:
+                print(doc_table(json.load(f)))
+        return 0
     if args.placement.device_type == "cpu":
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the ranks fill the cores
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiled step: no kineto chatter

@@ -288,6 +288,25 @@ def test_step_time_hf_llama_smoke_on_cpu(
     assert max(summary["loss_traj_max_diff_vs_torch_eager"].values()) <= step_time.LOSS_TOL
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "step_time_smoke_hf_llama.png").stat().st_size > 0
+    # The docs' short table, from the JSON alone.
+    table = step_time.doc_table(report)
+    assert "HF `LlamaForCausalLM`" in table and f"torch {torch.__version__}" in table
+    assert sum(l.startswith("| ") for l in table.splitlines()) == 1 + len(variants)
+    assert "**OK**" in table
+
+
+def test_step_time_goal_lines() -> None:
+    def rows(**ms: float) -> dict[str, dict[str, float]]:
+        return {k: dict(median_s=v / 1e3) for k, v in ms.items()}
+
+    got = step_time.goal_lines("overhead", rows(ours_compiled=50.0, torch_block_compiled=100.0,
+                                                ours_eager=120.0, torch_eager=100.0))
+    assert got[0].endswith("at most 0.5x torch fully_shard, per-block torch.compile: "
+                           "0.50x, **met**.")
+    assert got[1].endswith("at most 1.15x torch fully_shard, eager: 1.20x, **not met**.")
+    got = step_time.goal_lines("compute", rows(ours_compiled=70.0, torch_block_compiled=100.0))
+    assert "0.70x, **not met**" in got[0] and got[1].endswith("not measured in this run.")
+    assert step_time.goal_lines("smoke", rows(ours_compiled=1.0)) == []
 
 
 def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
