@@ -19,7 +19,7 @@ from ._collectives import (
     wait_all_gather,
 )
 from .passes._graph import UnitPassOptions
-from ._common import MeshInfo, ShardedState, TrainingState, compiling, refusal
+from ._common import MeshInfo, ShardedState, compiling, refusal
 from ._param import FSDPParam
 
 
@@ -200,7 +200,10 @@ class FSDPParamGroup:
         self.fsdp_params = fsdp_params
         self.mesh_info = mesh_info
         self.label = label  # the unit's module class name, for messages
-        self.training_state = TrainingState.IDLE
+        # The group's gradient work is in flight: from pre_backward to finish_backward.
+        # Not a copy of the unit's TrainingState; see [Note: A unit's state and its
+        # group's backward] (_state.py).
+        self.in_backward = False
         self.sharded_state = ShardedState.SHARDED
         # All-gathers issued but not yet waited for, or None: traced, one output per
         # parameter (1D list of ND tensors); eagerly, an _EagerUnshard.
@@ -361,7 +364,7 @@ class FSDPParamGroup:
     # See [Note: When a unit's backward is done].
     def pre_backward(self) -> None:
         """Re-gathers before this unit's backward (no-op if still unsharded)."""
-        self.training_state = TrainingState.PRE_BACKWARD
+        self.in_backward = True
         self.backward_syncs = self.reduce_grads
         if self.unshard_in_backward:
             self.unshard()
@@ -567,7 +570,7 @@ class FSDPParamGroup:
             self.reshard()
         else:
             self.register_sharded()  # the data stays gathered for the next forward
-        self.training_state = TrainingState.IDLE
+        self.in_backward = False
         self._grads_pending = 0
 
     def reset(self) -> None:
@@ -585,7 +588,7 @@ class FSDPParamGroup:
             if fp.replicas_pending:
                 fp.sharded_param.grad = None
                 fp.replicas_pending = False
-        self.training_state = TrainingState.IDLE
+        self.in_backward = False
         self._grads_pending = 0
         self._grads_ready = 0
         self.input_grad_hooks = 0

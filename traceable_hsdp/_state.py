@@ -135,6 +135,21 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 # forward is recomputed inside the compiled graphs).
 
 
+# [Note: A unit's state and its group's backward]
+# The unit's ``TrainingState`` lives on the ``FSDPState`` alone. Its parameter group
+# keeps one different fact, ``in_backward``: its gradient work is in flight, from
+# ``pre_backward`` (which re-gathers) until ``finish_backward`` (every gradient it
+# waits for was handled). The two part where it matters: a group with nothing to wait
+# for (every parameter frozen, no input needing grad) finishes inside
+# ``pre_backward``, while its unit stays ``PRE_BACKWARD`` until its backward is over,
+# so that the unit's other outputs' hooks do not re-gather it again, and a recompute
+# of its forward (activation checkpointing) is still seen as part of its backward (see
+# [Note: Forward during the unit's backward]). The unit goes ``IDLE`` when its group
+# stops being in backward (``_idle_if_group_done``), when its root finishes it, or at
+# its next post-forward; a post-forward also ends the group's backward, as the unit's
+# forward starts a new iteration for both.
+
+
 # [Note: Forward wrapper, not module hooks]
 # Pre- and post-forward run inside the ``forward`` of the generated ``FSDP<Class>``
 # rather than as module hooks. ``torch.compile(module)`` calls the top module's hooks
@@ -323,7 +338,6 @@ class FSDPState:
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         if pg is not None:
-            pg.training_state = TrainingState.FORWARD
             pg.issue_unshard()
             for other in self.forward_prefetch:
                 if other.param_group is not None:
@@ -401,7 +415,7 @@ class FSDPState:
                     pg.register_sharded()
             else:  # an int: keep 1/raf for a smaller re-gather in backward
                 pg.post_forward_reshard()
-            pg.training_state = TrainingState.IDLE
+            pg.in_backward = False  # See [Note: A unit's state and its group's backward].
         self.training_state = TrainingState.IDLE
         output = self._cast_output(output)
         if torch.is_grad_enabled():
@@ -422,7 +436,7 @@ class FSDPState:
         pg = self.param_group
         if (
             pg is not None
-            and pg.training_state is not TrainingState.PRE_BACKWARD
+            and not pg.in_backward
             and self.training_state is not TrainingState.PRE_BACKWARD
         ):
             self.training_state = TrainingState.PRE_BACKWARD
@@ -452,7 +466,7 @@ class FSDPState:
         return grad
 
     def _idle_if_group_done(self) -> None:
-        if self.param_group is not None and self.param_group.training_state is TrainingState.IDLE:
+        if self.param_group is not None and not self.param_group.in_backward:
             # The group finished: the unit is idle again, so the next forward sees
             # the same state as the first (no recompile).
             self.training_state = TrainingState.IDLE
