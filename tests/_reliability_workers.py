@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
+import traceable_hsdp.passes._graph as G
 from traceable_hsdp.models import Llama, LlamaConfig
 
 # ------------------------------------------------------------------- prefetch
@@ -72,7 +73,7 @@ def _graph_order(gm: torch.fx.GraphModule, unit_of: dict[int, int]) -> list[str]
         if n.op != "call_function":
             continue
         name = str(n.target)
-        if "all_gather_into_tensor" in name:
+        if G.is_all_gather(n):
             inp = n.args[0].meta
             tokens.append(f"ag{unit_of[inp.get('example_value', inp.get('val')).numel()]}")
         elif "linear" in name or name.split(".")[-2:-1] in (["mm"], ["addmm"]):

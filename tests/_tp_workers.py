@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import traceable_hsdp as th
+import traceable_hsdp.passes._graph as G
 from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
 from traceable_hsdp.models import Llama
 
@@ -264,18 +265,14 @@ class GroupRecorder:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         counts: dict[str, int] = {}
         for n in gm.graph.nodes:
-            if n.op != "call_function" or "_c10d_functional" not in str(n.target):
+            if G.is_fsdp_copy(n):
+                counts["fsdp.copy_"] = counts.get("fsdp.copy_", 0) + 1
+            if not G.is_collective(n):  # waits are not counted
                 continue
-            # "_c10d_functional.all_gather_into_tensor" (dynamo) or "....default" (aten)
-            op = str(n.target).split("_c10d_functional.")[1].split(".")[0]
-            if op == "wait_tensor":
-                continue
-            group = n.args[-1] if isinstance(n.args[-1], str) else None
+            op = G.op_name(n)[1]  # e.g. "all_gather_into_tensor", either op form
+            group = G.collective_group_name(n)
             key = f"{op}@{self.groups.get(group, group)}"
             counts[key] = counts.get(key, 0) + 1
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and "fsdp.copy_" in str(n.target):
-                counts["fsdp.copy_"] = counts.get("fsdp.copy_", 0) + 1
         cid = torch._guards.CompileContext.current_compile_id()
         is_bwd = cid is not None and cid.compiled_autograd_id is not None
         (self.backward if is_bwd else self.forward).append(counts)
