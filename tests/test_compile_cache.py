@@ -178,8 +178,8 @@ def test_changed_configuration_shape_or_world_misses(
     (again,) = one()  # nothing changed: the backward hits (the check can see a hit)
     assert again["fx_hit"] == 1 and again["fx_miss"] == 0, again
     for changed in (
-        one(TRACEABLE_HSDP_PASSES="remove_resize_copy,bucket"),  # overlap off
-        one(TRACEABLE_HSDP_BUCKET_CAP_MB="1"),
+        # The pass configuration: overlap off and another bucket cap, one change.
+        one(TRACEABLE_HSDP_PASSES="remove_resize_copy,bucket", TRACEABLE_HSDP_BUCKET_CAP_MB="1"),
         one(dim=24),
     ):
         assert all_miss(changed), changed

@@ -93,7 +93,7 @@ def test_hsdp_parity_2x2(mode: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["eager", "compiled", "inductor"])
+@pytest.mark.parametrize("mode", ["eager", "inductor"])
 def test_reshard_after_forward_int_4_ranks(mode: str) -> None:
     """reshard_after_forward=2 on a 1-D mesh of 4 ranks: after forward every
     placeholder is freed and each rank keeps half of each (padded) parameter; the
@@ -103,7 +103,8 @@ def test_reshard_after_forward_int_4_ranks(mode: str) -> None:
     "inductor" is the backend users run, with every pass on (default 4 MiB bucket
     cap: the three small units share one bucket), counted from the final post-grad
     graphs: the forward gathers over all 4 ranks, the backward re-gathers over 2 and
-    reduce-scatters over 4."""
+    reduce-scatters over 4. (No separate aot_eager case: the same graphs, and the
+    Inductor case checks more of them.)"""
     results = run_ranks(parity_worker, 4, (4,), mode, 2)
     _check_parity(results, 4)
     for r in results:
@@ -111,10 +112,6 @@ def test_reshard_after_forward_int_4_ranks(mode: str) -> None:
         assert all(r["full_bytes"] / 2 <= b <= r["full_bytes"] / 2 * 1.2
                    for b in r["pf_bytes_after_fwd"]), (r["full_bytes"], r["pf_bytes_after_fwd"])
         assert r["pf_bytes_after_bwd"] == [0] * STEPS
-    if mode == "compiled":
-        r = results[0]
-        assert r["graphs_after_step"] == [(1, 1)] * STEPS, r["graphs_after_step"]
-        assert r["bwd_counts"][0]["all_gather_into_tensor"] == N_PARAMS
     if mode == "inductor":
         for r in results:
             assert r["graphs_after_step"] == [(1, 1)] * STEPS, r["graphs_after_step"]
