@@ -535,7 +535,7 @@ def figure(shape: Any, s: dict[str, Any], where: str, about: str = "") -> Any:
                  f" {c:.1f}" if c is not None else f" {R.NO_COMPILE}",
                  va="center", ha="left", fontsize=7)
     cax.margins(x=0.25)
-    cax.set_xlabel("compile: first step minus median step (s), cold cache")
+    cax.set_xlabel("compile (s): first step\nminus median step, cold cache")
     cax.set_title("compile time")
     title = f"shape {shape.name} ({shape.layers} layers, dim {shape.dim}), {where}"
     fig.suptitle(title + (f"\n{about}" if about else ""), fontsize=10)
