@@ -570,10 +570,7 @@ def build_hf_llama(
     does the demo Llama: ``fully_shard`` per decoder layer, then the root; torch's
     per-block recipe compiles each decoder layer first. The callable returns the
     logits."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    import traceable_hsdp
 
     config = LlamaConfig(
         vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=2 * shape.dim,
@@ -583,19 +580,33 @@ def build_hf_llama(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device)
-    layers = model.model.layers
+    run = _shard_and_compile(model, model.model.layers, variant, mesh, backend)
+    return model, lambda x: run(input_ids=x).logits
+
+
+def _shard_and_compile(
+    model: torch.nn.Module, blocks: torch.nn.ModuleList, variant: Variant, mesh: Any,
+    backend: str,
+) -> Callable[..., Any]:
+    """Shards ``model`` as ``variant`` says (``fully_shard``, ours or torch's, on each of
+    ``blocks``, then on the root; nothing for the unsharded variant) and returns what
+    runs its forward: the model, or the model compiled whole. With per-block compile
+    (torchtitan's recipe) each block is compiled first, in place in ``blocks``."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import traceable_hsdp
+
     if variant.impl != "unsharded":
         fs = traceable_hsdp.fully_shard if variant.impl == "ours" else torch_fully_shard
         if variant.compile == "blocks":
-            # torchtitan's recipe: compile each decoder layer, then shard per layer and root.
-            for i, layer in enumerate(layers):
-                layers[i] = torch.compile(layer, backend=backend, fullgraph=True)
-        for layer in layers:
-            fs(layer, mesh=mesh)
+            for i, block in enumerate(blocks):
+                blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+        for block in blocks:
+            fs(block, mesh=mesh)
         fs(model, mesh=mesh)
-    run = (torch.compile(model, backend=backend, fullgraph=True)
-           if variant.compile == "whole" else model)
-    return model, lambda x: run(input_ids=x).logits
+    if variant.compile == "whole":
+        return torch.compile(model, backend=backend, fullgraph=True)
+    return model
 
 
 def build_model(
@@ -611,24 +622,11 @@ def build_model(
         return build_hf_llama(variant, shape, mesh, device, backend, seed)
     if model != "demo":
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    import traceable_hsdp
-    from traceable_hsdp.models import Llama, shard_llama
+    from traceable_hsdp.models import Llama
 
     torch.manual_seed(seed)
     model = Llama(shape.model_config()).to(device)
-    if variant.impl == "ours":
-        shard_llama(model, traceable_hsdp.fully_shard, mesh=mesh)
-    elif variant.impl == "torch":
-        if variant.compile == "blocks":
-            # torchtitan's recipe: compile each block, then shard per block and root.
-            for i, block in enumerate(model.layers):
-                model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
-        shard_llama(model, torch_fully_shard, mesh=mesh)
-    if variant.compile == "whole":
-        return model, torch.compile(model, backend=backend, fullgraph=True)
-    return model, model
+    return model, _shard_and_compile(model, model.layers, variant, mesh, backend)
 
 
 class Runner:

@@ -435,10 +435,7 @@ def doc_table(report: dict[str, Any]) -> str:
     meta, s, args = report["meta"], report["summary"], report["args"]
     shape = H.Shape(**report["shape"])
     rows = s["rows"]
-    code = meta["code"]
-    commit = (f"commit {code['head']}" + (" with uncommitted runtime changes"
-                                          if code.get("dirty_runtime") else "")
-              if code.get("head") else f"{code.get('root')} (not a git checkout)")
+    commit = R.code_line(meta["code"]).removeprefix("Code: ")
     lb, la = meta["loadavg_before"], meta["loadavg_after"]
     lines = [
         f"Run started {meta.get('started_utc', '?')}, {commit}; "
