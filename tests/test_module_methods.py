@@ -51,6 +51,16 @@ def test_every_torch_method_exists_with_torch_signature() -> None:
         ], name
 
 
+def test_units_are_torch_fsdp_modules_with_every_member_ours() -> None:
+    """Our mixin subclasses torch's FSDPModule (isinstance checks in user code and
+    torch's helpers see our units), and overrides every method torch's defines,
+    private ones included, so none of torch's runtime runs on our units."""
+    assert issubclass(th.FSDPModule, torch_fsdp.FSDPModule)
+    for name, member in vars(torch_fsdp.FSDPModule).items():
+        if callable(member) and not (name.startswith("__") and name != "__new__"):
+            assert name in vars(th.FSDPModule), f"torch's FSDPModule.{name} is not overridden"
+
+
 def _tiny(mesh) -> nn.Module:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -394,13 +404,18 @@ def test_register_fsdp_forward_method(one_rank) -> None:
         m.sample(x)
     with pytest.raises(ValueError, match="does not have a method 'nope'"):
         th.register_fsdp_forward_method(m, "nope")
-    th.register_fsdp_forward_method(m, "sample")
-    w = m.lin.weight.full_tensor().clone()
-    out = m.sample(x)
-    torch.testing.assert_close(out, x @ w.T * 2, rtol=0, atol=0)
-    out.sum().backward()
-    torch.testing.assert_close(m.lin.weight.grad.full_tensor(), 2 * x.sum(0).expand(4, 4), rtol=0, atol=0)
-    assert isinstance(m.lin.weight, DTensor)  # resharded after the method
+    # Ours, and torch's own helper (which works through _get_fsdp_state's view; see
+    # [Note: A subclass of torch's FSDPModule]).
+    for register in (th.register_fsdp_forward_method, torch_fsdp.register_fsdp_forward_method):
+        m = th.fully_shard(Sampler(), mesh=one_rank)
+        register(m, "sample")
+        w = m.lin.weight.full_tensor().clone()
+        out = m.sample(x)
+        torch.testing.assert_close(out, x @ w.T * 2, rtol=0, atol=0)
+        out.sum().backward()
+        grad = m.lin.weight.grad.full_tensor()
+        torch.testing.assert_close(grad, 2 * x.sum(0).expand(4, 4), rtol=0, atol=0)
+        assert isinstance(m.lin.weight, DTensor)  # resharded after the method
 
 
 def test_share_comm_ctx_and_state(one_rank) -> None:
@@ -411,6 +426,11 @@ def test_share_comm_ctx_and_state(one_rank) -> None:
     th.share_comm_ctx([a, b])
     with pytest.raises(ValueError, match="Expects list of FSDPModules"):
         th.share_comm_ctx([a, nn.Linear(2, 2)])
+    # torch's share_comm_ctx reads torch's private state: a clear error, not a crash
+    # deep in torch.
+    assert isinstance(a, torch_fsdp.FSDPModule)
+    with pytest.raises(AttributeError, match="traceable_hsdp: '_comm_ctx' is an attribute of torch's private"):
+        torch_fsdp.share_comm_ctx([a, b])
     state = th.fully_shard.state(a)
     assert state is a._traceable_hsdp_state and state.is_root
     assert [fp.fqn for fp in state.param_group.fsdp_params] == ["weight", "bias"]

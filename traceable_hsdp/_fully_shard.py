@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, overload
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
@@ -39,15 +40,70 @@ from .passes import track_unit_options
 __all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
-class FSDPModule:
-    """Mixin added to the class of every module passed to :func:`fully_shard`."""
+# [Note: A subclass of torch's FSDPModule]
+# Our mixin subclasses ``torch.distributed.fsdp.FSDPModule``, so code written against
+# torch's FSDP2 recognises our units: ``isinstance(m, FSDPModule)`` in user loops,
+# torchtitan and accelerate, and torch's public helpers that check it, such as
+# ``torch.distributed.fsdp.register_fsdp_forward_method`` (a silent no-op on a module
+# that is not one, which left a method reading sharded parameters). Every public method
+# of torch's class is overridden here (tests/test_api_surface.py checks it), so none of
+# torch's runtime runs on our units. torch's helpers that go further reach the unit's
+# state through the private ``_get_fsdp_state()``; it returns a ``TorchStateView``
+# that offers the two entries torch's ``register_fsdp_forward_method`` calls
+# (``_pre_forward`` and ``_post_forward``, with torch's signatures) and raises an
+# ``AttributeError`` naming the attribute and the way out for any other (torch's
+# ``share_comm_ctx``, ``FSDPMemTracker``). torch.distributed.pipelining's FSDP path
+# reads torch's state through torch's own ``fully_shard.state``, which knows nothing
+# of our units: docs/api.md lists it as not supported.
+
+
+class TorchStateView:
+    """What ``FSDPModule._get_fsdp_state()`` returns: a unit's state seen through
+    the two entries of torch's FSDP state that torch's public helpers call. See
+    [Note: A subclass of torch's FSDPModule]."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return self._state._pre_forward(args, kwargs)
+
+    def _post_forward(self, module: nn.Module, input: Any, output: Any) -> Any:
+        return self._state._post_forward(output)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"traceable_hsdp: {name!r} is an attribute of torch's private FSDP state, "
+            "which a traceable_hsdp unit does not have: its state is its own. Code that "
+            "reads torch's FSDP internals (torch.distributed.fsdp.share_comm_ctx, "
+            "FSDPMemTracker, torch.distributed.pipelining's FSDP support) does not work "
+            "on traceable_hsdp units. Use traceable_hsdp's public API instead "
+            "(traceable_hsdp.share_comm_ctx, traceable_hsdp.fully_shard.state(module)); "
+            "see docs/api.md."
+        )
+
+
+class FSDPModule(_TorchFSDPModule):
+    """Mixin added to the class of every module passed to :func:`fully_shard`. A
+    subclass of torch's ``FSDPModule`` whose methods are all ours; see [Note: A
+    subclass of torch's FSDPModule]."""
+
+    # The generated class's MRO: FSDP<Orig>, this mixin, torch's FSDPModule, Orig.
+    _orig_cls_mro_index: int = 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Index 0 is the FSDP class itself, index 1 the mixin, index 2 the original.
-        orig_cls = cls.__mro__[2]
+        # Constructing FSDP<Orig>(...) (e.g. indexing a container module) builds Orig.
+        orig_cls = cls.__mro__[cls._orig_cls_mro_index]
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
+
+    def _get_fsdp_state(self) -> TorchStateView:
+        """torch's private accessor, for torch's helpers that call it (see [Note: A
+        subclass of torch's FSDPModule]). Our own code uses ``fully_shard.state``."""
+        return TorchStateView(_require_state(self))
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gathers this unit's parameters into their unsharded placeholders and
@@ -83,7 +139,9 @@ class FSDPModule:
         # _apply converts the sharded DTensors; the unit then follows them. See
         # [Note: Changes after fully_shard] in _param.py.
         self.reshard()
-        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        # The original class's _apply, past torch's FSDPModule (whose _apply would
+        # read torch's private state).
+        out = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
         # Devices are checked at the next forward: in a list unit, the other
         # modules may not be converted yet.
         _require_state(self)._apply_user_changes(check_device=False)
@@ -332,7 +390,7 @@ class FSDPModule:
         )
 
     # [Note: torch's communication tuning methods]
-    # The six methods below tune torch's eager runtime: its communication objects,
+    # The seven methods below tune torch's eager runtime: its communication objects,
     # staging buffers, streams and process groups. Here every collective is a
     # functional c10d op on the current stream, traced into the compiled graphs, and
     # its buffers are the graph's (Inductor plans them) or the eager op's: there is no
@@ -427,6 +485,15 @@ class FSDPModule:
             "symmetric memory from here. Bucketing and overlap are configured with "
             "traceable_hsdp.passes.",
         )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """torch's private switch that issues the pre-forward and pre-backward
+        all-gathers with ``async_op=True`` so that their buffers are allocated on
+        the current stream. Ours always are (every collective runs on the current
+        stream), and prefetching stays as configured, so both values leave the
+        behaviour as it is; the argument is checked. See [Note: torch's
+        communication tuning methods]."""
+        _check_bool("async_op", async_op)
 
 
 def _not_supported(method: str, why: str) -> None:
