@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing.forkserver
 import os
 import pickle
 import tempfile
@@ -13,6 +14,47 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+# [Note: Rank processes from a preloaded fork server]
+# A spawned rank is a fresh interpreter that imports torch, dynamo, Inductor, the
+# runtime and the test's worker module before its first line of test code: 3-5 s of
+# CPU per rank, paid by every rank of every multi-process test. Ranks are instead
+# forked from multiprocessing's fork server, which imports those modules once
+# (``set_forkserver_preload``) and runs nothing else, so each rank starts in the state
+# right after the imports, as a spawned one would, without paying for them. Some
+# modules read environment variables at import (``TRACEABLE_HSDP_BUCKET_CAP_MB`` in the
+# passes, Inductor's config), and a forked rank has the server's environment, not the
+# test's. So the server is restarted whenever the environment differs from the one it
+# started with (tests that set variables come in runs: one restart per run).
+# Forked ranks also share what a fresh interpreter draws anew: the string hash seed and
+# the memory layout (object ids). Tests of keys that must agree between unrelated
+# processes (the compile-cache tests) would pass by that coincidence, so they ask for
+# spawned ranks (``run_ranks(..., spawn=True)``).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "traceable_hsdp._fully_shard",
+    "_workers",
+]
+_server_env: dict[str, str] | None = None
+
+
+def _start_method(spawn: bool) -> str:
+    """``forkserver``, with a server started in the current environment, unless
+    ``spawn``."""
+    global _server_env
+    if spawn:
+        return "spawn"
+    env = dict(os.environ)
+    if _server_env is None:
+        multiprocessing.forkserver.set_forkserver_preload(_PRELOAD)
+    elif env != _server_env:
+        multiprocessing.forkserver._forkserver._stop()  # the next start runs a new one
+    _server_env = env
+    return "forkserver"
 
 
 def _worker(rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -34,13 +76,15 @@ def _worker(rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: 
         pass
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, spawn: bool = False) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns the
-    per-rank results, or raises with every failing rank's traceback."""
+    per-rank results, or raises with every failing rank's traceback. The ranks fork
+    from a preloaded server, or with ``spawn`` start as fresh interpreters; see
+    [Note: Rank processes from a preloaded fork server]."""
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
             _worker, args=(world_size, tmp, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
+            join=False, start_method=_start_method(spawn),
         )
         while not ctx.join():
             pass

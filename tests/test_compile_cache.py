@@ -141,13 +141,13 @@ def test_mega_cache_second_process_hits(
 
     monkeypatch.setenv(_cache.ENV_STABLE_MESH_KEY, "1" if stable else "0")
     art = str(fresh_cache / "artifacts.bin")
-    (saved,) = run_ranks(W.mega_cache_save, 1, art)
+    (saved,) = run_ranks(W.mega_cache_save, 1, art, spawn=True)
     assert saved["fx_miss"] == 1 and saved["fx_hit"] == 0, saved
     # A fresh process, and the FX graph cache emptied: only the artifacts can carry the
     # entry. (The C++ kernel files stay, to save their compile: on the CPU the artifacts
     # do not carry them; see docs/compile.md, Mega-Cache.)
     shutil.rmtree(fresh_cache / "inductor" / "fxgraph")
-    (loaded,) = run_ranks(W.mega_cache_load, 1, art)
+    (loaded,) = run_ranks(W.mega_cache_load, 1, art, spawn=True)
     assert loaded["fx_bypass"] == 1, loaded  # the forward: BackwardState, in torch
     if stable:
         assert loaded["fx_hit"] == 1 and loaded["fx_miss"] == 0, loaded
@@ -168,7 +168,7 @@ def test_changed_configuration_shape_or_world_misses(
         with monkeypatch.context() as m:
             for k, v in env.items():
                 m.setenv(k, v)
-            return run_ranks(W.compile_step, world, dim, *args)
+            return run_ranks(W.compile_step, world, dim, *args, spawn=True)
 
     def all_miss(runs: list[dict[str, int]]) -> bool:
         return all(c["fx_hit"] == 0 and c["fx_miss"] == 1 for c in runs)
