@@ -52,15 +52,25 @@ __all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method", "share_c
 # that offers the two entries torch's ``register_fsdp_forward_method`` calls
 # (``_pre_forward`` and ``_post_forward``, with torch's signatures) and raises an
 # ``AttributeError`` naming the attribute and the way out for any other (torch's
-# ``share_comm_ctx``, ``FSDPMemTracker``). torch.distributed.pipelining's FSDP path
-# reads torch's state through torch's own ``fully_shard.state``, which knows nothing
-# of our units: docs/api.md lists it as not supported.
+# ``share_comm_ctx``, ``FSDPMemTracker``).
+#
+# torch.distributed.pipelining treats a stage whose module is an ``FSDPModule`` as
+# FSDP: it runs every micro-batch's backward with gradient sync and resharding off,
+# then, in its gradient-reduction step, fetches the state with torch's own
+# ``fully_shard.state(module)`` and calls ``post_backward()`` on each parameter group
+# and ``_root_post_backward_final_callback()`` on the root. So the view is also
+# registered where torch's ``fully_shard.state`` looks (``_expose_to_torch``), and
+# offers those three entries: a group's ``post_backward`` reduces the gradients the
+# micro-batches kept (``reduce_held_grads``), the root's callback is our root's
+# end-of-backward (which then frees the units, the last backward being flagged).
+# tests/test_pipelining.py checks a 2-stage x 2-way FSDP schedule against one process.
 
 
 class TorchStateView:
-    """What ``FSDPModule._get_fsdp_state()`` returns: a unit's state seen through
-    the two entries of torch's FSDP state that torch's public helpers call. See
-    [Note: A subclass of torch's FSDPModule]."""
+    """What ``FSDPModule._get_fsdp_state()`` and torch's ``fully_shard.state``
+    return for our units: a unit's state seen through the entries of torch's FSDP
+    state that torch's public helpers and pipelining call. See [Note: A subclass of
+    torch's FSDPModule]."""
 
     def __init__(self, state: FSDPState) -> None:
         self._state = state
@@ -73,6 +83,18 @@ class TorchStateView:
     def _post_forward(self, module: nn.Module, input: Any, output: Any) -> Any:
         return self._state._post_forward(output)
 
+    @property
+    def _state_ctx(self) -> _TorchStateCtxView:
+        return _TorchStateCtxView([TorchStateView(s) for s in self._state.root.states])
+
+    @property
+    def _fsdp_param_groups(self) -> list[_TorchGroupView]:
+        pg = self._state.param_group
+        return [] if pg is None else [_TorchGroupView(pg)]
+
+    def _root_post_backward_final_callback(self) -> None:
+        self._state.root._root_post_backward_final()
+
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"traceable_hsdp: {name!r} is an attribute of torch's private FSDP state, "
@@ -83,6 +105,37 @@ class TorchStateView:
             "(traceable_hsdp.share_comm_ctx, traceable_hsdp.fully_shard.state(module)); "
             "see docs/api.md."
         )
+
+
+class _TorchStateCtxView:
+    """torch's ``FSDPStateContext`` as pipelining reads it: ``all_states``."""
+
+    def __init__(self, all_states: list[TorchStateView]) -> None:
+        self.all_states = all_states
+
+
+class _TorchGroupView:
+    """A parameter group as pipelining's gradient-reduction step calls it."""
+
+    def __init__(self, group: FSDPParamGroup) -> None:
+        self._group = group
+
+    def post_backward(self) -> None:
+        """Reduces the gradients the micro-batches kept (gradient sync is on again)."""
+        self._group.reduce_held_grads()
+        self._group.wait_grad_offload()
+
+
+def _expose_to_torch(modules: list[nn.Module], state: FSDPState) -> None:
+    """Makes torch's ``fully_shard.state(module)`` return the unit's view, for
+    torch.distributed.pipelining. See [Note: A subclass of torch's FSDPModule]."""
+    from torch.distributed._composable.contract import STATE_KEY
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    key = torch_fully_shard.__wrapped__  # what torch's contract keys the state by
+    view = TorchStateView(state)
+    for m in modules:
+        m.__dict__.setdefault(STATE_KEY, {})[key] = view
 
 
 class FSDPModule(_TorchFSDPModule):
@@ -681,6 +734,7 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     collected = collect_params(modules, options)
     state = _build_unit(modules, collected, options)
     state.adopt_nested()
+    _expose_to_torch(modules, state)
     for m in modules:
         _add_fsdp_class(m)
     # Inductor's post-grad passes and the other switches of [Note: Global switches]

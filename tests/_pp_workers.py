@@ -1,0 +1,77 @@
+"""Per-rank body of tests/test_pipelining.py (importable by the rank processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import traceable_hsdp as th
+
+DIM, ROWS, MICROBATCHES, STEPS, LR = 8, 8, 2, 2, 0.1
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum()
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
+
+
+def pipelined_fsdp(rank: int, world: int) -> dict[str, Any]:
+    """A (pp=2, dp=2) mesh: stage ``pp`` holds half of the model, fully_shard over
+    ``dp`` (the first Linear its own unit, the chunk the root), trained with
+    torch.distributed.pipelining's GPipe schedule (2 micro-batches, gradients scaled
+    by their count) and SGD. The one-process reference trains the whole model on the
+    mean of the same per-micro-batch losses over every dp rank's rows. Returns the
+    stage's parameters after each step, both runs."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    full = _model()
+    ref = _model()
+    chunk = nn.Sequential(*list(full)[:2]) if pp == 0 else nn.Sequential(*list(full)[2:])
+    ref_chunk = list(ref)[:2] if pp == 0 else list(ref)[2:]
+    th.fully_shard(chunk[0], mesh=mesh["dp"])
+    th.fully_shard(chunk, mesh=mesh["dp"])
+    stage = PipelineStage(chunk, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, MICROBATCHES, loss_fn=_loss, scale_grads=True)
+    opt = torch.optim.SGD(chunk.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    params, ref_params = [], []
+    for step in range(STEPS):
+        x, y = _data(step)
+        xs, ys = x.chunk(2)[dp], y.chunk(2)[dp]
+        if pp == 0:
+            schedule.step(xs)
+        else:
+            schedule.step(target=ys)
+        opt.step()
+        opt.zero_grad()
+        params.append([p.full_tensor().clone() for p in chunk.parameters()])
+        losses = [
+            _loss(ref(xm), ym)
+            for r in range(2)
+            for xm, ym in zip(x.chunk(2)[r].chunk(MICROBATCHES), y.chunk(2)[r].chunk(MICROBATCHES))
+        ]
+        (sum(losses) / len(losses)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_params.append([p.detach().clone() for m in ref_chunk for p in m.parameters()])
+    gathered = all(
+        fp.unsharded_param.untyped_storage().size() == 0
+        for s in th.fully_shard.state(chunk).states
+        if s.param_group is not None
+        for fp in s.param_group.fsdp_params
+    )
+    return {"params": params, "ref_params": ref_params, "all_freed": gathered}
