@@ -27,13 +27,15 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
 
 
-def pipelined_fsdp(rank: int, world: int) -> dict[str, Any]:
+def pipelined_fsdp(rank: int, world: int, mode: str) -> dict[str, Any]:
     """A (pp=2, dp=2) mesh: stage ``pp`` holds half of the model, fully_shard over
     ``dp`` (the first Linear its own unit, the chunk the root), trained with
     torch.distributed.pipelining's GPipe schedule (2 micro-batches, gradients scaled
-    by their count) and SGD. The one-process reference trains the whole model on the
-    mean of the same per-micro-batch losses over every dp rank's rows. Returns the
-    stage's parameters after each step, both runs."""
+    by their count) and SGD; ``mode`` ``"inductor"`` compiles the stage module
+    (``module.compile()``) with compiled autograd on, both with Inductor. The
+    one-process reference trains the whole model on the mean of the same
+    per-micro-batch losses over every dp rank's rows. Returns the stage's parameters
+    after each step, both runs, and the compiled-autograd captures."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -44,6 +46,10 @@ def pipelined_fsdp(rank: int, world: int) -> dict[str, Any]:
     ref_chunk = list(ref)[:2] if pp == 0 else list(ref)[2:]
     th.fully_shard(chunk[0], mesh=mesh["dp"])
     th.fully_shard(chunk, mesh=mesh["dp"])
+    if mode == "inductor":
+        torch._dynamo.reset()
+        th.enable_compiled_autograd()
+        chunk.compile()
     stage = PipelineStage(chunk, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = ScheduleGPipe(stage, MICROBATCHES, loss_fn=_loss, scale_grads=True)
     opt = torch.optim.SGD(chunk.parameters(), lr=LR)
@@ -68,10 +74,12 @@ def pipelined_fsdp(rank: int, world: int) -> dict[str, Any]:
         ref_opt.step()
         ref_opt.zero_grad()
         ref_params.append([p.detach().clone() for m in ref_chunk for p in m.parameters()])
+    th.disable_compiled_autograd()
+    captures = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
     gathered = all(
         fp.unsharded_param.untyped_storage().size() == 0
         for s in th.fully_shard.state(chunk).states
         if s.param_group is not None
         for fp in s.param_group.fsdp_params
     )
-    return {"params": params, "ref_params": ref_params, "all_freed": gathered}
+    return {"params": params, "ref_params": ref_params, "all_freed": gathered, "captures": captures}

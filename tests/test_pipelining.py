@@ -1,16 +1,19 @@
-"""torch.distributed.pipelining over traceable_hsdp units (eager).
+"""torch.distributed.pipelining over traceable_hsdp units, eager and compiled.
 
 pipelining treats a stage module that is a torch ``FSDPModule`` (ours are: see
 [Note: A subclass of torch's FSDPModule]) as FSDP: micro-batch backwards without
 gradient sync, then its own gradient-reduction step through torch's
 ``fully_shard.state``. A 2-stage x 2-way FSDP GPipe run is compared with one process
-training the whole model on the mean of the same micro-batch losses. Tolerance: atol
-1e-6 on the parameters after each of 2 SGD steps (the ranks reduce in another order
-than the one process sums).
+training the whole model on the mean of the same micro-batch losses, eagerly and
+with the stage modules compiled by Inductor (compiled autograd for the micro-batch
+backwards). Tolerance: atol 1e-6 on the parameters after each of 2 SGD steps (the
+ranks reduce in another order than the one process sums; Inductor's kernels sum in
+their own order too).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
@@ -20,13 +23,16 @@ from _dist import run_ranks
 from _pp_workers import pipelined_fsdp
 
 
-def test_gpipe_two_stages_fsdp_matches_one_process() -> None:
-    for rank, r in enumerate(run_ranks(pipelined_fsdp, 4)):
+@pytest.mark.parametrize("mode", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_gpipe_two_stages_fsdp_matches_one_process(mode: str) -> None:
+    for rank, r in enumerate(run_ranks(pipelined_fsdp, 4, mode)):
         for step, (got, want) in enumerate(zip(r["params"], r["ref_params"])):
             assert len(got) == len(want) > 0
             for i, (g, w) in enumerate(zip(got, want)):
                 torch.testing.assert_close(g, w, rtol=0, atol=1e-6, msg=f"rank {rank} step {step} param {i}")
         assert r["all_freed"], rank  # the schedule's last backward freed every unit
+        # Compiled: the micro-batch backwards ran as compiled-autograd graphs.
+        assert (r["captures"] > 0) == (mode == "inductor"), r["captures"]
 
 
 def test_torch_fully_shard_state_sees_our_unit(one_rank) -> None:
