@@ -46,7 +46,7 @@ __all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method", "share_c
 # torchtitan and accelerate, and torch's public helpers that check it, such as
 # ``torch.distributed.fsdp.register_fsdp_forward_method`` (a silent no-op on a module
 # that is not one, which left a method reading sharded parameters). Every public method
-# of torch's class is overridden here (tests/test_api_surface.py checks it), so none of
+# of torch's class is overridden here (tests/test_module_methods.py checks it), so none of
 # torch's runtime runs on our units. torch's helpers that go further reach the unit's
 # state through the private ``_get_fsdp_state()``; it returns a ``TorchStateView``
 # that offers the two entries torch's ``register_fsdp_forward_method`` calls
@@ -100,8 +100,9 @@ class TorchStateView:
             f"traceable_hsdp: {name!r} is an attribute of torch's private FSDP state, "
             "which a traceable_hsdp unit does not have: its state is its own. Code that "
             "reads torch's FSDP internals (torch.distributed.fsdp.share_comm_ctx, "
-            "FSDPMemTracker, torch.distributed.pipelining's FSDP support) does not work "
-            "on traceable_hsdp units. Use traceable_hsdp's public API instead "
+            "FSDPMemTracker) does not work on traceable_hsdp units; the view offers "
+            "only what torch's register_fsdp_forward_method and pipelining call. Use "
+            "traceable_hsdp's public API instead "
             "(traceable_hsdp.share_comm_ctx, traceable_hsdp.fully_shard.state(module)); "
             "see docs/api.md."
         )
