@@ -30,7 +30,12 @@ import torch.multiprocessing as mp
 # Forked ranks also share what a fresh interpreter draws anew: the string hash seed and
 # the memory layout (object ids). Tests of keys that must agree between unrelated
 # processes (the compile-cache tests) would pass by that coincidence, so they ask for
-# spawned ranks (``run_ranks(..., spawn=True)``).
+# spawned ranks (``run_ranks(..., spawn=True)``). So do the fat Inductor tests
+# (test_inductor_features.py, the compiled step of test_passes_e2e.py): ranks of a real
+# job draw different hash seeds, and a pass or a runtime loop whose order hangs on one
+# (a set of names) would issue mismatched collectives across ranks; spawned ranks keep
+# that chance to show it. Their time is compile time, so spawning costs them little.
+# (``_stop`` is the fork server's private method; Python has no public restart.)
 _PRELOAD = [
     "torch",
     "torch.distributed",

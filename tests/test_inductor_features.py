@@ -102,10 +102,10 @@ def _check(results: list[dict[str, Any]], hsdp: bool) -> None:
 @pytest.mark.slow
 def test_inductor_features_1d(tmp_path) -> None:
     """2 ranks, a 1-D mesh."""
-    _check(run_ranks(fat_worker, 2, (2,), str(tmp_path / "ckpt")), hsdp=False)
+    _check(run_ranks(fat_worker, 2, (2,), str(tmp_path / "ckpt"), spawn=True), hsdp=False)
 
 
 @pytest.mark.slow
 def test_inductor_features_hsdp_2x2(tmp_path) -> None:
     """4 ranks, a 2x2 (replicate, shard) mesh: HSDP."""
-    _check(run_ranks(fat_worker, 4, (2, 2), str(tmp_path / "ckpt")), hsdp=True)
+    _check(run_ranks(fat_worker, 4, (2, 2), str(tmp_path / "ckpt"), spawn=True), hsdp=True)

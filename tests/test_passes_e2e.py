@@ -236,7 +236,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_passes_in_compiled_fsdp_step(per_unit_buckets: None) -> None:
-    results = run_ranks(_worker, 2)
+    results = run_ranks(_worker, 2, spawn=True)
     for r in results:
         assert r["installed"]
         # One forward and one backward graph with collectives (plus the empty graph
