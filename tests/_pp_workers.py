@@ -76,10 +76,10 @@ def pipelined_fsdp(rank: int, world: int, mode: str) -> dict[str, Any]:
         ref_params.append([p.detach().clone() for m in ref_chunk for p in m.parameters()])
     th.disable_compiled_autograd()
     captures = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
-    gathered = all(
+    all_freed = all(
         fp.unsharded_param.untyped_storage().size() == 0
         for s in th.fully_shard.state(chunk).states
         if s.param_group is not None
         for fp in s.param_group.fsdp_params
     )
-    return {"params": params, "ref_params": ref_params, "all_freed": gathered, "captures": captures}
+    return {"params": params, "ref_params": ref_params, "all_freed": all_freed, "captures": captures}

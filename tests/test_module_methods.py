@@ -41,10 +41,12 @@ def _public_methods(cls: type) -> list[str]:
 
 
 def test_every_torch_method_exists_with_torch_signature() -> None:
-    """A method torch adds to FSDPModule fails here until ours has it too."""
+    """A method torch adds to FSDPModule fails here until ours defines it too (our
+    class inherits torch's, so ``hasattr`` would hold without it), with torch's
+    signature."""
     for name in _public_methods(torch_fsdp.FSDPModule):
-        assert hasattr(th.FSDPModule, name), f"traceable_hsdp.FSDPModule lacks torch's {name}"
-        ours = inspect.signature(getattr(th.FSDPModule, name)).parameters.values()
+        assert name in vars(th.FSDPModule), f"traceable_hsdp.FSDPModule lacks torch's {name}"
+        ours = inspect.signature(vars(th.FSDPModule)[name]).parameters.values()
         theirs = inspect.signature(getattr(torch_fsdp.FSDPModule, name)).parameters.values()
         assert [(p.name, p.kind, p.default) for p in ours] == [
             (p.name, p.kind, p.default) for p in theirs
