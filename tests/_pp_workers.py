@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp as th
 
-DIM, ROWS, MICROBATCHES, STEPS, LR = 8, 8, 2, 2, 0.1
+DIM, ROWS, MICROBATCHES, STEPS, LR = 8, 8, 4, 3, 0.1
 
 
 def _model() -> nn.Sequential:
@@ -35,7 +35,9 @@ def pipelined_fsdp(rank: int, world: int, mode: str) -> dict[str, Any]:
     (``module.compile()``) with compiled autograd on, both with Inductor. The
     one-process reference trains the whole model on the mean of the same
     per-micro-batch losses over every dp rank's rows. Returns the stage's parameters
-    after each step, both runs, and the compiled-autograd captures."""
+    after each step, both runs, and, after each step, dynamo's graph breaks, the
+    graphs dynamo compiled and the compiled-autograd captures (counted from
+    ``torch._dynamo.utils.counters``)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -55,6 +57,8 @@ def pipelined_fsdp(rank: int, world: int, mode: str) -> dict[str, Any]:
     opt = torch.optim.SGD(chunk.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     params, ref_params = [], []
+    counts: list[dict[str, int]] = []
+    counters = torch._dynamo.utils.counters
     for step in range(STEPS):
         x, y = _data(step)
         xs, ys = x.chunk(2)[dp], y.chunk(2)[dp]
@@ -64,6 +68,11 @@ def pipelined_fsdp(rank: int, world: int, mode: str) -> dict[str, Any]:
             schedule.step(target=ys)
         opt.step()
         opt.zero_grad()
+        counts.append({
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"],
+            "captures": counters["compiled_autograd"]["captures"],
+        })
         params.append([p.full_tensor().clone() for p in chunk.parameters()])
         losses = [
             _loss(ref(xm), ym)
@@ -75,11 +84,10 @@ def pipelined_fsdp(rank: int, world: int, mode: str) -> dict[str, Any]:
         ref_opt.zero_grad()
         ref_params.append([p.detach().clone() for m in ref_chunk for p in m.parameters()])
     th.disable_compiled_autograd()
-    captures = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
     all_freed = all(
         fp.unsharded_param.untyped_storage().size() == 0
         for s in th.fully_shard.state(chunk).states
         if s.param_group is not None
         for fp in s.param_group.fsdp_params
     )
-    return {"params": params, "ref_params": ref_params, "all_freed": all_freed, "captures": captures}
+    return {"params": params, "ref_params": ref_params, "all_freed": all_freed, "counts": counts}

@@ -60,9 +60,10 @@ __all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method", "share_c
 # ``fully_shard.state(module)`` and calls ``post_backward()`` on each parameter group
 # and ``_root_post_backward_final_callback()`` on the root. So the view is also
 # registered where torch's ``fully_shard.state`` looks (``_expose_to_torch``), and
-# offers those three entries: a group's ``post_backward`` reduces the gradients the
-# micro-batches kept (``reduce_held_grads``), the root's callback is our root's
-# end-of-backward (which then frees the units, the last backward being flagged).
+# offers those three entries: a group's ``post_backward`` is the group's own
+# ``end_of_backward`` (it reduces the gradients the micro-batches kept), the root's
+# callback is our root's end-of-backward (which then frees the units, the last
+# backward being flagged).
 # tests/test_pipelining.py checks a 2-stage x 2-way FSDP schedule against one process.
 
 
@@ -123,8 +124,7 @@ class _TorchGroupView:
 
     def post_backward(self) -> None:
         """Reduces the gradients the micro-batches kept (gradient sync is on again)."""
-        self._group.reduce_held_grads()
-        self._group.wait_grad_offload()
+        self._group.end_of_backward()
 
 
 def _expose_to_torch(modules: list[nn.Module], state: FSDPState) -> None:

@@ -30,10 +30,23 @@ from ._param import FSDPParam
 # parameter is not: an op that reads it only to produce its input's gradient (the
 # ``dx = dy @ W`` of a frozen linear) is ordered before no accumulation at all, and
 # freeing W under it is a use-after-free (seen: SIGSEGV). Every such op ends in a
-# gradient of the unit's forward inputs, so the unit is done when all trainable
-# gradients AND the gradients of all forward inputs that require grad are complete.
-# The pre-forward registers a tensor hook on each such input (returning the gradient
-# it gets, as compiled autograd requires) and the unit counts both kinds down.
+# gradient of the unit's forward inputs, so a unit that holds a frozen parameter is
+# done when all trainable gradients AND the gradients of all forward inputs that
+# require grad are complete. Its pre-forward registers a tensor hook on each such
+# input (returning the gradient it gets, as compiled autograd requires) and the unit
+# counts both kinds down. A unit whose parameters all train counts its gradients
+# only, and hooks no input: the count is then the same in every backward, however
+# many forwards ran before it.
+#
+# That matters compiled. The input count is a Python int that the traced
+# pre-forward reads, so dynamo guards on its value; it sums every forward since the
+# last pre-backward, and a pipeline schedule runs several micro-batch forwards
+# before their backwards (GPipe: all of them), so each micro-batch's forward would
+# be a new graph, until dynamo's recompile limit sends the rest to eager. With only
+# trainable parameters there is nothing to read (tests/test_pipelining.py counts
+# the graphs of a compiled GPipe stage: none new after the first step). A unit with
+# frozen parameters under a compiled pipeline schedule still compiles one forward
+# per micro-batch count (docs/api.md says so).
 #
 # A unit whose forward runs several times before one backward (weight reuse, a block
 # applied twice) registers input hooks in every call; the count sums them, and the
@@ -244,6 +257,8 @@ class FSDPParamGroup:
     def refresh_trainable(self) -> None:
         """The parameters that get gradients: those whose placeholder requires grad."""
         self.trainable = [p for p in self.fsdp_params if p.unsharded_param.requires_grad]
+        # See [Note: When a unit's backward is done].
+        self.counts_input_grads = len(self.trainable) < len(self.fsdp_params)
 
     def reset_sharded_params(self, check_device: bool = True) -> None:
         """Reads every sharded parameter again after the user changed one. See
@@ -547,6 +562,15 @@ class FSDPParamGroup:
         if self.gradient_divide_factor is None and self.force_sum:
             return float(mesh_info.shard_size * mesh_info.replicate_size)
         return self.gradient_divide_factor
+
+    def end_of_backward(self) -> None:
+        """What every group does when the whole backward is over (eagerly, the
+        root's final callback; pipelining, after its micro-batches): reduces the
+        gradients still kept (:meth:`reduce_held_grads`) and waits for the offload
+        copies before ``backward()`` returns (see [Note: Offload copies and the CPU]
+        in ``_param.py``)."""
+        self.reduce_held_grads()
+        self.wait_grad_offload()
 
     def wait_grad_offload(self) -> None:
         """Waits on the CPU for the asynchronous gradient copies of CPU offload (eager

@@ -345,7 +345,7 @@ class FSDPState:
             pg.wait_for_unshard()
             pg.register_unsharded()
         args, kwargs = self._cast_inputs(args, kwargs)
-        if pg is not None and torch.is_grad_enabled():
+        if pg is not None and pg.counts_input_grads and torch.is_grad_enabled():
             # See [Note: When a unit's backward is done] (_param_group.py).
             for t in _tensors((args, kwargs)):
                 if t.requires_grad:
@@ -480,9 +480,7 @@ class FSDPState:
         # See [Note: Unused parameters] (_param_group.py).
         for state in self.states:
             if state.param_group is not None:
-                state.param_group.reduce_held_grads()
-                # Before backward() returns; see [Note: Offload copies and the CPU].
-                state.param_group.wait_grad_offload()
+                state.param_group.end_of_backward()
         if self.is_last_backward:
             for state in self.states:
                 state._finish_backward()
