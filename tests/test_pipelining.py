@@ -43,7 +43,7 @@ def test_gpipe_two_stages_fsdp_matches_one_process(mode: str) -> None:
             # each); the third compiles and captures nothing, however many
             # micro-batches (4 here). Before [Note: When a unit's backward is
             # done] stopped counting input hooks of units that train all their
-            # parameters, stage 1 compiled 4 new graphs in every step.
+            # parameters, stage 1 compiled 4 or 5 new graphs in every step.
             assert last["graph_breaks"] == 0, r["counts"]
             assert first["graphs"] > 0 and first["captures"] > 0, r["counts"]
             assert last == second, r["counts"]

@@ -44,7 +44,7 @@ from ._param import FSDPParam
 # before their backwards (GPipe: all of them), so each micro-batch's forward would
 # be a new graph, until dynamo's recompile limit sends the rest to eager. With only
 # trainable parameters there is nothing to read (tests/test_pipelining.py counts
-# the graphs of a compiled GPipe stage: none new after the first step). A unit with
+# the graphs of a compiled GPipe stage: none new after the second step). A unit with
 # frozen parameters under a compiled pipeline schedule still compiles one forward
 # per micro-batch count (docs/api.md says so).
 #
