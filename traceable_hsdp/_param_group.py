@@ -257,8 +257,12 @@ class FSDPParamGroup:
     def refresh_trainable(self) -> None:
         """The parameters that get gradients: those whose placeholder requires grad."""
         self.trainable = [p for p in self.fsdp_params if p.unsharded_param.requires_grad]
-        # See [Note: When a unit's backward is done].
-        self.counts_input_grads = len(self.trainable) < len(self.fsdp_params)
+
+    @property
+    def counts_input_grads(self) -> bool:
+        """Whether the unit holds a frozen parameter, so its backward also waits for
+        its forward inputs' gradients. See [Note: When a unit's backward is done]."""
+        return len(self.trainable) < len(self.fsdp_params)
 
     def reset_sharded_params(self, check_device: bool = True) -> None:
         """Reads every sharded parameter again after the user changed one. See
