@@ -381,8 +381,11 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Compiled (``torch.compile(model, fullgraph=True)`` with compiled autograd)
     against the same flow eager: the weight-reuse model (each unit three times per
     forward), dataclass activations, and our Llama frozen in part after its first
-    compiled step (block 0 and the output head). ``backend`` "aot_eager" records the
-    collectives of every graph; "inductor" runs the passes."""
+    compiled step (block 0 and the output head), and HF ``MixtralForCausalLM``
+    (mixture of experts: 3-D expert weights sharded on the expert dim, the grouped
+    matmul a custom op with its own backward), also trained eager with torch's
+    fully_shard. ``backend`` "aot_eager" records the collectives of every graph;
+    "inductor" runs the passes."""
     from _workers import GraphRecorder
 
     def freeze(model: nn.Module) -> Callable[[int], None]:
@@ -396,8 +399,11 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
         "reuse": (lambda: _shard_children(_Reuse(), "layers", th.fully_shard), lambda m: None),
         "dataclass": (lambda: _shard_children(_DCModel(), "blocks", th.fully_shard), lambda m: None),
         "freeze": (lambda: _shard_llama(Llama(CFG), th.fully_shard), freeze),
+        "moe": (lambda: _hf_shard(_mixtral(), th.fully_shard), lambda m: None),
     }
     out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    out["moe_torch"] = _train(_hf_shard(_mixtral(), _fs("torch")), rank, world, _hf_step)
     for name, (build, before) in cases.items():
         for mode in ("eager", "compiled"):
             torch.manual_seed(0)
@@ -409,8 +415,9 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
                 th.enable_compiled_autograd(backend=rec or backend)
                 fwd = torch.compile(model, backend=rec or backend, fullgraph=True)
 
-            def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor, fwd: Any = fwd) -> torch.Tensor:
-                return _loss(fwd(x), y)
+            def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor, fwd: Any = fwd,
+                     hf: bool = name == "moe") -> torch.Tensor:
+                return _loss(fwd(input_ids=x).logits if hf else fwd(x), y)
 
             try:
                 out[f"{name}_{mode}"] = _train(model, rank, world, step, before_step=before(model))
@@ -433,6 +440,18 @@ def _hf_config() -> Any:
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
         tie_word_embeddings=False,
     )
+
+
+def _mixtral() -> nn.Module:
+    """HF ``MixtralForCausalLM``, 2 layers of 4 experts, top 2 (its default experts
+    implementation: ``grouped_mm``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+    ))
 
 
 def _hf_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
