@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 import traceable_hsdp as th
 import traceable_hsdp.passes._graph as G
 from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
-from traceable_hsdp.models import Llama
+from traceable_hsdp.models import Llama, LlamaConfig
 
 TP_STEPS = 3
 CLIP = 1.0  # below the gradient norms seen (about 1.1): clipping is active
@@ -67,18 +67,26 @@ def tp_plan(model: Llama) -> dict[str, Any]:
     return plan
 
 
-def build_2d(world_mesh: DeviceMesh, fully_shard_fn: Any, **kwargs: Any) -> Llama:
+def build_2d(
+    world_mesh: DeviceMesh,
+    fully_shard_fn: Any,
+    dp_mesh: DeviceMesh | None = None,
+    cfg: LlamaConfig = CFG,
+    **kwargs: Any,
+) -> Llama:
     """The torchtitan order: parallelize_module over world_mesh["tp"], then
-    fully_shard each block and the root over world_mesh["dp"]."""
+    fully_shard each block and the root over ``dp_mesh`` (default world_mesh["dp"]; a
+    2-D (replicate, shard) slice for HSDP x TP)."""
     torch.manual_seed(0)
-    model = Llama(CFG)
+    model = Llama(cfg)
     tp_mesh = world_mesh["tp"]
+    dp_mesh = world_mesh["dp"] if dp_mesh is None else dp_mesh
     parallelize_module(model, tp_mesh, tp_plan(model))
     for layer in model.layers:
         layer.attn.n_heads //= tp_mesh.size()  # each TP rank computes its heads
     for layer in model.layers:
-        fully_shard_fn(layer, mesh=world_mesh["dp"], **kwargs)
-    fully_shard_fn(model, mesh=world_mesh["dp"], **kwargs)
+        fully_shard_fn(layer, mesh=dp_mesh, **kwargs)
+    fully_shard_fn(model, mesh=dp_mesh, **kwargs)
     return model
 
 
@@ -232,11 +240,10 @@ def tp_eager_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
         parallelize_module(lin, world_mesh["dp"], ColwiseParallel())
         th.fully_shard(lin, mesh=world_mesh["dp"])
 
-    def hsdp_tp() -> None:
-        mesh3 = init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("rep", "shard", "tp"))
+    def hsdp_tp() -> None:  # hsdp() keeping a TP parameter whole over dp
         lin = nn.Linear(8, 8)
-        parallelize_module(lin, mesh3["tp"], ColwiseParallel())
-        th.fully_shard(lin, mesh=mesh3["rep", "shard"])
+        parallelize_module(lin, world_mesh["tp"], ColwiseParallel())
+        th.hsdp(lin, mesh=world_mesh["dp"], replicate_params=[lin.weight])
 
     def partial() -> None:
         lin = nn.Linear(8, 8)
@@ -254,8 +261,8 @@ def tp_eager_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
 class GroupRecorder:
     """A torch.compile backend (aot_eager underneath) that counts the collectives of
     every graph dynamo hands it by (op, process group size), split into forward and
-    compiled-autograd graphs. On the (2, 2) mesh every group has 2 ranks, so groups
-    are told apart by name: ``groups`` maps a group name to "dp" or "tp"."""
+    compiled-autograd graphs. Every group of these meshes has 2 ranks, so groups are
+    told apart by name: ``groups`` maps a group name to its mesh dim's name."""
 
     def __init__(self, groups: dict[str, str]) -> None:
         self.groups = groups
@@ -312,4 +319,48 @@ def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
         out["inductor"] = train(model, torch.compile(model, fullgraph=True), world_mesh, TP_STEPS)
     finally:
         th.disable_compiled_autograd()
+    return out
+
+
+# One block (8 ranks compile on 2 cores: each block costs), and a clipping threshold
+# below its gradient norms (about 0.8 on this data).
+HSDP_TP_CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+HSDP_TP_CLIP = 0.5
+
+
+def hsdp_tp_worker(rank: int, world: int) -> dict[str, Any]:
+    """HSDP x TP on a (2, 2, 2) mesh (dp_replicate, dp_shard, tp), torchtitan's order
+    with fully_shard over the 2-D (dp_replicate, dp_shard) slice: ours eager against
+    torch's fully_shard eager (training with clipping, layouts), then ours compiled
+    whole (compiled autograd, fullgraph=True) with aot_eager, its collectives counted
+    per process group, and with Inductor. ``world_mesh["dp"]`` (the two dp dims
+    flattened, as torchtitan does) is what ``train`` splits the batch and averages
+    the losses over."""
+    world_mesh = init_device_mesh(
+        "cpu", (2, 2, world // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+    )
+    world_mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    dp = world_mesh["dp_replicate", "dp_shard"]
+    out: dict[str, Any] = {}
+    for name, fn in (("torch", torch_fully_shard), ("ours", th.fully_shard)):
+        model = build_2d(world_mesh, fn, dp_mesh=dp, cfg=HSDP_TP_CFG)
+        out[f"{name}_placements"] = {k: tuple(v.placements) for k, v in model.state_dict().items()}
+        out[name] = train(model, model, world_mesh, TP_STEPS, clip=HSDP_TP_CLIP)
+    out["n_params"] = len(list(model.parameters()))
+
+    groups = {world_mesh[d].get_group().group_name: d for d in ("dp_replicate", "dp_shard", "tp")}
+    for backend in ("aot_eager", "inductor"):
+        rec = GroupRecorder(groups) if backend == "aot_eager" else None
+        model = build_2d(world_mesh, th.fully_shard, dp_mesh=dp, cfg=HSDP_TP_CFG)
+        torch._dynamo.reset()
+        counters.clear()
+        th.enable_compiled_autograd(backend=rec or backend)
+        try:
+            compiled = torch.compile(model, backend=rec or backend, fullgraph=True)
+            out[backend] = train(model, compiled, world_mesh, TP_STEPS, clip=HSDP_TP_CLIP)
+        finally:
+            th.disable_compiled_autograd()
+        if rec is not None:
+            out["fwd"], out["bwd"] = rec.forward, rec.backward
+            out["graph_breaks"] = sum(counters["graph_break"].values())
     return out

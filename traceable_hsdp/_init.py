@@ -518,18 +518,18 @@ def check_tp_param(
 
     Raises:
         ValueError: its layout, or its mesh with fully_shard's (``spmd_mesh``).
-        NotImplementedError: an int ``reshard_after_forward``; HSDP or ``hsdp()``
-            replication with TP.
+        NotImplementedError: an int ``reshard_after_forward``; ``hsdp()`` keeping
+            the parameter whole (replicated) with TP.
     """
     check_tp_placements(param, fqn)
-    if mesh_info.replicate_mesh_dim is not None or replicate:
+    if replicate:
         raise NotImplementedError(
             f"Parameter {fqn!r} is a DTensor (placements {tuple(param.placements)}, from "
-            "parallelize_module) and fully_shard's mesh is 2-D (HSDP) or hsdp() keeps it "
-            "whole: traceable_hsdp composes tensor parallelism with FSDP over a 1-D dp "
-            "mesh only (2-D FSDP x TP). Use fully_shard(..., mesh=world_mesh['dp']) with "
-            "one data-parallel dim, or torch.distributed.fsdp.fully_shard for HSDP x TP. "
-            "See docs/api.md."
+            "parallelize_module) and hsdp() keeps it whole over the data-parallel ranks "
+            "(smaller than threshold, or in replicate_params): a TP parameter can be "
+            "sharded over the data-parallel mesh, FSDP or HSDP, but not kept whole. Pass "
+            "threshold=0 and leave it out of replicate_params, or use fully_shard. See "
+            "docs/api.md."
         )
     if raf is not None and not isinstance(raf, bool):
         raise NotImplementedError(

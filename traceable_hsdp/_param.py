@@ -146,8 +146,8 @@ torch's layout:
   ``(dp, tp)`` (both must be slices of one ``init_device_mesh`` with dim names),
   with placements ``(Shard(d), *tp_placements)``, or ``_StridedShard(d,
   split_factor=k)`` when TP already shards dim ``d`` over ``k`` ranks (FSDP then
-  shards each TP shard, not the whole tensor; ``full_tensor()`` knows the order).
-  HSDP puts ``Replicate()`` first;
+  shards each TP shard, not the whole tensor; ``full_tensor()`` knows the order),
+  after a ``Replicate()`` for an HSDP dp mesh (below);
 - the unsharded placeholder stays a plain tensor (its storage resized and filled by
   ``fsdp.copy_`` as for any parameter, so the passes and the gradient hooks see no
   difference). What the modules hold in forward is a DTensor on the TP mesh with the
@@ -160,10 +160,15 @@ torch's layout:
   a user can see: during forward ``module.weight`` is a non-leaf DTensor, not an
   ``nn.Parameter``.
 
+With a 2-D ``(replicate, shard)`` dp mesh (HSDP x TP, 3-D in all) nothing changes
+but the leading ``Replicate()`` and the all-reduce over the replicate group after the
+reduce-scatter, as for a plain parameter; the layout is torch's for the same mesh
+(tests/test_tp.py: bitwise equal to torch's fully_shard on a (2, 2, 2) mesh).
+
 Not supported, refused at ``fully_shard``: an int ``reshard_after_forward`` (other
 than the shard-group size or 1) with a DTensor parameter (torch refuses it too), TP
 placements ``Partial`` or ``_StridedShard``, a DTensor on more than two mesh dims,
-and HSDP (a 2-D dp mesh) with TP.
+and a TP parameter that ``hsdp()`` would keep whole (replicated over dp).
 
 [Note: The forward reads the local shard, not the DTensor]
 The all-gather input is read from the sharded parameter's ``_local_tensor`` (a plain
