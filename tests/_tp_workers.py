@@ -328,14 +328,14 @@ HSDP_TP_CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=1, n_heads=2, max_seq_
 HSDP_TP_CLIP = 0.5
 
 
-def hsdp_tp_worker(rank: int, world: int) -> dict[str, Any]:
+def hsdp_tp_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     """HSDP x TP on a (2, 2, 2) mesh (dp_replicate, dp_shard, tp), torchtitan's order
     with fully_shard over the 2-D (dp_replicate, dp_shard) slice: ours eager against
     torch's fully_shard eager (training with clipping, layouts), then ours compiled
     whole (compiled autograd, fullgraph=True) with aot_eager, its collectives counted
-    per process group, and with Inductor. ``world_mesh["dp"]`` (the two dp dims
-    flattened, as torchtitan does) is what ``train`` splits the batch and averages
-    the losses over."""
+    per process group, and with Inductor; a DCP checkpoint of ours loaded into
+    torch's. ``world_mesh["dp"]`` (the two dp dims flattened, as torchtitan does) is
+    what ``train`` splits the batch and averages the losses over."""
     world_mesh = init_device_mesh(
         "cpu", (2, 2, world // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
     )
@@ -347,6 +347,12 @@ def hsdp_tp_worker(rank: int, world: int) -> dict[str, Any]:
         out[f"{name}_placements"] = {k: tuple(v.placements) for k, v in model.state_dict().items()}
         out[name] = train(model, model, world_mesh, TP_STEPS, clip=HSDP_TP_CLIP)
     out["n_params"] = len(list(model.parameters()))
+    dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)  # ours, trained
+    fresh = build_2d(world_mesh, torch_fully_shard, dp_mesh=dp, cfg=HSDP_TP_CFG)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    fresh.load_state_dict(sd)
+    out["dcp_into_torch"] = _full(fresh)
 
     groups = {world_mesh[d].get_group().group_name: d for d in ("dp_replicate", "dp_shard", "tp")}
     for backend in ("aot_eager", "inductor"):

@@ -151,18 +151,19 @@ def test_fsdp_tp_compiled() -> None:
 
 
 @pytest.mark.slow
-def test_hsdp_tp_3d() -> None:
-    """HSDP x TP on 8 ranks, a 1-block Llama: ours eager bitwise equal to torch's fully_shard (losses,
-    clip_grad_norm_ norms, final parameters) with torch's placements; compiled whole
-    with aot_eager bitwise equal to eager, one forward and one backward graph, no
-    graph break, FSDP's collectives over dp_shard, the replicas' all-reduce over
-    dp_replicate and TP's over tp, counted from the graphs; Inductor: losses and
-    norms rtol 1e-5 (seen: 2e-7), parameters atol 5e-4 (seen: 1.9e-4 on one MLP
-    weight, where the 2-D test sees 4e-6). AdamW divides each element by its own
-    running scale, so an element whose gradient is close to AdamW's eps turns
-    Inductor's reordering into a visible step (as for Mixtral in
-    test_conformance.py); the losses and norms show the training is the same."""
-    results = run_ranks(hsdp_tp_worker, 8)
+def test_hsdp_tp_3d(tmp_path) -> None:
+    """HSDP x TP on 8 ranks, a 1-block Llama. Eager: bitwise equal to torch's
+    fully_shard (losses, clip_grad_norm_ norms, final parameters), torch's placements,
+    and our DCP checkpoint loads into torch's model. Compiled whole with aot_eager:
+    bitwise equal to eager, one forward and one backward graph, no graph break,
+    FSDP's collectives over dp_shard, the replicas' all-reduce over dp_replicate and
+    TP's over tp, counted from the graphs. Inductor: losses and norms rtol 1e-5
+    (seen: 2e-7), parameters atol 5e-4 (seen: 1.9e-4 on one MLP weight, where the
+    2-D test sees 4e-6). AdamW divides each element by its own running scale, so an
+    element whose gradient is close to AdamW's eps turns Inductor's reordering into a
+    visible step (as for Mixtral in test_conformance.py); the losses and norms show
+    the training is the same."""
+    results = run_ranks(hsdp_tp_worker, 8, str(tmp_path / "ckpt"))
     for rank, r in enumerate(results):
         ours, ref = r["ours"], r["torch"]
         assert ours["losses"] == ref["losses"], (rank, ours["losses"], ref["losses"])
@@ -170,6 +171,8 @@ def test_hsdp_tp_3d() -> None:
         assert all(n > HSDP_TP_CLIP for n in ours["norms"]), ours["norms"]  # clipping acts
         _assert_equal_params(ours["params"], ref["params"], f"rank {rank} eager vs torch")
         assert r["ours_placements"] == r["torch_placements"], rank
+        # Our DCP checkpoint, loaded into torch's fully_shard model.
+        _assert_equal_params(r["dcp_into_torch"], ours["params"], f"rank {rank} DCP into torch")
         assert ours["bytes_after"] == [0] * TP_STEPS
         aot = r["aot_eager"]
         assert aot["losses"] == ours["losses"] and aot["norms"] == ours["norms"], rank
