@@ -157,12 +157,11 @@ def test_hsdp_tp_3d(tmp_path) -> None:
     and our DCP checkpoint loads into torch's model. Compiled whole with aot_eager:
     bitwise equal to eager, one forward and one backward graph, no graph break,
     FSDP's collectives over dp_shard, the replicas' all-reduce over dp_replicate and
-    TP's over tp, counted from the graphs. Inductor: losses and norms rtol 1e-5
-    (seen: 2e-7), parameters atol 5e-4 (seen: 1.9e-4 on one MLP weight, where the
-    2-D test sees 4e-6). AdamW divides each element by its own running scale, so an
-    element whose gradient is close to AdamW's eps turns Inductor's reordering into a
-    visible step (as for Mixtral in test_conformance.py); the losses and norms show
-    the training is the same."""
+    TP's over tp, counted from the graphs. Inductor is not run here: 8 ranks compiling
+    on 2 cores cost 45 s more; the 2-D test above runs FSDP x TP under Inductor, and
+    HSDP runs under Inductor in test_inductor_features.py. (Run once on this mesh:
+    losses and norms within 2e-7 relative of eager, parameters within 1.9e-4, AdamW
+    on gradients near its eps.)"""
     results = run_ranks(hsdp_tp_worker, 8, str(tmp_path / "ckpt"))
     for rank, r in enumerate(results):
         ours, ref = r["ours"], r["torch"]
@@ -192,11 +191,6 @@ def test_hsdp_tp_3d(tmp_path) -> None:
             "all_reduce@tp": 3,
             "fsdp.copy_": n,
         }, r["bwd"]
-        ind = r["inductor"]
-        torch.testing.assert_close(ind["losses"], ours["losses"], rtol=1e-5, atol=0)
-        torch.testing.assert_close(ind["norms"], ours["norms"], rtol=1e-5, atol=0)
-        _assert_params(ind["params"], ours["params"], 5e-4, f"rank {rank} inductor")
-        assert ind["bytes_after"] == [0] * TP_STEPS
     pl = results[0]["ours_placements"]
     assert str(pl["layers.0.attn.wq.weight"]) == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))", pl
     assert str(pl["layers.0.attn.wo.weight"]) == "(Replicate(), Shard(dim=0), Shard(dim=1))", pl
