@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -180,6 +182,7 @@ def parity_worker(
     fwd, compiled_step = compile_for(model, how, backend)
     losses, bytes_after_fwd, bytes_after_bwd, graphs_after_step = [], [], [], []
     pf_bytes_after_fwd, pf_bytes_after_bwd = [], []
+    out = None
     for x, y in _data(world, STEPS):
         xs = x.chunk(world)[rank]
         ys = y.chunk(world)[rank]
@@ -209,7 +212,7 @@ def parity_worker(
     final = [(g.kind, g.final_graph()) for g in post_grad.graphs]
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     sd_types = {type(v).__name__ for v in model.state_dict().values()}
-    return dict(
+    result = dict(
         losses=losses,
         params=full,
         sd_types=sd_types,
@@ -236,3 +239,11 @@ def parity_worker(
             for kind, g in final
         ],
     )
+    # Dropping the model frees it and its parameters, as torch's fully_shard's: a
+    # cycle through a hook that autograd holds in C++ is invisible to the garbage
+    # collector (see [Note: Parameter hooks hold their unit weakly] in _state.py).
+    alive = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+    del model, opt, fwd, compiled_step, out, loss
+    gc.collect()
+    result["alive_after_del"] = sum(r() is not None for r in alive)
+    return result

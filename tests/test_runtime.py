@@ -37,6 +37,8 @@ def _check_parity(results: list[dict], world: int) -> None:
         for k, v in ref_params.items():
             torch.testing.assert_close(r["params"][k], v, rtol=0, atol=2e-5, msg=k)
         assert r["sd_types"] == {"DTensor"}
+        # The model and its parameters are freed once dropped (they leaked before).
+        assert r["alive_after_del"] == 0, r["alive_after_del"]
         # Resharded after forward and after backward: every placeholder is 0 bytes.
         assert all(b in (0, None) for b in r["bytes_after_fwd"]), r["bytes_after_fwd"]
         assert r["bytes_after_bwd"] == [0] * STEPS

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -446,16 +447,40 @@ class FSDPState:
                     other.param_group.issue_unshard()
         return grad
 
+    # [Note: Parameter hooks hold their unit weakly]
+    # autograd keeps a placeholder's post-accumulate-grad hooks in C++, where the
+    # garbage collector cannot see them. A hook that held its unit (state, group,
+    # FSDPParam) strongly closed a cycle placeholder -> hook -> FSDPParam ->
+    # placeholder that the collector could never free: every model ever sharded
+    # stayed alive, with its parameters, meshes and process groups, for the life of
+    # the process (torch's fully_shard, whose per-parameter work hangs off the
+    # module's forward, frees its models). A process group that outlives
+    # ``destroy_process_group`` keeps gloo's worker threads running to interpreter
+    # exit, where one that still holds a finished collective's tensors must take the
+    # GIL and aborts the process ("terminate called without an active exception",
+    # torch issue 190489). ``examples/dcp_resume.py --eager`` under CPU load aborted
+    # so in 9 of 34 runs, and in 1 of 32 with this fix: torch's DTensor sharding
+    # cache still holds the mesh, hence the group, to exit.
+    # So the hook holds its unit through weak references, and does nothing once the
+    # unit is gone. ``tests/test_runtime.py`` checks that a dropped model is freed,
+    # eager and compiled. Compiled autograd traces the dereferences like any other
+    # Python in the hook.
     def _make_post_acc_hook(
         self, pg: FSDPParamGroup, fp: Any
     ) -> Callable[[torch.Tensor], None]:
+        """See [Note: Parameter hooks hold their unit weakly]."""
+        state_ref, pg_ref, fp_ref = weakref.ref(self), weakref.ref(pg), weakref.ref(fp)
+
         def hook(_param: torch.Tensor) -> None:
+            state, pg, fp = state_ref(), pg_ref(), fp_ref()
+            if state is None or pg is None or fp is None:
+                return  # the unit was freed; its placeholder outlived it
             if pg.reduce_scatter_unused_params and compiling():
                 # A backward compiled without a compiled forward (the root's
                 # pre-forward refuses the other cases). See [Note: Unused parameters].
                 _refuse_unused_params_compiled()
             pg.post_accumulate_grad(fp)
-            self._idle_if_group_done()
+            state._idle_if_group_done()
 
         return hook
 
