@@ -11,10 +11,12 @@ it in place and does nothing when nothing matches:
 - :func:`overlap`: each all-gather is issued one unit early (before the previous
   unit's compute), each reduce-scatter waited for just before the next one.
 
-and one pass over AOTAutograd joint graphs (any backend), not switchable:
+and two passes over AOTAutograd joint graphs (any backend), not switchable:
 
 - :func:`save_checkpoint_outputs`: what leaves an activation-checkpoint region is
-  saved for backward, not recomputed before the unit's re-gather.
+  saved for backward, not recomputed before the unit's re-gather;
+- :func:`recompute_placeholder_views`: a view of an unsharded placeholder is
+  recomputed in the backward, never computed after the placeholder is freed.
 
 :func:`install` (called by ``fully_shard``; :func:`uninstall` undoes it) runs them
 on every graph Inductor compiles, configured by ``traceable_hsdp.passes.config`` (a :class:`PassConfig`, from
@@ -23,7 +25,7 @@ the environment variables ``TRACEABLE_HSDP_PASSES`` and
 What each of them matches (an all-gather, a wait, an ``fsdp.copy_``, a resize, a
 unit's annotation) is the graph vocabulary of ``_graph.py``, which the dump tool, the
 benchmarks and the tests use as well. The package imports only torch.
-``docs/passes.md`` describes all four, their order, switches and memory cost, and
+``docs/passes.md`` describes all six, their order, switches and memory cost, and
 what :func:`install` changes in torch's configuration.
 """
 
@@ -45,6 +47,7 @@ from ._install import (
 from ._graph import UnitPassOptions
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
+from .recompute_placeholder_views import recompute_placeholder_views
 from .remove_resize_copy import remove_resize_copy
 from .save_checkpoint_outputs import save_checkpoint_outputs
 
@@ -60,6 +63,7 @@ __all__ = [
     "get_config",
     "install",
     "overlap",
+    "recompute_placeholder_views",
     "remove_resize_copy",
     "run_passes",
     "save_checkpoint_outputs",

@@ -19,10 +19,11 @@ gets the passes without any user code.
   current :class:`PassConfig`, so a changed pass or configuration misses the cache.
 
 :func:`install` also sets ``torch._functorch.config.joint_custom_pass`` to a
-:class:`TraceableHSDPJointPass`, which runs :func:`save_checkpoint_outputs` on every
-AOTAutograd joint graph before it is partitioned, for every backend (aot_eager too):
-it is a correctness fix for activation checkpointing, not an optimisation, so
-:class:`PassConfig` does not switch it (see [Note: Checkpoint outputs are saved]).
+:class:`TraceableHSDPJointPass`, which runs :func:`save_checkpoint_outputs` and then
+:func:`recompute_placeholder_views` on every AOTAutograd joint graph before it is
+partitioned, for every backend (aot_eager too): they are correctness fixes, not
+optimisations, so :class:`PassConfig` does not switch them (see [Note: Checkpoint
+outputs are saved] and [Note: Views of a placeholder are recomputed]).
 A joint pass already set there runs first, then ours. It changes graphs with a
 ``BackwardState`` input only, and those bypass AOTAutograd's cache (whose key
 ignores ``joint_custom_pass``), so no cached graph is ever partitioned without it.
@@ -56,8 +57,8 @@ first changed it:
 
 - ``torch._inductor.config.post_grad_custom_pre_pass``: our passes, wrapping what
   was there ([Note: Installing the passes]);
-- ``torch._functorch.config.joint_custom_pass``: :func:`save_checkpoint_outputs`,
-  after what was there;
+- ``torch._functorch.config.joint_custom_pass``: :func:`save_checkpoint_outputs`
+  and :func:`recompute_placeholder_views`, after what was there;
 - ``torch._inductor.config.reorder_for_peak_memory = False`` when
   ``PassConfig.overlap`` is on: with it on, Inductor's scheduler puts every wait
   back next to its collective (see [Note: Overlap and Inductor's scheduler] in
@@ -79,7 +80,9 @@ the forward graph, after the placeholder was resized to 0 bytes. Eagerly execute
 by accident of aliasing. ``torch._functorch.config.recompute_views = True`` makes
 the partitioner recompute views in the backward from the placeholder itself, after
 the re-gather. It is a global config, read when a graph is partitioned, so
-:func:`install` sets it (for every backend, aot_eager included).
+:func:`install` sets it (for every backend, aot_eager included). It does not cover a
+view whose base the partitioner chose not to save; :func:`recompute_placeholder_views`
+does (see [Note: Views of a placeholder are recomputed]).
 
 [Note: Per-unit options and the FX graph cache]
 Inductor's FX graph cache key hashes the graph's code and our pass's ``uuid()``, not
@@ -112,6 +115,7 @@ from ._graph import INFERENCE_AWARE, InferenceAwareGraphPass, annotation_of, is_
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
+from .recompute_placeholder_views import recompute_placeholder_views
 from .save_checkpoint_outputs import save_checkpoint_outputs
 
 __all__ = [
@@ -387,7 +391,8 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
 
 class TraceableHSDPJointPass:
     """The ``joint_custom_pass`` :func:`install` sets: the pass that was there
-    (``user_pass``), if any, then :func:`save_checkpoint_outputs`. See
+    (``user_pass``), if any, then :func:`save_checkpoint_outputs` and
+    :func:`recompute_placeholder_views`. See
     [Note: Installing the passes].
 
     Args:
@@ -402,6 +407,7 @@ class TraceableHSDPJointPass:
         if callable(self.user_pass):
             gm = self.user_pass(gm, joint_inputs)
         save_checkpoint_outputs(gm)
+        recompute_placeholder_views(gm)
         return gm
 
 
