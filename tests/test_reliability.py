@@ -1,7 +1,8 @@
 """Paths that could be silently wrong: CPU offload copies on a GPU, the order of
 explicit prefetch, uneven shards at the edges, units compiled below an eager root,
 the placeholder ops in the real post-grad graphs before our passes, and a rank that
-dies mid-step (the survivors, and ``traceable-hsdp train``). Each test states its
+dies mid-step (the survivors, and ``traceable-hsdp train``), and the exit of a
+gloo job (its worker threads joined before the interpreter finalizes). Each test states its
 reference and tolerance. The Inductor feature tests are in test_inductor_features.py.
 """
 
@@ -365,3 +366,69 @@ def test_train_cli_exits_nonzero_naming_the_dead_rank() -> None:
             return False
 
     assert not [p for p in ranks if running(p)], ranks  # the survivor was terminated
+
+
+# ------------------------------------------------------------------- exiting
+# See [Note: Exiting with gloo worker threads] (_exit.py). The abort itself is a race
+# (4 of 30 runs of examples/dcp_resume.py --eager on 2 busy cores before the fix, 0
+# of 40 after); what removes it is deterministic: by the time the interpreter
+# finalizes, the gloo group of a dropped model is destroyed and its worker threads
+# are joined. The script counts this process's threads from an atexit function
+# registered before fully_shard registers ours, so it runs after ours (LIFO). The
+# control run unregisters our hook: the workers are then still there, which shows
+# that the count can fail and that the hook is what joins them.
+
+_EXIT_SCRIPT = """
+import atexit, os, sys, tempfile
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+base = threads()
+atexit.register(lambda: print("extra threads at exit", threads() - base, flush=True))
+from traceable_hsdp import fully_shard
+from traceable_hsdp._exit import uninstall_exit_hook
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store",
+                        rank=0, world_size=1)
+
+def main():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model(torch.randn(2, 8)).sum().backward()
+    torch.optim.AdamW(model.parameters()).step()  # DTensor ops: the caches hold the mesh
+    print("extra threads while training", threads() - base, flush=True)
+    dist.destroy_process_group()
+    if sys.argv[1] == "control":
+        uninstall_exit_hook()
+
+main()
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="counts threads in /proc")
+def test_gloo_workers_are_joined_before_the_interpreter_finalizes(tmp_path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+
+    def extra_threads(mode: str) -> tuple[int, int]:
+        proc = subprocess.run([sys.executable, str(script), mode], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        training = re.search(r"extra threads while training (\d+)", proc.stdout)
+        at_exit = re.search(r"extra threads at exit (\d+)", proc.stdout)
+        assert training and at_exit, proc.stdout
+        return int(training.group(1)), int(at_exit.group(1))
+
+    training, at_exit = extra_threads("hook")
+    assert training > 0, "the gloo group started no worker threads: the test checks nothing"
+    assert at_exit == 0, (training, at_exit)
+    control_training, control_at_exit = extra_threads("control")
+    assert control_at_exit == control_training > 0, (control_training, control_at_exit)

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._exit import install_exit_hook
 from ._init import (
     CollectedParams,
     UnitOptions,
@@ -741,6 +742,7 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     # Inductor's post-grad passes and the other switches of [Note: Global switches]
     # (passes/_install.py), each undone by traceable_hsdp.passes.uninstall().
     _install_passes()
+    install_exit_hook()  # See [Note: Exiting with gloo worker threads] (_exit.py).
     from ._dump_env import start_from_env
 
     start_from_env()  # TRACEABLE_HSDP_DUMP; see [Note: The dump switch] (_dump_env.py)
