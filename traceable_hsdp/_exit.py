@@ -37,8 +37,12 @@ garbage, so the groups are destroyed there, while their workers can still take t
 GIL to finish their releases, and are joined. Checked by
 ``tests/test_reliability.py`` (thread count at exit, with a control run without the
 hook), eager and torch's AdamW; with a compiled step (aot_eager) the group's
-references fell from 50 to none. A script that never calls
-``destroy_process_group()`` keeps its groups and the race (torch issue 190489).
+references fell from 50 to none. Not covered: a script that never calls
+``destroy_process_group()`` keeps its groups and the race (torch issue 190489);
+and importing ``torch._dynamo`` (which ``from traceable_hsdp import fully_shard``
+does) *after* ``init_process_group`` leaves 10 references to the default group
+that no Python object shows (measured with ``sys.getrefcount``), so import at the
+top of the script, as usual.
 :func:`uninstall_exit_hook` undoes the registration.
 """
 
