@@ -460,7 +460,8 @@ class FSDPState:
     # GIL and aborts the process ("terminate called without an active exception",
     # torch issue 190489). ``examples/dcp_resume.py --eager`` under CPU load aborted
     # so in 9 of 34 runs, and in 1 of 32 with this fix: torch's DTensor sharding
-    # cache still holds the mesh, hence the group, to exit.
+    # cache still holds the mesh, hence the group, to exit (see [Note: Exiting with
+    # gloo worker threads] in ``_exit.py`` for what releases it now).
     # So the hook holds its unit through weak references, and does nothing once the
     # unit is gone. ``tests/test_runtime.py`` checks that a dropped model is freed,
     # eager and compiled. Compiled autograd traces the dereferences like any other
