@@ -19,8 +19,10 @@ step split into phases (``forward``, ``loss``, ``backward``,
   and ``compute`` (the rest of the graph: Inductor's C++ kernels and extern calls);
 - outside graphs: ``collectives`` (c10d / functional collective ops called eagerly),
   ``aten`` (top-level ATen ops: eager compute and DTensor's local ops) and
-  ``python/framework`` (the rest: Python, dynamo guards and wrappers, compiled
-  autograd's graph walk and cache lookup, DTensor dispatch, hooks).
+  ``guards`` (dynamo's cache lookups, ``TorchDynamo Cache Lookup`` events: the guards
+  of the compiled forward and of the compiled-autograd backward, evaluated on every
+  call) and ``python/framework`` (the rest: Python, AOTAutograd's wrappers, compiled
+  autograd's graph walk and its own cache lookup, DTensor dispatch, hooks).
 
 On CUDA these categories are the host's timeline (kernels run asynchronously: a
 graph's or a collective's time is then its launch, and waits block only where the host
@@ -155,6 +157,7 @@ def _breakdown(events: Any, steps: int) -> dict[str, Any]:
 
     phases = [(e.name.split("::", 1)[1], *span(e)) for e in evs if e.name.startswith("phase::")]
     graphs = [span(e) for e in evs if e.name.startswith("## Call CompiledFxGraph")]
+    lookups = [span(e) for e in evs if e.name == "TorchDynamo Cache Lookup"]
     colls = [(e.name, *span(e)) for e in evs if _is_coll(e.name)]
     atens = sorted((span(e) for e in evs if e.name.startswith("aten::")), key=lambda s: (s[0], -s[1]))
     # Top-level ATen ops only (not nested in another ATen op).
@@ -192,13 +195,15 @@ def _breakdown(events: Any, steps: int) -> dict[str, Any]:
             and not any(cs <= s and t <= ct for _, cs, ct in c_top)
             and not any(s <= cs and ct <= t for _, cs, ct in c_top)
         )
+        guard_t = sum(t - s for s, t in lookups if inside(s, t, spans) and not inside(s, t, g_in))
         out[ph] = {
             "wall": wall / steps / 1e3,
             "graph_collectives": coll_graph / steps / 1e3,
             "graph_compute": (graph_t - coll_graph) / steps / 1e3,
             "eager_collectives": coll_out / steps / 1e3,
             "eager_aten": aten_out / steps / 1e3,
-            "python_framework": (wall - graph_t - coll_out - aten_out) / steps / 1e3,
+            "guards": guard_t / steps / 1e3,
+            "python_framework": (wall - graph_t - coll_out - aten_out - guard_t) / steps / 1e3,
         }
     gpu = _gpu_ms(events, steps)
     return {
@@ -221,7 +226,8 @@ def _gpu_ms(events: Any, steps: int) -> dict[str, float] | None:
 
 def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
               device: dict[str, Any], code: dict[str, Any] | None = None) -> str:
-    cats = ("graph_compute", "graph_collectives", "eager_collectives", "eager_aten", "python_framework")
+    cats = ("graph_compute", "graph_collectives", "eager_collectives", "eager_aten", "guards",
+            "python_framework")
     lines = [
         f"### Profile, shape `{shape.name}` ({shape.layers} layers, dim {shape.dim}, seq "
         f"{shape.seq}, batch {shape.batch}/rank), rank 0, ms per step (mean of {args.steps} "
@@ -233,8 +239,8 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
            "table)." if device["type"] == "cuda" else "."),
         "",
         "| variant | phase | wall | graph: compute | graph: collectives | eager collectives "
-        "| eager ATen | Python / framework |",
-        "|---|---|---|---|---|---|---|---|",
+        "| eager ATen | guards | Python / framework |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res.items():
         tot = {c: 0.0 for c in ("wall", *cats)}
