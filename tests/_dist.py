@@ -81,29 +81,70 @@ def _worker(rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: 
         pass
 
 
+class Ranks:
+    """Rank processes started by :func:`start_ranks`; :meth:`results` waits for them."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, spawn: bool) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self._world_size = world_size
+        # The environment is read here: a spawned or forked rank starts with the
+        # environment of this moment, whatever the caller sets afterwards.
+        self._ctx = mp.start_processes(
+            _worker, args=(world_size, self._tmp.name, fn, args), nprocs=world_size,
+            join=False, start_method=_start_method(spawn),
+        )
+
+    def results(self) -> list[Any]:
+        """The per-rank results, once every rank has exited; raises with every
+        failing rank's traceback."""
+        try:
+            while not self._ctx.join():
+                pass
+            results, errors = [], []
+            for r in range(self._world_size):
+                path = os.path.join(self._tmp.name, f"rank{r}.pkl")
+                if not os.path.exists(path):
+                    errors.append(f"rank {r}: no result (process died)")
+                    continue
+                with open(path, "rb") as f:
+                    status, value = pickle.load(f)
+                (results if status == "ok" else errors).append(
+                    value if status == "ok" else f"rank {r}:\n{value}"
+                )
+            if errors:
+                raise RuntimeError("\n".join(errors))
+            return results
+        finally:
+            self._tmp.cleanup()
+
+
+def start_ranks(fn: Callable[..., Any], world_size: int, *args: Any, spawn: bool = False) -> Ranks:
+    """Starts ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks of their own
+    (a process group per call) and returns at once, so that independent jobs can run
+    side by side: a 1-rank job leaves a core of the 2 idle. Jobs that run side by side
+    in different environments must be ``spawn``ed (a changed environment restarts
+    the fork server). See :func:`run_ranks` and :func:`gather`."""
+    return Ranks(fn, world_size, args, spawn)
+
+
+def gather(jobs: list[Ranks]) -> list[list[Any]]:
+    """Every job's results, in order, once all have exited; raises the first job's
+    error only after the others finished (none is left running)."""
+    out: list[list[Any]] = []
+    error: BaseException | None = None
+    for job in jobs:
+        try:
+            out.append(job.results())
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+    if error is not None:
+        raise error
+    return out
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, spawn: bool = False) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns the
     per-rank results, or raises with every failing rank's traceback. The ranks fork
     from a preloaded server, or with ``spawn`` start as fresh interpreters; see
     [Note: Rank processes from a preloaded fork server]."""
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _worker, args=(world_size, tmp, fn, args), nprocs=world_size,
-            join=False, start_method=_start_method(spawn),
-        )
-        while not ctx.join():
-            pass
-        results, errors = [], []
-        for r in range(world_size):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                errors.append(f"rank {r}: no result (process died)")
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            (results if status == "ok" else errors).append(
-                value if status == "ok" else f"rank {r}:\n{value}"
-            )
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
+    return start_ranks(fn, world_size, *args, spawn=spawn).results()

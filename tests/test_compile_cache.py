@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from torch.distributed.device_mesh import DeviceMesh
 
-from _dist import run_ranks
+from _dist import Ranks, gather, start_ranks
 from traceable_hsdp import _cache
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,27 +132,44 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def _start(monkeypatch: pytest.MonkeyPatch, fn: Any, world: int, *args: Any, **env: str) -> Ranks:
+    """Starts ``fn`` on ``world`` fresh spawned ranks with ``env`` set for them only
+    (a spawned rank's environment is the one at its start)."""
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        return start_ranks(fn, world, *args, spawn=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stable", [True, False], ids=["reducer", "no_reducer"])
-def test_mega_cache_second_process_hits(
-    stable: bool, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_mega_cache_second_process_hits(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the reducer and without it (the control: the artifacts then carry a key
+    that the next process cannot compute), side by side: each is one rank on one
+    core, with its own cache dir."""
     import _cache_workers as W
 
-    monkeypatch.setenv(_cache.ENV_STABLE_MESH_KEY, "1" if stable else "0")
-    art = str(fresh_cache / "artifacts.bin")
-    (saved,) = run_ranks(W.mega_cache_save, 1, art, spawn=True)
-    assert saved["fx_miss"] == 1 and saved["fx_hit"] == 0, saved
-    # A fresh process, and the FX graph cache emptied: only the artifacts can carry the
-    # entry. (The C++ kernel files stay, to save their compile: on the CPU the artifacts
-    # do not carry them; see docs/compile.md, Mega-Cache.)
-    shutil.rmtree(fresh_cache / "inductor" / "fxgraph")
-    (loaded,) = run_ranks(W.mega_cache_load, 1, art, spawn=True)
-    assert loaded["fx_bypass"] == 1, loaded  # the forward: BackwardState, in torch
-    if stable:
-        assert loaded["fx_hit"] == 1 and loaded["fx_miss"] == 0, loaded
-    else:
-        assert loaded["fx_hit"] == 0 and loaded["fx_miss"] == 1, loaded
+    runs = {"reducer": "1", "no_reducer": "0"}
+    dirs = {name: fresh_cache / name for name in runs}
+    for d in dirs.values():
+        d.mkdir()
+
+    def start(name: str, fn: Any) -> Ranks:
+        return _start(monkeypatch, fn, 1, str(dirs[name] / "artifacts.bin"),
+                      TORCHINDUCTOR_CACHE_DIR=str(dirs[name] / "inductor"),
+                      **{_cache.ENV_STABLE_MESH_KEY: runs[name]})
+
+    saved = dict(zip(runs, gather([start(name, W.mega_cache_save) for name in runs])))
+    for name, (counts,) in saved.items():
+        assert counts["fx_miss"] == 1 and counts["fx_hit"] == 0, (name, counts)
+        # A fresh process, and the FX graph cache emptied: only the artifacts can carry
+        # the entry. (The C++ kernel files stay, to save their compile: on the CPU the
+        # artifacts do not carry them; see docs/compile.md, Mega-Cache.)
+        shutil.rmtree(dirs[name] / "inductor" / "fxgraph")
+    loaded = dict(zip(runs, gather([start(name, W.mega_cache_load) for name in runs])))
+    for name, (counts,) in loaded.items():
+        assert counts["fx_bypass"] == 1, (name, counts)  # the forward: BackwardState, in torch
+    assert loaded["reducer"][0]["fx_hit"] == 1 and loaded["reducer"][0]["fx_miss"] == 0, loaded
+    assert loaded["no_reducer"][0]["fx_hit"] == 0 and loaded["no_reducer"][0]["fx_miss"] == 1, loaded
 
 
 @pytest.mark.slow
@@ -161,33 +178,38 @@ def test_changed_configuration_shape_or_world_misses(
 ) -> None:
     # Each compile in fresh processes on the same cache dir. (Within one process, a
     # second compile after torch._dynamo.reset() orders the backward's inputs
-    # differently and misses anyway, so it could not show a wrong hit.)
+    # differently and misses anyway, so it could not show a wrong hit.) Compiles that
+    # do not depend on each other's entries run side by side: a changed compile can
+    # only hit an entry written before it started, so each starts after the compile
+    # it must not hit has finished.
     import _cache_workers as W
 
-    def one(world: int = 1, dim: int = 16, *args: Any, **env: str) -> list[dict[str, int]]:
-        with monkeypatch.context() as m:
-            for k, v in env.items():
-                m.setenv(k, v)
-            return run_ranks(W.compile_step, world, dim, *args, spawn=True)
+    def start(world: int = 1, dim: int = 16, *args: Any, **env: str) -> Ranks:
+        return _start(monkeypatch, W.compile_step, world, dim, *args, **env)
 
     def all_miss(runs: list[dict[str, int]]) -> bool:
         return all(c["fx_hit"] == 0 and c["fx_miss"] == 1 for c in runs)
 
-    (first,) = one()
+    def all_hit(runs: list[dict[str, int]]) -> bool:
+        return all(c["fx_hit"] == 1 and c["fx_miss"] == 0 for c in runs)
+
+    ((first,),) = gather([start()])
     assert first["fx_miss"] == 1 and first["fx_bypass"] == 1, first
-    (again,) = one()  # nothing changed: the backward hits (the check can see a hit)
-    assert again["fx_hit"] == 1 and again["fx_miss"] == 0, again
-    for changed in (
+    again, config, shape, world = gather([
+        start(),  # nothing changed: the backward hits (the check can see a hit)
         # The pass configuration: overlap off and another bucket cap, one change.
-        one(TRACEABLE_HSDP_PASSES="remove_resize_copy,bucket", TRACEABLE_HSDP_BUCKET_CAP_MB="1"),
-        one(dim=24),
-    ):
-        assert all_miss(changed), changed
-    # Two ranks: the world size changed (a miss), then the same again (each rank hits
-    # its own entry), then the same world with another mesh shape (HSDP 1x2) or
-    # another fully_shard option (reshard_after_forward=False: no re-gather in the
-    # backward): misses.
-    assert all_miss(one(2))
-    assert all(c["fx_hit"] == 1 and c["fx_miss"] == 0 for c in one(2)), "2 ranks, unchanged"
-    assert all_miss(one(2, 16, (1, 2)))
-    assert all_miss(one(2, 16, None, False))
+        start(TRACEABLE_HSDP_PASSES="remove_resize_copy,bucket", TRACEABLE_HSDP_BUCKET_CAP_MB="1"),
+        start(dim=24),  # the model's shape
+        start(2),  # two ranks: the world size changed
+    ])
+    assert all_hit(again), again
+    assert all_miss(config), config
+    assert all_miss(shape), shape
+    assert all_miss(world), world
+    # Two ranks again: the same (each rank hits its own entry), then the same world
+    # with another mesh shape (HSDP 1x2) or another fully_shard option
+    # (reshard_after_forward=False: no re-gather in the backward): misses.
+    same, mesh, option = gather([start(2), start(2, 16, (1, 2)), start(2, 16, None, False)])
+    assert all_hit(same), "2 ranks, unchanged"
+    assert all_miss(mesh), mesh
+    assert all_miss(option), option
