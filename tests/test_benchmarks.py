@@ -32,6 +32,7 @@ import _harness as H  # noqa: E402
 import _report as R  # noqa: E402
 import collective_latency  # noqa: E402
 import compile_time  # noqa: E402
+import guard_cost  # noqa: E402
 import profile_step  # noqa: E402
 import step_time  # noqa: E402
 
@@ -323,11 +324,33 @@ def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
 
 def test_out_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     """Results go where the user says: no default into the committed results."""
-    for parse in (step_time.parse_args, profile_step.parse_args, compile_time.parse_args):
+    for parse in (step_time.parse_args, profile_step.parse_args, compile_time.parse_args,
+                  guard_cost.parse_args):
         with pytest.raises(SystemExit):
             parse([])
         assert "the following arguments are required: --out" in capsys.readouterr().err
     assert compile_time.parse_args(["--child", "{}"]).out is None  # a child writes nothing
+    assert guard_cost.parse_args(["--one", "ours"]).out is None
+
+
+def test_guard_cost_filters_drop_only_their_kind() -> None:
+    """Each measuring variant of guard_cost.py drops one kind of guard and keeps the
+    rest (a filter that dropped everything would measure nothing)."""
+    from types import SimpleNamespace as E
+
+    state = "L['self'].__dict__['_traceable_hsdp_state'].param_group.fsdp_params[0].fqn"
+    model = "L['self']._modules['output']._parameters['weight']"
+    entries = [E(name=n, guard_type=t) for n in (state, model)
+               for t in ("EQUALS_MATCH", "CONSTANT_MATCH", "DTENSOR_SPEC_MATCH", "TENSOR_MATCH")]
+
+    def kept(variant: str) -> set[tuple[str, str]]:
+        return {(e.name, e.guard_type) for e in entries if guard_cost._keep(variant, e)}
+
+    every = {(e.name, e.guard_type) for e in entries}
+    assert kept("ours") == kept("unsharded") == every
+    assert every - kept("ours_no_dtensor_spec") == {(state, "DTENSOR_SPEC_MATCH"), (model, "DTENSOR_SPEC_MATCH")}
+    assert every - kept("ours_no_state_constants") == {(state, "EQUALS_MATCH"), (state, "CONSTANT_MATCH")}
+    assert every - kept("ours_no_state") == {(state, t) for _, t in every}
 
 
 def test_numbers_names_and_payback() -> None:
