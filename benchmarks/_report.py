@@ -23,6 +23,8 @@ variant is "none (eager)", not the noise of first step minus median.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from typing import Any
 
 NOT_COUNTED = "not counted: outside Inductor graphs"
@@ -101,6 +103,19 @@ def add_out_argument(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--out", required=required, default=None, metavar="DIR",
                    help="folder for the report (.md, .json, .png); created if needed. "
                         "Required: nothing is written into the repository by default")
+
+
+def write_report(out: str, stem: str, text: str, data: Any = None) -> str:
+    """Writes ``<out>/<stem>.md`` (the table ``text``) and, with ``data``, ``.json``
+    (every raw number); creates ``out``. Returns the path without suffix."""
+    os.makedirs(out, exist_ok=True)
+    base = os.path.join(out, stem)
+    with open(base + ".md", "w") as f:
+        f.write(text + "\n")
+    if data is not None:
+        with open(base + ".json", "w") as f:
+            json.dump(data, f, indent=1)
+    return base
 
 
 def code_line(code: dict[str, Any]) -> str:

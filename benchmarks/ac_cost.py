@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import statistics
@@ -262,6 +261,7 @@ def report(res: dict[str, Any], a: argparse.Namespace, device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     import _harness as H
+    import _report as R
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="ac_cost_inductor_"))
     res = H.run_spawned_fn(_rank, a.placement, model=a.model, shape_name=a.shape,
@@ -271,12 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(res, a, device)
     print(text)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        stem = os.path.join(a.out, f"ac_cost_{a.model}_{a.shape}")
-        with open(stem + ".md", "w") as f:
-            f.write(text + "\n")
-        with open(stem + ".json", "w") as f:
-            json.dump(res, f, indent=1)
+        R.write_report(a.out, f"ac_cost_{a.model}_{a.shape}", text, res)
     return 0
 
 

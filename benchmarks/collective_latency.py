@@ -22,7 +22,6 @@ Writes ``<out>/collective_latency_<device>.md`` (also printed) and ``.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -129,13 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     text = "\n".join(lines)
     print(text)
-    os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"collective_latency_{placement.device_type}")
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
-    with open(stem + ".json", "w") as f:
-        json.dump({"sizes_kib": sizes, "times_s": res, "torch": torch.__version__,
-                   "where": where}, f, indent=1)
+    R.write_report(a.out, f"collective_latency_{placement.device_type}", text, {
+        "sizes_kib": sizes, "times_s": res, "torch": torch.__version__, "where": where})
     return 0
 
 

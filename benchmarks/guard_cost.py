@@ -194,13 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     code = _code_state()
     text = _markdown(a.shape, res, a, code)
     print(text)
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"guard_cost_{a.shape}")
-    with open(base + ".md", "w") as f:
-        f.write(text + "\n")
-    with open(base + ".json", "w") as f:
-        json.dump({"results": res, "shape": a.shape, "steps": a.steps, "backend": a.backend,
-                   "code": code}, f, indent=1)
+    R.write_report(a.out, f"guard_cost_{a.shape}", text, {
+        "results": res, "shape": a.shape, "steps": a.steps, "backend": a.backend, "code": code})
     return 0
 
 

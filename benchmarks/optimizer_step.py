@@ -81,6 +81,7 @@ def _rank(rank: int, placement: Any, shape_name: str, steps: int, rounds: int) -
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, HERE)
     import _harness as H
+    import _report as R
 
     p = argparse.ArgumentParser(prog="optimizer_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=("overhead", "compute"), default="overhead")
@@ -108,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"optimizer_step_{a.shape}.md"), "w") as f:
-            f.write(text + "\n")
+        R.write_report(a.out, f"optimizer_step_{a.shape}", text)
     return 0 if all(res["same"].values()) else 1
 
 
