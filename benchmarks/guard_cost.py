@@ -147,9 +147,10 @@ def _markdown(shape_name: str, res: dict[str, Any], args: argparse.Namespace, co
     for name, r in res.items():
         total = r["forward_ms"] + r["backward_ms"]
         over = total - floor["forward_ms"] - floor["backward_ms"]
+        over_cell = "(the floor)" if name == "unsharded" else f"{over:+.2f}"
         lines.append(
             f"| `{name}` | {r['forward_ms']:.2f} | {r['backward_ms']:.2f} | {total:.2f} | "
-            f"{over:+.2f} | {sum(r['forward_guards'].values())} |"
+            f"{over_cell} | {sum(r['forward_guards'].values())} |"
         )
     lines += ["", R.code_line(code) + "."]
     return "\n".join(lines)
