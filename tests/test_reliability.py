@@ -8,6 +8,7 @@ reference and tolerance. The Inductor feature tests are in test_inductor_feature
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -409,7 +410,7 @@ main()
 """
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="counts threads in /proc")
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="counts threads in /proc")
 def test_gloo_workers_are_joined_before_the_interpreter_finalizes(tmp_path) -> None:
     import re
     import subprocess
