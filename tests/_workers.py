@@ -247,3 +247,67 @@ def parity_worker(
     gc.collect()
     result["alive_after_del"] = sum(r() is not None for r in alive)
     return result
+
+
+
+# The variable-length test: one block (two units, so bucketing and overlap still
+# have neighbours), sequence lengths up to max_seq_len.
+VARIABLE_CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+VARIABLE_LENGTHS = (8, 12, 16, 10)
+
+
+def _variable_length_data(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(4321)
+    out = []
+    for s in VARIABLE_LENGTHS:
+        tok = torch.randint(0, VARIABLE_CFG.vocab_size, (world * BATCH_PER_RANK, s + 1), generator=g)
+        out.append((tok[:, :-1], tok[:, 1:]))
+    return out
+
+
+def variable_length_reference(world: int) -> list[float]:
+    """One process, the global batches of ``VARIABLE_LENGTHS``: the losses."""
+    torch.manual_seed(0)
+    model = Llama(VARIABLE_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _variable_length_data(world):
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def variable_length_worker(rank: int, world: int) -> dict[str, Any]:
+    """Batches whose sequence length changes every step, the length marked dynamic
+    (``torch._dynamo.mark_dynamic``), compiled whole on Inductor with every pass and
+    compiled autograd. Reports the losses and the post-grad graphs compiled after
+    each step."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = Llama(VARIABLE_CFG)
+    shard_llama(model, th.fully_shard, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    post_grad = PostGradRecorder()
+    torch._inductor.config.post_grad_custom_post_pass = post_grad
+    counters.clear()
+    fwd, _ = compile_for(model, "loop", "inductor")
+    losses, graphs = [], []
+    try:
+        for x, y in _variable_length_data(world):
+            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            torch._dynamo.mark_dynamic(xs, 1)
+            loss = _loss(fwd(xs), ys)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_mean_over_ranks(loss, world))
+            kinds = [g.kind for g in post_grad.graphs]
+            graphs.append((kinds.count("fwd"), kinds.count("bwd")))
+    finally:
+        th.disable_compiled_autograd()
+        torch._inductor.config.post_grad_custom_post_pass = None
+    return dict(losses=losses, graphs=graphs, graph_breaks=sum(counters["graph_break"].values()),
+                counts=[graph_counts(g.final_graph()) for g in post_grad.graphs])
