@@ -251,9 +251,12 @@ def parity_worker(
 
 
 # The variable-length test: one block (two units, so bucketing and overlap still
-# have neighbours), sequence lengths up to max_seq_len.
+# have neighbours), sequence lengths up to max_seq_len. After step EVAL_AFTER, an
+# evaluation forward under torch.inference_mode (what a frozen reference model's
+# forward in DPO-style training does), then training goes on.
 VARIABLE_CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
-VARIABLE_LENGTHS = (8, 12, 16, 10)
+VARIABLE_LENGTHS = (8, 12, 16, 10, 14)
+EVAL_AFTER = 4
 
 
 def _variable_length_data(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -265,26 +268,48 @@ def _variable_length_data(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return out
 
 
-def variable_length_reference(world: int) -> list[float]:
-    """One process, the global batches of ``VARIABLE_LENGTHS``: the losses."""
-    torch.manual_seed(0)
-    model = Llama(VARIABLE_CFG)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for x, y in _variable_length_data(world):
-        loss = _loss(model(x), y)
+def _variable_length_run(
+    fwd: Any, opt: torch.optim.Optimizer, world: int, rank: int | None, mark: bool,
+    after_step: Any = None,
+) -> tuple[list[float], torch.Tensor]:
+    """Trains on ``_variable_length_data`` (this rank's slice, or the global batch
+    when ``rank`` is None), with the evaluation forward after step EVAL_AFTER; returns
+    the losses (averaged over the ranks) and the evaluation logits."""
+    losses: list[float] = []
+    eval_logits = torch.empty(0)
+    for step, (x, y) in enumerate(_variable_length_data(world), start=1):
+        if rank is not None:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        if mark:
+            torch._dynamo.mark_dynamic(x, 1)
+        loss = _loss(fwd(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+        losses.append(loss.item() if rank is None else _mean_over_ranks(loss, world))
+        if after_step is not None:
+            after_step()
+        if step == EVAL_AFTER:
+            with torch.inference_mode():
+                eval_logits = fwd(x).clone()
+    return losses, eval_logits
+
+
+def variable_length_reference(world: int) -> tuple[list[float], torch.Tensor]:
+    """One process, the global batches: the losses and the evaluation logits."""
+    torch.manual_seed(0)
+    model = Llama(VARIABLE_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    return _variable_length_run(model, opt, world, None, False)
 
 
 def variable_length_worker(rank: int, world: int) -> dict[str, Any]:
     """Batches whose sequence length changes every step, the length marked dynamic
     (``torch._dynamo.mark_dynamic``), compiled whole on Inductor with every pass and
-    compiled autograd. Reports the losses and the post-grad graphs compiled after
-    each step."""
+    compiled autograd, with an evaluation forward under ``torch.inference_mode``
+    after step EVAL_AFTER. Reports the losses, this rank's evaluation logits, and the
+    post-grad graphs compiled after each step (counted before that step's
+    evaluation)."""
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = Llama(VARIABLE_CFG)
@@ -294,20 +319,17 @@ def variable_length_worker(rank: int, world: int) -> dict[str, Any]:
     torch._inductor.config.post_grad_custom_post_pass = post_grad
     counters.clear()
     fwd, _ = compile_for(model, "loop", "inductor")
-    losses, graphs = [], []
+    graphs: list[tuple[int, int]] = []
+
+    def count() -> None:
+        kinds = [g.kind for g in post_grad.graphs]
+        graphs.append((kinds.count("fwd"), kinds.count("bwd")))
+
     try:
-        for x, y in _variable_length_data(world):
-            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
-            torch._dynamo.mark_dynamic(xs, 1)
-            loss = _loss(fwd(xs), ys)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(_mean_over_ranks(loss, world))
-            kinds = [g.kind for g in post_grad.graphs]
-            graphs.append((kinds.count("fwd"), kinds.count("bwd")))
+        losses, eval_logits = _variable_length_run(fwd, opt, world, rank, True, count)
     finally:
         th.disable_compiled_autograd()
         torch._inductor.config.post_grad_custom_post_pass = None
-    return dict(losses=losses, graphs=graphs, graph_breaks=sum(counters["graph_break"].values()),
-                counts=[graph_counts(g.final_graph()) for g in post_grad.graphs])
+    return dict(losses=losses, graphs=graphs, eval_logits=eval_logits,
+                graph_breaks=sum(counters["graph_break"].values()),
+                counts=[(g.kind, graph_counts(g.final_graph())) for g in post_grad.graphs])

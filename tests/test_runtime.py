@@ -385,28 +385,36 @@ def test_parameters_registered_after_forward(one_rank, raf: bool | None) -> None
 
 @pytest.mark.slow
 def test_variable_sequence_lengths_compiled() -> None:
-    """A batch's sequence length changes every step (8, 12, 16, 10), as in fine-tuning
-    with padding to each batch's longest sample; 2 ranks, a 1-block Llama, the length
-    marked dynamic, compiled whole on Inductor with every pass and compiled autograd.
+    """A batch's sequence length changes every step (8, 12, 16, 10, 14), as in
+    fine-tuning with padding to each batch's longest sample; 2 ranks, a 1-block Llama,
+    the length marked dynamic, compiled whole on Inductor with every pass and compiled
+    autograd. After step 4 an evaluation forward runs under ``torch.inference_mode``
+    (as a frozen reference model's forward does in DPO-style training), then step 5
+    trains on.
 
-    - One forward graph for every length. Two backward graphs: compiled autograd
-      captures its first backward with static sizes and recompiles once with the
-      length symbolic; none after the second step. (The unsharded model compiled
-      the same way on one process compiles three backward graphs on these lengths,
-      aot_eager and Inductor alike: 8, 12, then 16, its rotary table's full length.)
+    - One training forward graph for every length. Two backward graphs: compiled
+      autograd captures its first backward with static sizes and recompiles once
+      with the length symbolic. (The unsharded model compiled the same way on one
+      process compiles three backward graphs on these lengths, aot_eager and
+      Inductor alike: 8, 12, then 16, its rotary table's full length.) The
+      evaluation adds one forward graph; step 5 compiles nothing.
     - Our passes ran on the symbolic graphs as on static ones: no resize or
-      ``fsdp.copy_`` is left, the forward gathers both units in one bucket (the
-      default cap), and each backward re-gathers block 0 (the root stays gathered)
-      and reduce-scatters every gradient in one bucket.
-    - Losses against one process on the global batches, atol 1e-4.
+      ``fsdp.copy_`` is left in any graph, each forward (the evaluation's too)
+      gathers both units in one bucket (the default cap), and each backward
+      re-gathers block 0 (the root stays gathered) and reduce-scatters every
+      gradient in one bucket.
+    - Losses and the evaluation logits against one process on the global batches,
+      atol 1e-4.
     """
     from _workers import variable_length_reference, variable_length_worker
 
-    ref = variable_length_reference(2)
-    for r in run_ranks(variable_length_worker, 2):
-        assert r["graphs"] == [(1, 1)] + [(1, 2)] * 3, r["graphs"]
+    ref_losses, ref_logits = variable_length_reference(2)
+    for rank, r in enumerate(run_ranks(variable_length_worker, 2)):
+        assert r["graphs"] == [(1, 1)] + [(1, 2)] * 3 + [(2, 2)], r["graphs"]
         assert r["graph_breaks"] == 0, r
         one_bucket = {"all_gather_into_tensor": 1, "wait_tensor": 1}
         both = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "wait_tensor": 2}
-        assert r["counts"] == [one_bucket, both, both], r["counts"]
-        torch.testing.assert_close(r["losses"], ref, rtol=0, atol=1e-4)
+        assert r["counts"] == [("fwd", one_bucket), ("bwd", both), ("bwd", both),
+                               ("fwd", one_bucket)], r["counts"]
+        torch.testing.assert_close(r["losses"], ref_losses, rtol=0, atol=1e-4)
+        torch.testing.assert_close(r["eval_logits"], ref_logits.chunk(2)[rank], rtol=0, atol=1e-4)
