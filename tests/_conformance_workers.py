@@ -386,8 +386,21 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     matmul a custom op with its own backward), also trained eager with torch's
     fully_shard. ``backend`` "aot_eager" records the collectives of every graph and
     adds Mixtral in bf16 mixed precision ("moe_bf16", also against torch's);
-    "inductor" runs the passes."""
+    "inductor" runs the passes. "hf_ac" is HF ``LlamaForCausalLM`` with its own
+    ``gradient_checkpointing_enable()`` (the checkpoint around each decoder layer's
+    whole call, hence around a unit's hooks), compiled with
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` set (see
+    docs/compile.md, "Activation checkpointing")."""
+    from transformers import LlamaForCausalLM
+
     from _workers import GraphRecorder
+
+    def hf_ac() -> nn.Module:
+        model = LlamaForCausalLM(_hf_config(layers=1))
+        model.config.use_cache = False  # what a training script sets with checkpointing
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        return _hf_shard(model, th.fully_shard)
 
     def freeze(model: nn.Module) -> Callable[[int], None]:
         def before(i: int) -> None:
@@ -401,6 +414,7 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
         "dataclass": (lambda: _shard_children(_DCModel(), "blocks", th.fully_shard), lambda m: None),
         "freeze": (lambda: _shard_llama(Llama(CFG), th.fully_shard), freeze),
         "moe": (lambda: _hf_shard(_mixtral(), th.fully_shard), lambda m: None),
+        "hf_ac": (hf_ac, lambda m: None),
     }
     out: dict[str, Any] = {}
     torch.manual_seed(0)
@@ -429,12 +443,15 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
                 fwd = torch.compile(model, backend=rec or backend, fullgraph=True)
 
             def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor, fwd: Any = fwd,
-                     hf: bool = name.startswith("moe")) -> torch.Tensor:
+                     hf: bool = name.startswith(("moe", "hf"))) -> torch.Tensor:
                 return _loss(fwd(input_ids=x).logits if hf else fwd(x), y)
 
+            skip = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = name == "hf_ac"
             try:
                 out[f"{name}_{mode}"] = _train(model, rank, world, step, before_step=before(model))
             finally:
+                torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = skip
                 if mode == "compiled":
                     th.disable_compiled_autograd()
             out[f"{name}_{mode}_bytes_after"] = _placeholder_bytes(model)
@@ -445,11 +462,11 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------- HF transformers, a real client
-def _hf_config() -> Any:
+def _hf_config(layers: int = 2) -> Any:
     from transformers import LlamaConfig as HFLlamaConfig
 
     return HFLlamaConfig(
-        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
         tie_word_embeddings=False,
     )

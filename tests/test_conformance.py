@@ -101,11 +101,13 @@ def test_conformance_compiled_aot_eager() -> None:
     """Compiled with compiled autograd (aot_eager: the same ops as eager, so bitwise
     equal to the eager run): weight reuse, dataclass activations, freezing after the
     first compiled step (fullgraph=True holds: the change is applied before dynamo
-    traces), and HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
-    whose eager runs are also bitwise equal to torch's fully_shard. Collectives
-    counted from the captured graphs."""
+    traces), HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
+    whose eager runs are also bitwise equal to torch's fully_shard, and HF Llama with
+    its own gradient checkpointing (the checkpoint around each unit's whole call;
+    dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint on). Collectives counted
+    from the captured graphs."""
     for r in run_ranks(conformance_compiled, 2, "aot_eager"):
-        for name in ("reuse", "dataclass", "freeze", "moe", "moe_bf16"):
+        for name in ("reuse", "dataclass", "freeze", "moe", "moe_bf16", "hf_ac"):
             _same(r[f"{name}_compiled"], r[f"{name}_eager"], name)
             assert r[f"{name}_compiled_bytes_after"] == 0, name
         _same(r["moe_eager"], r["moe_torch"], "moe vs torch's fully_shard")
@@ -121,6 +123,14 @@ def test_conformance_compiled_aot_eager() -> None:
         n_moe = 2 * 9 + 3
         assert fwd[0]["all_gather_into_tensor"] == n_moe, fwd
         assert bwd[0]["all_gather_into_tensor"] == bwd[0]["reduce_scatter_tensor"] == n_moe, bwd
+        # HF Llama (1 decoder layer), checkpointed around the layer's call: one graph
+        # each way (fullgraph=True, no break), and the backward's recompute of the
+        # layer adds no collective: each parameter re-gathered once and reduced once
+        # (9 in the layer, 3 on the root). The forward's layer gathers sit inside the checkpoint
+        # subgraphs, which these dynamo-level counts do not open.
+        fwd, bwd = r["hf_ac_graphs"]
+        assert len(fwd) == len(bwd) == 1, (fwd, bwd)
+        assert bwd[0]["all_gather_into_tensor"] == bwd[0]["reduce_scatter_tensor"] == 9 + 3, bwd
         fwd, bwd = r["reuse_graphs"]
         # One forward and one backward graph: no recompiles after the first step.
         assert len(fwd) == len(bwd) == 1, (fwd, bwd)
@@ -140,14 +150,14 @@ def test_conformance_compiled_aot_eager() -> None:
 
 @pytest.mark.slow
 def test_conformance_compiled_inductor() -> None:
-    """The same four cases under Inductor with every pass on, against the eager run:
+    """The same five cases under Inductor with every pass on, against the eager run:
     losses rtol 1e-5 and parameters atol 2e-5 (Inductor fuses and reorders float
     arithmetic), 1e-4 for Mixtral. AdamW divides each gradient element by its own
     running scale, so an element whose gradient is close to 0 (an expert that few
     tokens reach) turns a reordering error into a visible step: seen 2.4e-5 and
     2.1e-5, on one element of each 3-D expert weight, with the losses equal."""
     for r in run_ranks(conformance_compiled, 2, "inductor"):
-        for name in ("reuse", "dataclass", "freeze", "moe"):
+        for name in ("reuse", "dataclass", "freeze", "moe", "hf_ac"):
             c, e = r[f"{name}_compiled"], r[f"{name}_eager"]
             torch.testing.assert_close(c[0], e[0], rtol=1e-5, atol=0, msg=name)
             atol = 1e-4 if name == "moe" else 2e-5
