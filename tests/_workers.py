@@ -249,7 +249,6 @@ def parity_worker(
     return result
 
 
-
 # The variable-length test: one block (two units, so bucketing and overlap still
 # have neighbours), sequence lengths up to max_seq_len. After step EVAL_AFTER, an
 # evaluation forward under torch.inference_mode (what a frozen reference model's
@@ -263,7 +262,8 @@ def _variable_length_data(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     g = torch.Generator().manual_seed(4321)
     out = []
     for s in VARIABLE_LENGTHS:
-        tok = torch.randint(0, VARIABLE_CFG.vocab_size, (world * BATCH_PER_RANK, s + 1), generator=g)
+        shape = (world * BATCH_PER_RANK, s + 1)
+        tok = torch.randint(0, VARIABLE_CFG.vocab_size, shape, generator=g)
         out.append((tok[:, :-1], tok[:, 1:]))
     return out
 

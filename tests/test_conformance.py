@@ -126,8 +126,8 @@ def test_conformance_compiled_aot_eager() -> None:
         # HF Llama (1 decoder layer), checkpointed around the layer's call: one graph
         # each way (fullgraph=True, no break), and the backward's recompute of the
         # layer adds no collective: each parameter re-gathered once and reduced once
-        # (9 in the layer, 3 on the root). The forward's layer gathers sit inside the checkpoint
-        # subgraphs, which these dynamo-level counts do not open.
+        # (9 in the layer, 3 on the root). The forward's layer gathers sit inside the
+        # checkpoint subgraph, which these dynamo-level counts do not open.
         fwd, bwd = r["hf_ac_graphs"]
         assert len(fwd) == len(bwd) == 1, (fwd, bwd)
         assert bwd[0]["all_gather_into_tensor"] == bwd[0]["reduce_scatter_tensor"] == 9 + 3, bwd

@@ -382,7 +382,6 @@ def test_parameters_registered_after_forward(one_rank, raf: bool | None) -> None
     assert all(isinstance(p, DTensor) for p in m.parameters())
 
 
-
 @pytest.mark.slow
 def test_variable_sequence_lengths_compiled() -> None:
     """A batch's sequence length changes every step (8, 12, 16, 10, 14), as in
@@ -395,9 +394,9 @@ def test_variable_sequence_lengths_compiled() -> None:
     - One training forward graph for every length. Two backward graphs: compiled
       autograd captures its first backward with static sizes and recompiles once
       with the length symbolic. (The unsharded model compiled the same way on one
-      process compiles three backward graphs on these lengths, aot_eager and
-      Inductor alike: 8, 12, then 16, its rotary table's full length.) The
-      evaluation adds one forward graph; step 5 compiles nothing.
+      process compiles three backward graphs on these lengths, at 8, 12 and 16,
+      aot_eager and Inductor alike.) The evaluation adds one forward graph; step 5
+      compiles nothing.
     - Our passes ran on the symbolic graphs as on static ones: no resize or
       ``fsdp.copy_`` is left in any graph, each forward (the evaluation's too)
       gathers both units in one bucket (the default cap), and each backward
