@@ -28,6 +28,9 @@ does it. Variants, each in a fresh process:
 - ``ours_no_state_constants``: without the constant and equality guards
   (``CONSTANT_MATCH``, ``EQUALS_MATCH``) on sources under the unit state
   (``_traceable_hsdp_state``);
+- ``ours_no_aliasing``: without the guards that check that two paths still reach
+  the same object (``DUPLICATE_INPUT``: a Python ``is`` check each, e.g. a module
+  reached through the model and through a parameter's record);
 - ``ours_no_state``: without any guard under the unit state (what is left is the
   model's own guards).
 
@@ -53,7 +56,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import _report as R  # noqa: E402
 
-VARIANTS = ("unsharded", "ours", "ours_no_dtensor_spec", "ours_no_state_constants", "ours_no_state")
+VARIANTS = ("unsharded", "ours", "ours_no_dtensor_spec", "ours_no_state_constants",
+            "ours_no_aliasing", "ours_no_state")
 _STATE = "_traceable_hsdp_state"
 
 
@@ -63,6 +67,8 @@ def _keep(variant: str, entry: Any) -> bool:
         return entry.guard_type != "DTENSOR_SPEC_MATCH"
     if variant == "ours_no_state_constants":
         return not (_STATE in entry.name and entry.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH"))
+    if variant == "ours_no_aliasing":
+        return entry.guard_type != "DUPLICATE_INPUT"
     if variant == "ours_no_state":
         return _STATE not in entry.name
     return True

@@ -341,7 +341,8 @@ def test_guard_cost_filters_drop_only_their_kind() -> None:
     state = "L['self'].__dict__['_traceable_hsdp_state'].param_group.fsdp_params[0].fqn"
     model = "L['self']._modules['output']._parameters['weight']"
     entries = [E(name=n, guard_type=t) for n in (state, model)
-               for t in ("EQUALS_MATCH", "CONSTANT_MATCH", "DTENSOR_SPEC_MATCH", "TENSOR_MATCH")]
+               for t in ("EQUALS_MATCH", "CONSTANT_MATCH", "DTENSOR_SPEC_MATCH", "TENSOR_MATCH",
+                         "DUPLICATE_INPUT")]
 
     def kept(variant: str) -> set[tuple[str, str]]:
         return {(e.name, e.guard_type) for e in entries if guard_cost._keep(variant, e)}
@@ -350,6 +351,7 @@ def test_guard_cost_filters_drop_only_their_kind() -> None:
     assert kept("ours") == kept("unsharded") == every
     assert every - kept("ours_no_dtensor_spec") == {(state, "DTENSOR_SPEC_MATCH"), (model, "DTENSOR_SPEC_MATCH")}
     assert every - kept("ours_no_state_constants") == {(state, "EQUALS_MATCH"), (state, "CONSTANT_MATCH")}
+    assert every - kept("ours_no_aliasing") == {(state, "DUPLICATE_INPUT"), (model, "DUPLICATE_INPUT")}
     assert every - kept("ours_no_state") == {(state, t) for _, t in every}
 
 
