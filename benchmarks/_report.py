@@ -111,10 +111,10 @@ def write_report(out: str, stem: str, text: str, data: Any = None) -> str:
     os.makedirs(out, exist_ok=True)
     base = os.path.join(out, stem)
     with open(base + ".md", "w") as f:
-        f.write(text + "\n")
+        f.write(text if text.endswith("\n") else text + "\n")
     if data is not None:
         with open(base + ".json", "w") as f:
-            json.dump(data, f, indent=1)
+            json.dump(data, f, indent=1, default=str)  # str: dtypes, devices, paths
     return base
 
 

@@ -471,14 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(s, meta, args)
     print()
     print(md, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"compile_time_{args.model}")
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(args={k: v for k, v in vars(args).items() if k != "variant_list"},
-                       variants=[v.name for v in args.variant_list], meta=meta, summary=s,
-                       raw=runs), f, indent=1, default=str)
+    stem = R.write_report(args.out, f"compile_time_{args.model}", md, dict(
+        args={k: v for k, v in vars(args).items() if k != "variant_list"},
+        variants=[v.name for v in args.variant_list], meta=meta, summary=s, raw=runs))
     png = plot(s, stem + ".png",
                f"first-step compile time, {args.model} model, 1 rank, torch {meta['torch']}")
     print(f"wrote {stem}.md, {stem}.json" + (f", {png}" if png else " (no matplotlib: no plot)"))

@@ -39,7 +39,6 @@ Chrome trace per variant. Names as in ``_report.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -315,13 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     code = _code_state()
     md = _markdown(H.SHAPES[args.shape], res, args, device, code)
     print(md)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"profile_{args.shape}")
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(args={**vars(args), "placement": dict(vars(args.placement))},
-                       device=device, code=code, results=res), f, indent=1)
+    stem = R.write_report(args.out, f"profile_{args.shape}", md, dict(
+        args={**vars(args), "placement": dict(vars(args.placement))},
+        device=device, code=code, results=res))
     print(f"wrote {stem}.md, {stem}.json")
     return 0
 

@@ -641,14 +641,9 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         l1 = s["loss_step1"]
         print("!" * 78 + f"\n!! LOSS MISMATCH at step 1 (spread {s['loss_step1_spread']:.3e} > "
               f"{LOSS_TOL:g}): {l1}\n" + "!" * 78, file=sys.stderr, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"step_time_{shape_name}_{args.model}")
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(args={**vars(args), "placement": dict(vars(placement))}, shape=vars(shape),
-                       meta=meta, summary=s, raw=ranks), f,
-                  indent=1, default=str)
+    stem = R.write_report(args.out, f"step_time_{shape_name}_{args.model}", md, dict(
+        args={**vars(args), "placement": dict(vars(placement))}, shape=vars(shape),
+        meta=meta, summary=s, raw=ranks))
     if meta["code"]["diff"]:
         with open(stem + ".code.diff", "w") as f:
             f.write(meta["code"]["diff"] + "\n")
