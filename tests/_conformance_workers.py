@@ -157,6 +157,39 @@ class _DCModel(nn.Module):
         return self.head(act.hidden + act.skip)
 
 
+# ------------------------------------------------------ prefix tuning
+class _PrefixBlock(nn.Module):
+    """A frozen block that also takes a learnable prefix (prefix tuning), computed
+    last so that its backward runs first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.requires_grad_(False)
+
+    def forward(self, h: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.a(h)) + h + self.b(prefix).mean(0)
+
+
+class _PrefixModel(nn.Module):
+    """The base model frozen, a learnable prefix per block held by the root: a leaf
+    (the root's placeholder) that every step passes to the same unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(CFG.vocab_size, 16)
+        self.prefixes = nn.ParameterList([nn.Parameter(torch.randn(4, 16)) for _ in range(2)])
+        self.blocks = nn.ModuleList([_PrefixBlock() for _ in range(2)])
+        self.head = nn.Linear(16, CFG.vocab_size)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tok)
+        for block, prefix in zip(self.blocks, self.prefixes):
+            h = block(h, prefix)
+        return self.head(h)
+
+
 def _shard_children(model: nn.Module, attr: str, fs: Callable[..., Any]) -> nn.Module:
     for m in getattr(model, attr):
         fs(m)
@@ -283,6 +316,7 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
             rank, world, lambda fs, raf=raf: _shard_children(_Reuse(), "layers", functools.partial(fs, reshard_after_forward=raf))
         )
     out["dataclass"] = _both(rank, world, lambda fs: _shard_children(_DCModel(), "blocks", fs))
+    out["prefix"] = _both(rank, world, lambda fs: _shard_children(_PrefixModel(), "blocks", fs))
 
     def cast_after(fs: Callable[..., Any]) -> nn.Module:
         model = _shard_llama(Llama(CFG), fs)
@@ -380,7 +414,8 @@ def _freeze_midway(rank: int, world: int) -> dict[str, Any]:
 def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Compiled (``torch.compile(model, fullgraph=True)`` with compiled autograd)
     against the same flow eager: the weight-reuse model (each unit three times per
-    forward), dataclass activations, and our Llama frozen in part after its first
+    forward), dataclass activations, prefix tuning (frozen units fed a learnable
+    prefix that persists across steps), and our Llama frozen in part after its first
     compiled step (block 0 and the output head), and HF ``MixtralForCausalLM``
     (mixture of experts: 3-D expert weights sharded on the expert dim, the grouped
     matmul a custom op with its own backward), also trained eager with torch's
@@ -412,6 +447,7 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     cases: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any]]] = {
         "reuse": (lambda: _shard_children(_Reuse(), "layers", th.fully_shard), lambda m: None),
         "dataclass": (lambda: _shard_children(_DCModel(), "blocks", th.fully_shard), lambda m: None),
+        "prefix": (lambda: _shard_children(_PrefixModel(), "blocks", th.fully_shard), lambda m: None),
         "freeze": (lambda: _shard_llama(Llama(CFG), th.fully_shard), freeze),
         "moe": (lambda: _hf_shard(_mixtral(), th.fully_shard), lambda m: None),
         "hf_ac": (hf_ac, lambda m: None),

@@ -8,6 +8,9 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
   forward or not: every use's backward must find the parameters gathered;
 - dataclass activations passed between units (the pre-backward hooks must find
   the tensors inside them);
+- prefix tuning: frozen units given a learnable prefix (a leaf of the root) every
+  step; their backward must not end before the ops that read their frozen weights
+  (it ended early from step 2 on, when each step added a hook to the prefix);
 - ``model.to(torch.float64)`` after fully_shard: training follows the new dtype;
 - parameters frozen after fully_shard (before the first forward);
 - activation checkpointing: checkpoint_wrapper then fully_shard (torchtitan's
@@ -33,7 +36,7 @@ from _conformance_workers import (
 )
 from _dist import run_ranks
 
-BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "cast_float64", "freeze_after_shard",
+BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "cast_float64", "freeze_after_shard",
            "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective"]
 
 
@@ -99,7 +102,8 @@ REUSE_UNIT_PARAMS, REUSE_ROOT_PARAMS, REUSE_CALLS = 3 * 2, 3, 3
 @pytest.mark.slow
 def test_conformance_compiled_aot_eager() -> None:
     """Compiled with compiled autograd (aot_eager: the same ops as eager, so bitwise
-    equal to the eager run): weight reuse, dataclass activations, freezing after the
+    equal to the eager run): weight reuse, dataclass activations, prefix tuning,
+    freezing after the
     first compiled step (fullgraph=True holds: the change is applied before dynamo
     traces), HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
     whose eager runs are also bitwise equal to torch's fully_shard, and HF Llama with
@@ -107,7 +111,7 @@ def test_conformance_compiled_aot_eager() -> None:
     dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint on). Collectives counted
     from the captured graphs."""
     for r in run_ranks(conformance_compiled, 2, "aot_eager"):
-        for name in ("reuse", "dataclass", "freeze", "moe", "moe_bf16", "hf_ac"):
+        for name in ("reuse", "dataclass", "prefix", "freeze", "moe", "moe_bf16", "hf_ac"):
             _same(r[f"{name}_compiled"], r[f"{name}_eager"], name)
             assert r[f"{name}_compiled_bytes_after"] == 0, name
         _same(r["moe_eager"], r["moe_torch"], "moe vs torch's fully_shard")
@@ -131,6 +135,14 @@ def test_conformance_compiled_aot_eager() -> None:
         fwd, bwd = r["hf_ac_graphs"]
         assert len(fwd) == len(bwd) == 1, (fwd, bwd)
         assert bwd[0]["all_gather_into_tensor"] == bwd[0]["reduce_scatter_tensor"] == 9 + 3, bwd
+        # Prefix tuning: the frozen blocks (2 x 4 parameters) are re-gathered for
+        # their inputs' gradients and reduce nothing; the root's 5 (embedding, the
+        # two prefixes, the head's weight and bias) are re-gathered, as in the reuse
+        # case, and reduced.
+        fwd, bwd = r["prefix_graphs"]
+        assert len(fwd) == len(bwd) == 1, (fwd, bwd)
+        assert bwd[0]["all_gather_into_tensor"] == 2 * 4 + 5, bwd
+        assert bwd[0]["reduce_scatter_tensor"] == 5, bwd
         fwd, bwd = r["reuse_graphs"]
         # One forward and one backward graph: no recompiles after the first step.
         assert len(fwd) == len(bwd) == 1, (fwd, bwd)
@@ -150,14 +162,14 @@ def test_conformance_compiled_aot_eager() -> None:
 
 @pytest.mark.slow
 def test_conformance_compiled_inductor() -> None:
-    """The same five cases under Inductor with every pass on, against the eager run:
+    """The same six cases under Inductor with every pass on, against the eager run:
     losses rtol 1e-5 and parameters atol 2e-5 (Inductor fuses and reorders float
     arithmetic), 1e-4 for Mixtral. AdamW divides each gradient element by its own
     running scale, so an element whose gradient is close to 0 (an expert that few
     tokens reach) turns a reordering error into a visible step: seen 2.4e-5 and
     2.1e-5, on one element of each 3-D expert weight, with the losses equal."""
     for r in run_ranks(conformance_compiled, 2, "inductor"):
-        for name in ("reuse", "dataclass", "freeze", "moe", "hf_ac"):
+        for name in ("reuse", "dataclass", "prefix", "freeze", "moe", "hf_ac"):
             c, e = r[f"{name}_compiled"], r[f"{name}_eager"]
             torch.testing.assert_close(c[0], e[0], rtol=1e-5, atol=0, msg=name)
             atol = 1e-4 if name == "moe" else 2e-5

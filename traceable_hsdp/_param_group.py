@@ -32,9 +32,18 @@ from ._param import FSDPParam
 # freeing W under it is a use-after-free (seen: SIGSEGV). Every such op ends in a
 # gradient of the unit's forward inputs, so a unit that holds a frozen parameter is
 # done when all trainable gradients AND the gradients of all forward inputs that
-# require grad are complete. Its pre-forward registers a tensor hook on each such
-# input (returning the gradient it gets, as compiled autograd requires) and the unit
-# counts both kinds down. A unit whose parameters all train counts its gradients
+# require grad are complete. Its pre-forward gives the forward a fresh alias of each
+# such input (``view_as``) and registers a tensor hook on the alias (returning the
+# gradient it gets, as compiled autograd requires); the unit counts both kinds down.
+# The hook goes on an alias made in this forward, never on the caller's tensor: a
+# tensor that lives across steps (a learnable prefix that is a leaf, a parameter of
+# the parent unit, an input reused with ``requires_grad=True``) would collect one
+# more hook each step, and in step k its k hooks would count the unit down k times
+# and free the frozen weights before the ops that read them (seen: prefix tuning
+# failed in its second backward, eagerly with ``setStorage ... storage of size 0``,
+# compiled on a freed buffer). The alias also counts only the gradient flowing
+# through the unit, as torch's ``RegisterPostBackwardFunction`` does for the
+# inputs it replaces. A unit whose parameters all train counts its gradients
 # only, and hooks no input: the count is then the same in every backward, however
 # many forwards ran before it.
 #

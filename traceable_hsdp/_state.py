@@ -348,11 +348,20 @@ class FSDPState:
         args, kwargs = self._cast_inputs(args, kwargs)
         if pg is not None and pg.counts_input_grads and torch.is_grad_enabled():
             # See [Note: When a unit's backward is done] (_param_group.py).
-            for t in _tensors((args, kwargs)):
-                if t.requires_grad:
-                    t.register_hook(self._input_grad_hook)
-                    pg.input_grad_hooks += 1
+            args, kwargs = _map_tensors((args, kwargs), self._hooked_alias)
         return args, kwargs
+
+    def _hooked_alias(self, t: torch.Tensor) -> torch.Tensor:
+        """A fresh alias of a forward input that requires grad, with the hook that
+        counts its gradient; other tensors unchanged. See [Note: When a unit's
+        backward is done] (_param_group.py)."""
+        if not t.requires_grad:
+            return t
+        alias = t.view_as(t)
+        alias.register_hook(self._input_grad_hook)
+        assert self.param_group is not None
+        self.param_group.input_grad_hooks += 1
+        return alias
 
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -718,7 +727,7 @@ def _check_assignable(key: str, value: DTensor, sharded: DTensor) -> None:
 # A unit's inputs and outputs may hold tensors in dataclasses, which pytree does not
 # flatten (named tuples, lists, tuples and dicts it does). A tensor the hooks missed
 # is a unit whose output gets no pre-backward hook: its backward would read the
-# freed placeholder. ``_tensors`` and ``_cast_floating`` therefore look inside
+# freed placeholder. ``_tensors`` and ``_map_tensors`` therefore look inside
 # dataclass instances too, as torch's FSDP2 does (its ``_apply_to_tensors``).
 
 
@@ -736,16 +745,28 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return out
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` with ``fn`` applied to every tensor, dataclass fields included (as
+    shallow copies: the caller's objects are untouched). See [Note: Activations in
+    dataclasses]."""
+
+    def apply(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            # A shallow copy with its fields cast (the caller's object is untouched).
             new = copy.copy(x)
             for field in dataclasses.fields(x):
-                setattr(new, field.name, _cast_floating(getattr(x, field.name), dtype))
+                setattr(new, field.name, _map_tensors(getattr(x, field.name), fn))
             return new
         return x
 
-    return tree_map(cast, tree)
+    return tree_map(apply, tree)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return _map_tensors(tree, cast)
