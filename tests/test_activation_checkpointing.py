@@ -293,6 +293,83 @@ def test_torch_compiled_autograd_hook_on_unused_output() -> None:
         raise RuntimeError(proc.stderr[-2000:])
 
 
+def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:
+    """Two models whose checkpoint is around a unit's whole call, and a step input:
+    HF ``LlamaForCausalLM`` with ``gradient_checkpointing_enable()``, and our Llama
+    with ``checkpoint_wrapper`` applied after ``fully_shard``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    import traceable_hsdp as th
+    from _workers import CFG
+    from traceable_hsdp.models import Llama
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(HFLlamaConfig(
+        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False,
+    ))
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in hf.model.layers:
+        th.fully_shard(layer, mesh=mesh)
+    th.fully_shard(hf, mesh=mesh)
+    ours = Llama(CFG)
+    for i, block in enumerate(ours.layers):
+        ours.layers[i] = checkpoint_wrapper(th.fully_shard(block, mesh=mesh))
+    th.fully_shard(ours, mesh=mesh)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 8))
+    return {
+        "Hugging Face gradient checkpointing": (hf, lambda f: f(input_ids=tokens).logits),
+        "checkpoint_wrapper 'layers.0'": (ours, lambda f: f(tokens)),
+    }
+
+
+def test_checkpoint_around_a_unit_refused_compiled_without_the_dynamo_flag(one_rank) -> None:
+    """A checkpoint around a unit's whole call (HF's gradient_checkpointing_enable(),
+    checkpoint_wrapper applied after fully_shard) puts the unit's hooks inside the
+    region. Compiled without dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint,
+    that ended in a compiled-autograd AttributeError; the root's compiled pre-forward
+    refuses it, naming the unit and the fix (see [Note: A checkpoint around a unit's
+    call] in traceable_hsdp/_state.py). Eager and forward-only it runs; with the
+    flag on, the compiled (aot_eager) gradients equal the eager ones bitwise (1 rank;
+    2 ranks: tests/test_conformance.py, case hf_ac)."""
+    import traceable_hsdp as th
+
+    flag = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    for what, (model, call) in _around_unit_models(one_rank).items():
+        call(model).sum().backward()  # eager trains
+        eager = [p.grad.full_tensor() for p in model.parameters()]
+        model.zero_grad()
+        torch._dynamo.reset()
+        th.enable_compiled_autograd(backend="aot_eager")
+        try:
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = False
+            # fullgraph first: after a break, the frame's cached entry would answer.
+            strict = torch.compile(model, backend="aot_eager", fullgraph=True)
+            with pytest.raises(Exception, match="checkpointed around its whole call"):
+                call(strict)
+            model.reset_iter_state()
+            compiled = torch.compile(model, backend="aot_eager")
+            with pytest.raises(RuntimeError, match="checkpointed around its whole call") as err:
+                call(compiled)
+            assert what in str(err.value), str(err.value)
+            assert "skip_fwd_side_effects_in_bwd_under_checkpoint = True" in str(err.value)
+            assert "fully_shard(checkpoint_wrapper(block))" in str(err.value)
+            model.reset_iter_state()
+            with torch.no_grad():  # no backward, nothing to refuse
+                call(compiled)
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+            call(compiled).sum().backward()
+            for p, g in zip(model.parameters(), eager, strict=True):
+                torch.testing.assert_close(p.grad.full_tensor(), g, rtol=0, atol=0)
+        finally:
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = flag
+            th.disable_compiled_autograd()
+            torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------- tier 3
 VARIANTS = [
     ("none", "eager"),

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch._dynamo import compiled_autograd
 from torch.autograd import Variable
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -103,6 +104,43 @@ HELD_AFTER_SYNC_FIX = (
 
 
 _refuse_held_after_sync = refusal(HELD_AFTER_SYNC_FIX)
+
+
+CHECKPOINT_AROUND_UNIT_FIX = (
+    "traceable_hsdp: a fully_shard unit is checkpointed around its whole call, so "
+    "the unit's pre- and post-forward run inside the checkpointed region. Compiled, "
+    "dynamo refuses a region with side effects (the hooks) and runs it eagerly, and "
+    "the compiled backward then fails inside compiled autograd ('NoneType' object "
+    "has no attribute 'op'). Fix, either: set "
+    "`torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True` "
+    "before the first compiled step (the hooks then run once, in the forward, and "
+    "the backward recomputes only the region's ops, after the unit's re-gather); or "
+    "checkpoint inside the unit: `fully_shard(checkpoint_wrapper(block))` "
+    "(torchtitan's order) instead of Hugging Face's gradient_checkpointing_enable() "
+    "or checkpoint_wrapper applied after fully_shard. See docs/compile.md, "
+    "'Activation checkpointing'."
+)
+
+
+_refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
+
+
+# [Note: A checkpoint around a unit's call]
+# Two common ways of checkpointing put the checkpoint around a unit's whole call,
+# hooks included: Hugging Face's ``gradient_checkpointing_enable()`` (its layers
+# checkpoint ``type(self).forward``, which for a unit is our forward wrapper, see
+# [Note: Forward wrapper, not module hooks]) and ``checkpoint_wrapper`` applied
+# after ``fully_shard``. Eagerly that trains (the recompute sees the unit in its
+# backward; see [Note: Forward during the unit's backward]). Compiled, it trains
+# only with dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``; without it
+# the step ended in a compiled-autograd ``AttributeError`` that names neither the
+# cause nor the fix, so the root's compiled pre-forward refuses it instead. The
+# flag is the user's to set, not ours: torch documents it as letting compiled code
+# differ from eager for side effects in checkpointed code (eager replays them in
+# the recompute). The units are found when the tree is wired (``checkpoint_wrapper``
+# around a nested unit) and from a class attribute (Hugging Face's
+# ``GradientCheckpointingLayer``); only the latter's flag is read per step, so a
+# model without either adds no guard.
 
 
 def _in_backward() -> bool:
@@ -231,6 +269,12 @@ class FSDPState:
         # Why fully_shard left parameters out of this unit, raised at its first
         # forward. See [Note: One unit per parameter] (_init.py).
         self.init_errors = init_errors
+        # See [Note: A checkpoint around a unit's call].
+        self.hf_checkpointing_modules = [
+            m for m in modules
+            if isinstance(getattr(type(m), "gradient_checkpointing", None), bool)
+        ]
+        self.wrapped_by_checkpoint: str | None = None  # the wrapper's path, if any
         if param_group is not None:
             self._register_post_acc_hooks()
             for m in modules:
@@ -270,6 +314,11 @@ class FSDPState:
                 s = state_of(sub)
                 if name and s is not None and s is not self:
                     s._label_as(name)
+                if isinstance(sub, CheckpointWrapper):
+                    # See [Note: A checkpoint around a unit's call].
+                    wrapped = state_of(sub._checkpoint_wrapped_module)
+                    if wrapped is not None and wrapped is not self:
+                        wrapped.wrapped_by_checkpoint = name
 
     def _nest_under(self, root: FSDPState) -> None:
         self.is_root = False
@@ -381,6 +430,15 @@ class FSDPState:
             s.param_group is not None and s.param_group.trainable for s in self.states
         )
         _check_compile_mode(needs_backward)
+        if (
+            needs_backward
+            and compiling()
+            and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+        ):
+            for state in self.states:
+                how = state._checkpointed_around()
+                if how is not None:
+                    _refuse_checkpoint_around_unit(how)
         if self.post_optim_pending:
             # Only for a step compiled whole; see [Note: The post-optimizer event].
             self._wait_post_optim_event()
@@ -405,6 +463,19 @@ class FSDPState:
                     _refuse_held_after_sync(f"Parameters: {', '.join(held)}.")
                 state._finish_backward()
         self._final_callback_queued = False
+
+    def _checkpointed_around(self) -> str | None:
+        """How a checkpoint is put around this unit's whole call, if one is. See
+        [Note: A checkpoint around a unit's call]."""
+        where = " ".join(m.__class__.__name__ for m in self.modules)
+        if self.wrapped_by_checkpoint is not None:
+            return (f"Unit {where}: checkpoint_wrapper {self.wrapped_by_checkpoint!r} "
+                    "wraps it.")
+        for m in self.hf_checkpointing_modules:
+            if m.gradient_checkpointing and m.training:
+                return (f"Unit {where}: Hugging Face gradient checkpointing is on "
+                        "(gradient_checkpointing_enable()).")
+        return None
 
     def _post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
