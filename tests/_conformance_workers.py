@@ -531,11 +531,31 @@ def _hf_shard(model: nn.Module, fs: Callable[..., Any]) -> nn.Module:
     return model
 
 
+def _t5(fs: Callable[..., Any]) -> nn.Module:
+    """HF ``T5ForConditionalGeneration``, every encoder and decoder block and the root
+    sharded: the encoder's output is an input of every decoder block (cross-attention),
+    so its gradient sums one contribution per unit."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(
+        vocab_size=CFG.vocab_size, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        decoder_start_token_id=0, use_cache=False, dropout_rate=0.0,
+    ))
+    for block in [*model.encoder.block, *model.decoder.block]:
+        fs(block)
+    fs(model)
+    return model
+
+
+def _t5_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _loss(model(input_ids=x, labels=y.contiguous()).logits, y)
+
+
 def conformance_hf(rank: int, world: int) -> dict[str, Any]:
     """HF ``LlamaForCausalLM`` from a small config (no weights): activation
     checkpointing inside each decoder layer (``gradient_checkpointing_enable``,
     non-reentrant) and the meta-device flow with a full state dict, each with torch's
-    fully_shard and ours."""
+    fully_shard and ours; and HF T5 (an input shared by several units)."""
     from transformers import LlamaForCausalLM
 
     out: dict[str, Any] = {}
@@ -550,6 +570,7 @@ def conformance_hf(rank: int, world: int) -> dict[str, Any]:
         return _hf_shard(model, fs)
 
     out["hf_ac"] = _both(rank, world, with_ac, _hf_step)
+    out["t5"] = _both(rank, world, _t5, _t5_step)
     for lib in ("torch", "ours"):
         with torch.device("meta"):
             model = LlamaForCausalLM(_hf_config())

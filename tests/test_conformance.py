@@ -87,8 +87,14 @@ def test_conformance_eager_vs_torch_fully_shard() -> None:
 def test_conformance_hf_llama_vs_torch_fully_shard() -> None:
     """HF transformers' LlamaForCausalLM as a client: activation checkpointing inside
     each decoder layer (gradient_checkpointing_enable, non-reentrant), and the
-    meta-device flow loading a full state dict; bitwise against torch's fully_shard."""
+    meta-device flow loading a full state dict; and T5ForConditionalGeneration, whose
+    encoder output every decoder block reads (its gradient is summed over the units
+    in the order of their nodes: equal only with torch's node per unit, see [Note:
+    When a unit's backward is done] in traceable_hsdp/_param_group.py). Bitwise
+    against torch's fully_shard."""
     for r in run_ranks(conformance_hf, 2):
+        _same(r["t5"]["ours"], r["t5"]["torch"], "t5")
+        assert r["t5"]["bytes_after"] == 0
         _same(r["hf_ac"]["ours"], r["hf_ac"]["torch"], "hf_ac")
         assert r["hf_ac"]["bytes_after"] == 0
         _same(r["hf_meta_ours"], r["hf_meta_torch"], "hf_meta")

@@ -32,20 +32,35 @@ from ._param import FSDPParam
 # freeing W under it is a use-after-free (seen: SIGSEGV). Every such op ends in a
 # gradient of the unit's forward inputs, so a unit that holds a frozen parameter is
 # done when all trainable gradients AND the gradients of all forward inputs that
-# require grad are complete. Its pre-forward gives the forward a fresh alias of each
-# such input (``view_as``) and registers a tensor hook on the alias (returning the
-# gradient it gets, as compiled autograd requires); the unit counts both kinds down.
-# The hook goes on an alias made in this forward, never on the caller's tensor: a
-# tensor that lives across steps (a learnable prefix that is a leaf, a parameter of
-# the parent unit, an input reused with ``requires_grad=True``) would collect one
-# more hook each step, and in step k its k hooks would count the unit down k times
-# and free the frozen weights before the ops that read them (seen: prefix tuning
-# failed in its second backward, eagerly with ``setStorage ... storage of size 0``,
-# compiled on a freed buffer). The alias also counts only the gradient flowing
-# through the unit, as torch's ``RegisterPostBackwardFunction`` does for the
-# inputs it replaces. A unit whose parameters all train counts its gradients
-# only, and hooks no input: the count is then the same in every backward, however
-# many forwards ran before it.
+# require grad are complete; the unit counts both kinds down.
+#
+# Eagerly, every unit's pre-forward passes the inputs that require grad through
+# torch's own ``RegisterPostBackwardFunction`` (one identity node per forward, as
+# torch's FSDP2 does), whose backward runs once all their gradients are complete.
+# A unit with a frozen parameter counts that; a unit whose parameters all train
+# does not need it, but has the node anyway, for two reasons. (1) The autograd
+# graph is then torch's: a tensor several units read (T5's encoder output, read by
+# every decoder block) gets each unit's gradient through a node of its own, in
+# torch's order, so its summed gradient is bitwise torch's (without the node, the
+# same values summed in another order: T5's parameters were 3e-6 from torch's
+# after 3 AdamW steps; with it, equal). (2) Tooling that counts that node's calls
+# to check that units finish inside the backward (torch's own tests) sees ours.
+# The class is private to torch 2.13's FSDP2 (``_fsdp_param_group``), which is the
+# torch this project supports; if it moves, the import fails loudly.
+#
+# Compiled, an ``autograd.Function`` trigger fails under compiled autograd, so a
+# unit with a frozen parameter gives the forward a fresh alias of each such input
+# (``view_as``) and registers a tensor hook on the alias (returning the gradient it
+# gets, as compiled autograd requires), one count per input; a unit whose
+# parameters all train adds nothing. Either way the trigger is made in this
+# forward, never on the caller's tensor: a tensor that lives across steps (a
+# learnable prefix that is a leaf, a parameter of the parent unit, an input reused
+# with ``requires_grad=True``) would collect one more hook each step, and in step k
+# its k hooks would count the unit down k times and free the frozen weights before
+# the ops that read them (seen: prefix tuning failed in its second backward,
+# eagerly with ``setStorage ... storage of size 0``, compiled on a freed buffer).
+# The count of a unit whose parameters all train is then the same in every
+# backward, however many forwards ran before it.
 #
 # That matters compiled. The input count is a Python int that the traced
 # pre-forward reads, so dynamo guards on its value; it sums every forward since the
@@ -58,13 +73,13 @@ from ._param import FSDPParam
 # per micro-batch count (docs/api.md says so).
 #
 # A unit whose forward runs several times before one backward (weight reuse, a block
-# applied twice) registers input hooks in every call; the count sums them, and the
+# applied twice) marks its inputs in every call; the count sums them, and the
 # pre-backward takes it (and starts the next count from 0). The first use's backward
 # to run re-gathers; the unit stays gathered until the last use's backward is done,
 # because the parameters' gradients are complete only after every use (one
 # AccumulateGrad per parameter). torch's FSDP2 instead reshards after each use's
 # backward and re-gathers for the next: less memory between uses, one more
-# all-gather per extra use. Inputs hooked in a forward whose output never reaches a
+# all-gather per extra use. Inputs marked in a forward whose output never reaches a
 # backward keep the unit from finishing by the count; the end of the backward
 # finishes it (see [Note: Hooks and compiled autograd] in ``_state.py``).
 

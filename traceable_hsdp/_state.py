@@ -43,6 +43,7 @@ from torch import nn
 from torch._dynamo import compiled_autograd
 from torch.autograd import Variable
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import RegisterPostBackwardFunction
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -141,6 +142,21 @@ _refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 # around a nested unit) and from a class attribute (Hugging Face's
 # ``GradientCheckpointingLayer``); only the latter's flag is read per step, so a
 # model without either adds no guard.
+
+
+class _InputGradsDone:
+    """What torch's ``RegisterPostBackwardFunction`` calls (``post_backward``) when
+    the gradients of one forward's inputs are complete; it counts them down when
+    that forward counted them. See [Note: When a unit's backward is done]
+    (_param_group.py)."""
+
+    def __init__(self, state: FSDPState, counted: bool) -> None:
+        self.state = state
+        self.counted = counted
+
+    def post_backward(self) -> None:
+        if self.counted:
+            self.state._input_grads_done()
 
 
 def _in_backward() -> bool:
@@ -395,10 +411,28 @@ class FSDPState:
             pg.wait_for_unshard()
             pg.register_unsharded()
         args, kwargs = self._cast_inputs(args, kwargs)
-        if pg is not None and pg.counts_input_grads and torch.is_grad_enabled():
-            # See [Note: When a unit's backward is done] (_param_group.py).
-            args, kwargs = _map_tensors((args, kwargs), self._hooked_alias)
+        if pg is not None and torch.is_grad_enabled():
+            args, kwargs = self._mark_input_grads(pg, args, kwargs)
         return args, kwargs
+
+    def _mark_input_grads(
+        self, pg: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Gives the forward new tensors for its inputs that require grad, through
+        which the unit learns that their gradients are complete. See [Note: When a
+        unit's backward is done] (_param_group.py)."""
+        counted = pg.counts_input_grads
+        if compiling():
+            if counted:
+                return _map_tensors((args, kwargs), self._hooked_alias)
+            return args, kwargs
+        inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if not inputs:
+            return args, kwargs
+        outputs = iter(RegisterPostBackwardFunction.apply(_InputGradsDone(self, counted), *inputs))
+        if counted:
+            pg.input_grad_hooks += 1
+        return _map_tensors((args, kwargs), lambda t: next(outputs) if t.requires_grad else t)
 
     def _hooked_alias(self, t: torch.Tensor) -> torch.Tensor:
         """A fresh alias of a forward input that requires grad, with the hook that
@@ -566,10 +600,13 @@ class FSDPState:
         return hook
 
     def _input_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        self._input_grads_done()
+        return grad
+
+    def _input_grads_done(self) -> None:
         if self.param_group is not None:
             self.param_group.input_grad_ready()
             self._idle_if_group_done()
-        return grad
 
     def _idle_if_group_done(self) -> None:
         if self.param_group is not None and not self.param_group.in_backward:
