@@ -125,7 +125,7 @@ class _Reuse(nn.Module):
 
 
 # ------------------------------------------------------ dataclass activations
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Act:
     hidden: torch.Tensor
     skip: torch.Tensor

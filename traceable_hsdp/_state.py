@@ -432,7 +432,9 @@ class FSDPState:
         outputs = iter(RegisterPostBackwardFunction.apply(_InputGradsDone(self, counted), *inputs))
         if counted:
             pg.input_grad_hooks += 1
-        return _map_tensors((args, kwargs), lambda t: next(outputs) if t.requires_grad else t)
+        args, kwargs = _map_tensors((args, kwargs), lambda t: next(outputs) if t.requires_grad else t)
+        assert next(outputs, None) is None, "_tensors and _map_tensors disagree on order"
+        return args, kwargs
 
     def _hooked_alias(self, t: torch.Tensor) -> torch.Tensor:
         """A fresh alias of a forward input that requires grad, with the hook that
@@ -501,13 +503,14 @@ class FSDPState:
     def _checkpointed_around(self) -> str | None:
         """How a checkpoint is put around this unit's whole call, if one is. See
         [Note: A checkpoint around a unit's call]."""
-        where = " ".join(m.__class__.__name__ for m in self.modules)
+        pg = self.param_group
+        where = pg.label if pg is not None else " ".join(type(m).__name__ for m in self.modules)
         if self.wrapped_by_checkpoint is not None:
-            return (f"Unit {where}: checkpoint_wrapper {self.wrapped_by_checkpoint!r} "
+            return (f"Unit {where!r}: checkpoint_wrapper {self.wrapped_by_checkpoint!r} "
                     "wraps it.")
         for m in self.hf_checkpointing_modules:
             if m.gradient_checkpointing and m.training:
-                return (f"Unit {where}: Hugging Face gradient checkpointing is on "
+                return (f"Unit {where!r}: Hugging Face gradient checkpointing is on "
                         "(gradient_checkpointing_enable()).")
         return None
 
@@ -855,7 +858,8 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``tree`` with ``fn`` applied to every tensor, dataclass fields included (as
-    shallow copies: the caller's objects are untouched). See [Note: Activations in
+    shallow copies: the caller's objects are untouched; a frozen dataclass's fields
+    are set as its own ``__init__`` sets them). See [Note: Activations in
     dataclasses]."""
 
     def apply(x: Any) -> Any:
@@ -863,8 +867,10 @@ def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
             return fn(x)
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             new = copy.copy(x)
+            frozen = type(x).__dataclass_params__.frozen  # type: ignore[attr-defined]
+            set_field = object.__setattr__ if frozen else setattr
             for field in dataclasses.fields(x):
-                setattr(new, field.name, _map_tensors(getattr(x, field.name), fn))
+                set_field(new, field.name, _map_tensors(getattr(x, field.name), fn))
             return new
         return x
 
