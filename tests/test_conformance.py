@@ -6,8 +6,9 @@ same tensors in the same order, so any drift is a semantic difference.
 One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py):
 - a unit called three times in one forward (weight reuse), resharding after
   forward or not: every use's backward must find the parameters gathered;
-- dataclass activations passed between units (the pre-backward hooks must find
-  the tensors inside them);
+- dataclass activations (a frozen dataclass) passed between units (the
+  pre-backward hooks must find the tensors inside them, and the inputs' gradient
+  trigger must rebuild them);
 - prefix tuning: frozen units given a learnable prefix (a leaf of the root) every
   step; their backward must not end before the ops that read their frozen weights
   (it ended early from step 2 on, when each step added a hook to the prefix);
@@ -109,9 +110,8 @@ REUSE_UNIT_PARAMS, REUSE_ROOT_PARAMS, REUSE_CALLS = 3 * 2, 3, 3
 def test_conformance_compiled_aot_eager() -> None:
     """Compiled with compiled autograd (aot_eager: the same ops as eager, so bitwise
     equal to the eager run): weight reuse, dataclass activations, prefix tuning,
-    freezing after the
-    first compiled step (fullgraph=True holds: the change is applied before dynamo
-    traces), HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
+    freezing after the first compiled step (fullgraph=True holds: the change is
+    applied before dynamo traces), HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
     whose eager runs are also bitwise equal to torch's fully_shard, and HF Llama with
     its own gradient checkpointing (the checkpoint around each unit's whole call;
     dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint on). Collectives counted
