@@ -138,10 +138,11 @@ _refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 # cause nor the fix, so the root's compiled pre-forward refuses it instead. The
 # flag is the user's to set, not ours: torch documents it as letting compiled code
 # differ from eager for side effects in checkpointed code (eager replays them in
-# the recompute). The units are found when the tree is wired (``checkpoint_wrapper``
-# around a nested unit) and from a class attribute (Hugging Face's
-# ``GradientCheckpointingLayer``); only the latter's flag is read per step, so a
-# model without either adds no guard.
+# the recompute). The units that can be so are found when the tree is wired
+# (``checkpoint_wrapper`` around a nested unit, or a module whose class has Hugging
+# Face's ``GradientCheckpointingLayer`` attribute) into the root's
+# ``checkpoint_suspects``; only those are read per step (the latter's flag), so a
+# model with neither reads one empty list.
 
 
 class _InputGradsDone:
@@ -291,6 +292,8 @@ class FSDPState:
             if isinstance(getattr(type(m), "gradient_checkpointing", None), bool)
         ]
         self.wrapped_by_checkpoint: str | None = None  # the wrapper's path, if any
+        # Root only: the units of its tree that either can mark (set by adopt_nested).
+        self.checkpoint_suspects: list[FSDPState] = []
         if param_group is not None:
             self._register_post_acc_hooks()
             for m in modules:
@@ -335,6 +338,10 @@ class FSDPState:
                     wrapped = state_of(sub._checkpoint_wrapped_module)
                     if wrapped is not None and wrapped is not self:
                         wrapped.wrapped_by_checkpoint = name
+        self.checkpoint_suspects = [
+            s for s in self.states
+            if s.wrapped_by_checkpoint is not None or s.hf_checkpointing_modules
+        ]
 
     def _nest_under(self, root: FSDPState) -> None:
         self.is_root = False
@@ -471,7 +478,7 @@ class FSDPState:
             and compiling()
             and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
         ):
-            for state in self.states:
+            for state in self.checkpoint_suspects:
                 how = state._checkpointed_around()
                 if how is not None:
                     _refuse_checkpoint_around_unit(how)
@@ -503,16 +510,19 @@ class FSDPState:
     def _checkpointed_around(self) -> str | None:
         """How a checkpoint is put around this unit's whole call, if one is. See
         [Note: A checkpoint around a unit's call]."""
-        pg = self.param_group
-        where = pg.label if pg is not None else " ".join(type(m).__name__ for m in self.modules)
         if self.wrapped_by_checkpoint is not None:
-            return (f"Unit {where!r}: checkpoint_wrapper {self.wrapped_by_checkpoint!r} "
-                    "wraps it.")
+            return (f"Unit {self._where()!r}: checkpoint_wrapper "
+                    f"{self.wrapped_by_checkpoint!r} wraps it.")
         for m in self.hf_checkpointing_modules:
             if m.gradient_checkpointing and m.training:
-                return (f"Unit {where!r}: Hugging Face gradient checkpointing is on "
-                        "(gradient_checkpointing_enable()).")
+                return (f"Unit {self._where()!r}: Hugging Face gradient checkpointing "
+                        "is on (gradient_checkpointing_enable()).")
         return None
+
+    def _where(self) -> str:
+        """The unit's path under its root, for messages."""
+        pg = self.param_group
+        return pg.label if pg is not None else " ".join(type(m).__name__ for m in self.modules)
 
     def _post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
