@@ -7,7 +7,9 @@ accumulation over 2 micro-batches with set_requires_gradient_sync(False) on the
 first, shard_placement_fn (the MLP down projections and the output head on dim 1),
 ignored_params (the token embedding) and CPUOffloadPolicy on the blocks. Eager also keeps the units gathered between
 micro-batches (set_reshard_after_backward / set_is_last_backward False on the
-first); ``compiled_keep`` does that compiled. The comparison is bitwise
+first); ``compiled_keep`` does that compiled, on the 2x2 mesh only (its checks there
+are the 1-D ones plus the replicas' all-reduce, so a 1-D run would repeat its compile
+and add no check). The comparison is bitwise
 (atol=rtol=0): both libraries cast, gather,
 compute and reduce in the same dtypes and orders, and so produced identical
 numbers in our runs; any drift means a semantic difference.
@@ -28,7 +30,7 @@ N_FROZEN = CFG.n_layers + 1  # attn_norm of every block + layers[0].attn.wq
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["eager", "compiled", "compiled_keep"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_features_match_torch_fully_shard(mode: str) -> None:
     results = run_ranks(features_vs_torch, 2, (2,), mode)
     for r in results:
@@ -45,21 +47,11 @@ def test_features_match_torch_fully_shard(mode: str) -> None:
         assert r["placements"]["layers.0.ffn.w1.weight"] == "(Shard(dim=0),)"
         assert r["placements"]["tok_embeddings.weight"] == "Tensor"  # ignored: not a DTensor
         assert r["devices"] == {"cpu"}
-    if mode in ("eager", "compiled_keep"):
+    if mode == "eager":
         # set_reshard_after_backward(False) + set_is_last_backward(False) on the
         # no-sync micro-batch: the units stay gathered until the last micro-batch
         # (then every placeholder is freed: bytes_after above).
         assert all(b > 0 for b in results[0]["kept_bytes"]), results[0]["kept_bytes"]
-    if mode == "compiled_keep":
-        # Units kept gathered into the next micro-batch: that forward has no
-        # all-gather (a second forward graph); two backward graphs (no-sync, with
-        # re-gathers only; syncing, with the reduce-scatters). All compiled in the
-        # first step: no recompiles after.
-        r = results[0]
-        assert len(r["fwd_counts"]) == 2 and len(r["bwd_counts"]) == 2, (r["fwd_counts"], r["bwd_counts"])
-        assert "all_gather_into_tensor" not in r["fwd_counts"][1], r["fwd_counts"]
-        assert "reduce_scatter_tensor" not in r["bwd_counts"][0], r["bwd_counts"]
-        assert r["bwd_counts"][1]["reduce_scatter_tensor"] == N_PARAMS - N_FROZEN
     if mode == "compiled":
         r = results[0]
         assert len(r["fwd_counts"]) == 1, r["fwd_counts"]  # zero recompiles
@@ -88,8 +80,11 @@ def test_features_match_torch_fully_shard_hsdp_2x2(mode: str) -> None:
         assert r["placements"]["layers.0.ffn.w1.weight"] == "(Replicate(), Shard(dim=0))"
         assert r["bytes_after"] == 0 and all(b > 0 for b in r["kept_bytes"])
     if mode == "compiled_keep":
-        # As on the 1-D mesh, plus the all-reduce across replicas of every trainable
-        # parameter in the syncing backward; no recompiles after the first step.
+        # Units kept gathered into the next micro-batch: that forward has no
+        # all-gather (a second forward graph); two backward graphs (no-sync, with
+        # re-gathers only; syncing, with the reduce-scatters and the all-reduce across
+        # replicas of every trainable parameter). All compiled in the first step: no
+        # recompiles after.
         r = results[0]
         assert len(r["fwd_counts"]) == 2 and len(r["bwd_counts"]) == 2, (r["fwd_counts"], r["bwd_counts"])
         assert r["fwd_counts"][0]["all_gather_into_tensor"] == N_PARAMS, r["fwd_counts"]

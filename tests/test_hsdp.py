@@ -60,7 +60,8 @@ def test_hsdp_levels_2x2_compiled() -> None:
     backward graph (over both mesh dims), the sharded ones are reduce-scattered and
     then all-reduced across the replicas; level2 and level1 keep parameters whole
     from forward to backward (no re-gather); one forward and one backward graph per
-    level (no recompiles)."""
+    level (no recompiles). Level3 is fully_shard on the 2x2 mesh (test_runtime.py's
+    eager HSDP parity) with the small parameters kept whole."""
     levels = ["level3", "level2", "level1"]
     results = run_ranks(hsdp_worker, 4, 2, levels, "compiled")
     _check(results, 4, levels)
@@ -76,6 +77,9 @@ def test_hsdp_levels_2x2_compiled() -> None:
         assert bwd["all_reduce"] == n_sharded + 2 * N_REPLICATED, (level, bwd)
         if level == "level3":
             assert bwd["all_gather_into_tensor"] == n_sharded, (level, bwd)
+            # Every placeholder, replicated ones too, is grown, filled by one
+            # fsdp.copy_ and freed in the forward.
+            assert fwd["fsdp.copy_"] == N_PARAMS and fwd["resize_storage_bytes_"] == 2 * N_PARAMS, fwd
         else:
             assert "all_gather_into_tensor" not in bwd, (level, bwd)
 

@@ -44,7 +44,7 @@ def _check_parity(results: list[dict], world: int) -> None:
         assert r["bytes_after_bwd"] == [0] * STEPS
 
 
-def _check_graphs(r: dict, hsdp: bool) -> None:
+def _check_graphs(r: dict) -> None:
     # Exactly one forward graph and one compiled-autograd backward graph, compiled
     # in the first step; none after (zero recompiles over 5 steps).
     assert r["graphs_after_step"] == [(1, 1)] * STEPS, r["graphs_after_step"]
@@ -53,11 +53,11 @@ def _check_graphs(r: dict, hsdp: bool) -> None:
     assert fwd.get("all_gather_into_tensor") == N_PARAMS, fwd
     assert fwd.get("fsdp.copy_") == N_PARAMS and fwd.get("resize_storage_bytes_") == 2 * N_PARAMS
     assert "reduce_scatter_tensor" not in fwd
-    # Backward: the re-gathers and the reduce-scatters (and for HSDP the all-reduces
-    # across replicas), all inside the captured graph.
+    # Backward: the re-gathers and the reduce-scatters, all inside the captured graph
+    # (HSDP's all-reduces across replicas: test_hsdp.py).
     assert bwd.get("all_gather_into_tensor") == N_PARAMS, bwd
     assert bwd.get("reduce_scatter_tensor") == N_PARAMS, bwd
-    assert bwd.get("all_reduce", 0) == (N_PARAMS if hsdp else 0), bwd
+    assert "all_reduce" not in bwd, bwd
 
 
 @pytest.mark.slow
@@ -67,7 +67,7 @@ def test_fsdp_parity_2_ranks(mode: str) -> None:
     _check_parity(results, 2)
     assert results[0]["placements"]["tok_embeddings.weight"] == ("S(0)",)
     if mode == "compiled":
-        _check_graphs(results[0], hsdp=False)
+        _check_graphs(results[0])
         assert results[0]["graph_breaks"] == {}, results[0]["graph_breaks"]
     elif mode == "compiled_step":
         # The only graph break is backward(). See [Note: The forward reads the local
@@ -84,14 +84,14 @@ def test_fsdp_parity_2_ranks(mode: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_hsdp_parity_2x2(mode: str) -> None:
-    results = run_ranks(parity_worker, 4, (2, 2), mode)
+def test_hsdp_parity_2x2_eager() -> None:
+    """fully_shard on a 2x2 (replicate, shard) mesh, eager. Compiled, the same model on
+    the same mesh is checked against this reference and its collectives counted per
+    graph by test_hsdp.py (test_hsdp_levels_2x2_compiled: hsdp() builds this mesh and
+    calls fully_shard), and against torch's fully_shard bitwise by test_features.py."""
+    results = run_ranks(parity_worker, 4, (2, 2), "eager")
     _check_parity(results, 4)
     assert results[0]["placements"]["tok_embeddings.weight"] == ("R", "S(0)")
-    if mode == "compiled":
-        for r in results:
-            _check_graphs(r, hsdp=True)
 
 
 @pytest.mark.slow
