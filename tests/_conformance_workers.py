@@ -453,9 +453,11 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
         "hf_ac": (hf_ac, lambda m: None),
     }
     out: dict[str, Any] = {}
-    torch.manual_seed(0)
-    out["moe_torch"] = _train(_hf_shard(_mixtral(), _fs("torch")), rank, world, _hf_step)
     if backend == "aot_eager":
+        # torch's fully_shard, for the eager runs' bitwise checks (which the aot_eager
+        # test makes; the Inductor test compares with our eager runs only).
+        torch.manual_seed(0)
+        out["moe_torch"] = _train(_hf_shard(_mixtral(), _fs("torch")), rank, world, _hf_step)
         # Mixtral in bf16: the experts run the native torch._grouped_mm, whose saved
         # view of the expert weight the partitioner once computed after the weight's
         # placeholder was freed (see [Note: Views of a placeholder are recomputed]).
