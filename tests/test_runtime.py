@@ -85,10 +85,11 @@ def test_fsdp_parity_2_ranks(mode: str) -> None:
 
 @pytest.mark.slow
 def test_hsdp_parity_2x2_eager() -> None:
-    """fully_shard on a 2x2 (replicate, shard) mesh, eager. Compiled, the same model on
-    the same mesh is checked against this reference and its collectives counted per
-    graph by test_hsdp.py (test_hsdp_levels_2x2_compiled: hsdp() builds this mesh and
-    calls fully_shard), and against torch's fully_shard bitwise by test_features.py."""
+    """fully_shard on a 2x2 (replicate, shard) mesh, eager. Compiled, this model on this
+    mesh is checked against the same one-process reference, with its collectives
+    counted per graph, by test_hsdp.py (test_hsdp_levels_2x2_compiled, level3: hsdp()
+    builds this mesh and calls fully_shard, keeping the small parameters whole), and
+    against torch's fully_shard bitwise by test_features.py."""
     results = run_ranks(parity_worker, 4, (2, 2), "eager")
     _check_parity(results, 4)
     assert results[0]["placements"]["tok_embeddings.weight"] == ("R", "S(0)")
