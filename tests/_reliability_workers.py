@@ -547,3 +547,62 @@ def dying_rank_main(rank: int, world: int, tmp: str, compiled: bool, pg_timeout_
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+# --------------------------------------- hooks run eagerly by compiled autograd
+def _train_region_case(world: int, rank: int, region: bool) -> dict[str, Any]:
+    """One case of :func:`region_block_worker`."""
+    from _workers import CFG, LR, _data, _loss
+    from torch._dynamo.utils import counters
+
+    from traceable_hsdp.models import Block
+
+    class RegionBlock(Block):
+        forward = torch.compiler.nested_compile_region(Block.forward)
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    for block in model.layers:
+        if region:
+            block.__class__ = RegionBlock
+        th.fully_shard(block, mesh=mesh)
+    th.fully_shard(model, mesh=mesh)
+    step = torch.compile(model, backend="aot_eager", fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], []
+    with th.compiled_autograd(backend="aot_eager"):
+        for x, y in _data(world, 2):
+            loss = _loss(step(x.chunk(world)[rank]), y.chunk(world)[rank])
+            loss.backward()
+            grads.append({n: None if p.grad is None else p.grad.full_tensor()
+                          for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return {"losses": losses, "grads": grads,
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def region_block_worker(rank: int, world: int) -> dict[str, Any]:
+    """The test Llama (``_workers.CFG``) compiled whole with compiled autograd
+    (aot_eager), 2 AdamW steps: its blocks as they are ("plain"), and its blocks'
+    forward marked ``torch.compiler.nested_compile_region`` ("region", with dynamo's
+    ``automatic_dynamic_shapes`` off), whose backward compiled autograd cannot trace
+    whole on torch 2.13 (it graph-breaks at ``invoke_subgraph`` and runs the rest of
+    its graph, hooks included, eagerly). Per case: the losses, each parameter's full
+    gradient after every backward (``None`` where it got none), and dynamo's
+    graph-break count. "refused": the region model with the default configuration,
+    the message its first step raised. See [Note: A compile region inside a unit]
+    (``_state.py``)."""
+    out: dict[str, Any] = {"plain": _train_region_case(world, rank, region=False)}
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        out["region"] = _train_region_case(world, rank, region=True)
+    try:
+        _train_region_case(world, rank, region=True)
+        out["refused"] = None
+    except Exception as e:  # the refusal, as dynamo raises it under fullgraph
+        out["refused"] = str(e)
+    return out

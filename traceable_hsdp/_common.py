@@ -8,6 +8,7 @@ from enum import Enum, auto
 from typing import NoReturn
 
 import torch
+from torch._dynamo import compiled_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -105,12 +106,32 @@ class PostForwardInfo:
 # ``torch.compiler.is_compiling()`` on every call (a constant ``True`` to dynamo, so
 # the traced graphs hold no trace of the branch); tests that stand in for tracing
 # patch that function.
+#
+# One backward decision asks :func:`compiled_backward` instead: whether a
+# parameter's gradient is reduced on its own (traced) or held for the unit's flat
+# reduction (eager). Compiled autograd runs the hooks of a backward it cannot trace
+# whole eagerly, from inside its own graph: after a graph break in that graph (seen
+# with ``torch.compiler.nested_compile_region`` on a block: torch 2.13's compiled
+# autograd does not trace ``invoke_subgraph``), and once a hook frame it compiles on
+# its own reaches dynamo's recompile limit. So one unit's hooks could run some traced
+# and some eagerly; the eager ones then held their gradients for a flat reduction
+# that the traced ones never joined, and those gradients were lost without a word
+# (the optimizer stepped without them). Inside a compiled-autograd graph every hook
+# therefore reduces its own parameter, traced or not, and each runs whole whichever
+# way it runs. ``tests/test_reliability.py`` trains a model with
+# ``nested_compile_region`` blocks against one without, bitwise.
 
 
 def compiling() -> bool:
     """Whether dynamo is tracing the code that calls it (``False`` when it runs
     eagerly). See [Note: Eager or traced]."""
     return torch.compiler.is_compiling()
+
+
+def compiled_backward() -> bool:
+    """Whether the code runs as part of a compiled-autograd graph: traced into it, or
+    run eagerly by it (what it could not trace). See [Note: Eager or traced]."""
+    return compiling() or compiled_autograd.in_compiled_autograd_region
 
 
 def refusal(message: str) -> Callable[..., NoReturn]:

@@ -19,7 +19,7 @@ from ._collectives import (
     wait_all_gather,
 )
 from .passes._graph import UnitPassOptions
-from ._common import MeshInfo, ShardedState, compiling, refusal
+from ._common import MeshInfo, ShardedState, compiled_backward, compiling, refusal
 from ._param import FSDPParam
 
 
@@ -438,7 +438,7 @@ class FSDPParamGroup:
             grad = fsdp_param.accumulated_grad + grad
             fsdp_param.accumulated_grad = None
         if self.reduce_grads and not self.reduce_scatter_unused_params:
-            if compiling():
+            if compiled_backward():  # see [Note: Eager or traced] (_common.py)
                 self._reduce(fsdp_param, grad)
             else:
                 # Kept until the unit's last trainable gradient: see [Note: One
@@ -476,7 +476,7 @@ class FSDPParamGroup:
         self._grads_ready = 0
         if not held:
             return
-        if compiling():
+        if compiled_backward():
             for fp, grad in held:
                 self._reduce(fp, grad)
         else:

@@ -145,6 +145,47 @@ _refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 # model with neither reads one empty list.
 
 
+COMPILE_REGION_FIX = (
+    "traceable_hsdp: a module inside a fully_shard unit has its forward marked "
+    "torch.compiler.nested_compile_region. torch 2.13's compiled autograd cannot "
+    "trace the region's backward: it runs the rest of the backward eagerly and "
+    "compiles each of the units' gradient hooks as a graph of its own, which with "
+    "dynamo's automatic dynamic shapes fails on 2 or more ranks (an IndexError "
+    "while dynamo builds guards). Fix, either: remove nested_compile_region from "
+    "these modules (recommended: the backward then stays one compiled graph, with its "
+    "collectives bucketed and overlapped); or set "
+    "`torch._dynamo.config.automatic_dynamic_shapes = False` before the first "
+    "compiled step (it trains correctly, its backward partly eager). See [Note: A "
+    "compile region inside a unit] in traceable_hsdp/_state.py."
+)
+
+
+# [Note: A compile region inside a unit]
+# ``torch.compiler.nested_compile_region`` is torch's way to compile a repeated block
+# once. Inside our units, torch 2.13's compiled autograd graph-breaks at the region's
+# backward (``invoke_subgraph``) without resuming: the rest of its graph runs eagerly,
+# and each gradient hook it calls is compiled as a frame of its own (one per
+# parameter, until dynamo's recompile limit, then eager). Those hooks reduce each
+# gradient on its own, as traced ones do (see [Note: Eager or traced] in
+# ``_common.py``), and train correctly, but the second compile of a hook frame makes
+# the tensor sizes dynamic, and on 2 or more ranks dynamo then fails to build its
+# guards (an ``IndexError`` naming no cause). So the root's compiled pre-forward
+# refuses the regions unless ``automatic_dynamic_shapes`` is off, which the message
+# offers along with removing them; the message names the marked modules. The regions are found when the tree is wired
+# (a module whose class, or the module itself, has a forward carrying torch's
+# ``__marked_compile_region_fn__``) into the root's ``compile_regions``; a region
+# marked on a plain function inside a forward is not seen.
+
+
+def _marks_compile_region(module: nn.Module) -> bool:
+    """Whether ``module``'s forward (its own, or its classes') is marked with
+    ``torch.compiler.nested_compile_region``. See [Note: A compile region inside a
+    unit]."""
+    forwards = [module.__dict__.get("forward")]
+    forwards += [klass.__dict__.get("forward") for klass in type(module).__mro__]
+    return any(hasattr(f, "__marked_compile_region_fn__") for f in forwards if f is not None)
+
+
 class _InputGradsDone:
     """What torch's ``RegisterPostBackwardFunction`` calls (``post_backward``) when
     the gradients of one forward's inputs are complete; it counts them down when
@@ -294,6 +335,10 @@ class FSDPState:
         self.wrapped_by_checkpoint: str | None = None  # the wrapper's path, if any
         # Root only: the units of its tree that either can mark (set by adopt_nested).
         self.checkpoint_suspects: list[FSDPState] = []
+        # Root only: paths of the modules marked as compile regions, and the refusal
+        # that names them (adopt_nested). See [Note: A compile region inside a unit].
+        self.compile_regions: list[str] = []
+        self._refuse_compile_regions: Callable[..., Any] | None = None
         if param_group is not None:
             self._register_post_acc_hooks()
             for m in modules:
@@ -342,6 +387,18 @@ class FSDPState:
             s for s in self.states
             if s.wrapped_by_checkpoint is not None or s.hf_checkpointing_modules
         ]
+        # See [Note: A compile region inside a unit].
+        self.compile_regions = [
+            name or type(sub).__name__
+            for m in self.modules
+            for name, sub in m.named_modules()
+            if _marks_compile_region(sub)
+        ]
+        if self.compile_regions:
+            # Built here: a refusal's message is all dynamo shows (no details).
+            self._refuse_compile_regions = refusal(
+                f"{COMPILE_REGION_FIX} Modules: {', '.join(self.compile_regions)}."
+            )
 
     def _nest_under(self, root: FSDPState) -> None:
         self.is_root = False
@@ -482,6 +539,15 @@ class FSDPState:
                 how = state._checkpointed_around()
                 if how is not None:
                     _refuse_checkpoint_around_unit(how)
+        if (
+            needs_backward
+            and compiling()
+            and self.compile_regions
+            and torch._dynamo.config.automatic_dynamic_shapes
+        ):
+            # See [Note: A compile region inside a unit].
+            assert self._refuse_compile_regions is not None
+            self._refuse_compile_regions()
         if self.post_optim_pending:
             # Only for a step compiled whole; see [Note: The post-optimizer event].
             self._wait_post_optim_event()
