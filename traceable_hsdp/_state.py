@@ -171,10 +171,11 @@ COMPILE_REGION_FIX = (
 # the tensor sizes dynamic, and on 2 or more ranks dynamo then fails to build its
 # guards (an ``IndexError`` naming no cause). So the root's compiled pre-forward
 # refuses the regions unless ``automatic_dynamic_shapes`` is off, which the message
-# offers along with removing them; the message names the marked modules. The regions are found when the tree is wired
-# (a module whose class, or the module itself, has a forward carrying torch's
-# ``__marked_compile_region_fn__``) into the root's ``compile_regions``; a region
-# marked on a plain function inside a forward is not seen.
+# offers along with removing them; the message names the marked modules. The
+# regions are found when the tree is wired (a module whose class, or the module
+# itself, has a forward carrying torch's ``__marked_compile_region_fn__``) into the
+# root's ``compile_regions``; a region marked on a plain function inside a forward
+# is not seen.
 
 
 def _marks_compile_region(module: nn.Module) -> bool:
