@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -550,7 +551,7 @@ def dying_rank_main(rank: int, world: int, tmp: str, compiled: bool, pg_timeout_
 
 
 # --------------------------------------- hooks run eagerly by compiled autograd
-def _train_region_case(world: int, rank: int, region: bool) -> dict[str, Any]:
+def _train_region_case(world: int, rank: int, region: bool, compiled: bool = True) -> dict[str, Any]:
     """One case of :func:`region_block_worker`."""
     from _workers import CFG, LR, _data, _loss
     from torch._dynamo.utils import counters
@@ -570,10 +571,10 @@ def _train_region_case(world: int, rank: int, region: bool) -> dict[str, Any]:
             block.__class__ = RegionBlock
         th.fully_shard(block, mesh=mesh)
     th.fully_shard(model, mesh=mesh)
-    step = torch.compile(model, backend="aot_eager", fullgraph=True)
+    step = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], []
-    with th.compiled_autograd(backend="aot_eager"):
+    with th.compiled_autograd(backend="aot_eager") if compiled else contextlib.nullcontext():
         for x, y in _data(world, 2):
             loss = _loss(step(x.chunk(world)[rank]), y.chunk(world)[rank])
             loss.backward()
@@ -587,17 +588,17 @@ def _train_region_case(world: int, rank: int, region: bool) -> dict[str, Any]:
 
 
 def region_block_worker(rank: int, world: int) -> dict[str, Any]:
-    """The test Llama (``_workers.CFG``) compiled whole with compiled autograd
-    (aot_eager), 2 AdamW steps: its blocks as they are ("plain"), and its blocks'
-    forward marked ``torch.compiler.nested_compile_region`` ("region", with dynamo's
-    ``automatic_dynamic_shapes`` off), whose backward compiled autograd cannot trace
-    whole on torch 2.13 (it graph-breaks at ``invoke_subgraph`` and runs the rest of
-    its graph, hooks included, eagerly). Per case: the losses, each parameter's full
-    gradient after every backward (``None`` where it got none), and dynamo's
-    graph-break count. "refused": the region model with the default configuration,
-    the message its first step raised. See [Note: A compile region inside a unit]
-    (``_state.py``)."""
-    out: dict[str, Any] = {"plain": _train_region_case(world, rank, region=False)}
+    """The test Llama (``_workers.CFG``), 2 AdamW steps: "plain", its blocks as they
+    are, eager (the reference); "region", its blocks' forward marked
+    ``torch.compiler.nested_compile_region``, compiled whole with compiled autograd
+    (aot_eager, dynamo's ``automatic_dynamic_shapes`` off), whose backward compiled
+    autograd cannot trace whole on torch 2.13 (it graph-breaks at
+    ``invoke_subgraph`` and runs the rest of its graph, hooks included, eagerly). Per
+    case: the losses, each parameter's full gradient after every backward (``None``
+    where it got none), and dynamo's graph-break count. "refused": the region model
+    with the default configuration, the message its first step raised. See [Note: A
+    compile region inside a unit] (``_state.py``)."""
+    out: dict[str, Any] = {"plain": _train_region_case(world, rank, region=False, compiled=False)}
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         out["region"] = _train_region_case(world, rank, region=True)
     try:

@@ -1,6 +1,7 @@
 """Paths that could be silently wrong: CPU offload copies on a GPU, the order of
 explicit prefetch, uneven shards at the edges, units compiled below an eager root,
-the placeholder ops in the real post-grad graphs before our passes, and a rank that
+gradient hooks that compiled autograd runs eagerly (``nested_compile_region``
+blocks), the placeholder ops in the real post-grad graphs before our passes, and a rank that
 dies mid-step (the survivors, and ``traceable-hsdp train``), and the exit of a
 gloo job (its worker threads joined before the interpreter finalizes). Each test states its
 reference and tolerance. The Inductor feature tests are in test_inductor_features.py.
@@ -227,20 +228,20 @@ def test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient() -> None:
     reduced partly traced and partly eagerly, and the eager ones, held for a flat
     reduction that never came, were lost: 2 of 19 parameters got no gradient and
     the losses drifted from step 2. See [Note: Eager or traced] (``_common.py``).
-    2 ranks, the test Llama compiled whole (aot_eager) with compiled autograd, 2
-    AdamW steps: with region blocks (and ``automatic_dynamic_shapes`` off) every
+    2 ranks, the test Llama, 2 AdamW steps: with region blocks, compiled whole
+    (aot_eager, compiled autograd, ``automatic_dynamic_shapes`` off), every
     parameter gets its gradient in every step, bitwise equal to the same model's
-    without them (both reduce each parameter on its own, in the same order), and so
-    are the losses. The region run must have graph-broken, or it did not test the
-    eager hooks. With dynamo's default configuration the region model is refused at
-    its first step, naming both fixes (on 2 ranks dynamo fails to compile the hook
-    frames; see [Note: A compile region inside a unit] in ``_state.py``)."""
+    eager run without regions (aot_eager runs eager's ops, and a unit's flat eager
+    reduction sums what per-parameter ones sum), and so are the losses. The region
+    run must have graph-broken, or it did not test the eager hooks. With dynamo's
+    default configuration the region model is refused at its first step, naming
+    the modules and both fixes (on 2 ranks dynamo fails to compile the hook frames;
+    see [Note: A compile region inside a unit] in ``_state.py``)."""
     from _dist import run_ranks
     from _reliability_workers import region_block_worker
 
     for r in run_ranks(region_block_worker, 2):
         plain, region = r["plain"], r["region"]
-        assert plain["graph_breaks"] == 0, plain["graph_breaks"]
         assert region["graph_breaks"] > 0, "no graph break: the eager hooks did not run"
         for step, (want, got) in enumerate(zip(plain["grads"], region["grads"])):
             missing = [n for n, g in got.items() if g is None]

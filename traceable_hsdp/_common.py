@@ -119,7 +119,8 @@ class PostForwardInfo:
 # (the optimizer stepped without them). Inside a compiled-autograd graph every hook
 # therefore reduces its own parameter, traced or not, and each runs whole whichever
 # way it runs. ``tests/test_reliability.py`` trains a model with
-# ``nested_compile_region`` blocks against one without, bitwise.
+# ``nested_compile_region`` blocks, compiled, against its eager run without them,
+# bitwise.
 
 
 def compiling() -> bool:
