@@ -1,8 +1,8 @@
 """Paths that could be silently wrong: CPU offload copies on a GPU, the order of
 explicit prefetch, uneven shards at the edges, units compiled below an eager root,
 gradient hooks that compiled autograd runs eagerly (``nested_compile_region``
-blocks), the placeholder ops in the real post-grad graphs before our passes, and a rank that
-dies mid-step (the survivors, and ``traceable-hsdp train``), and the exit of a
+blocks), the placeholder ops in the real post-grad graphs before our passes, and a
+rank that dies mid-step (the survivors, and ``traceable-hsdp train``), and the exit of a
 gloo job (its worker threads joined before the interpreter finalizes). Each test states its
 reference and tolerance. The Inductor feature tests are in test_inductor_features.py.
 """
@@ -226,8 +226,8 @@ def test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient() -> None:
     at ``invoke_subgraph`` on torch 2.13), and after it the hook frames it compiles
     one by one until dynamo's recompile limit. One unit's gradients were then
     reduced partly traced and partly eagerly, and the eager ones, held for a flat
-    reduction that never came, were lost: 2 of 19 parameters got no gradient and
-    the losses drifted from step 2. See [Note: Eager or traced] (``_common.py``).
+    reduction that never came, were lost: 2 of 21 parameters got no gradient (the
+    embedding and one block weight), and the next steps' losses drifted. See [Note: Eager or traced] (``_common.py``).
     2 ranks, the test Llama, 2 AdamW steps: with region blocks, compiled whole
     (aot_eager, compiled autograd, ``automatic_dynamic_shapes`` off), every
     parameter gets its gradient in every step, bitwise equal to the same model's
