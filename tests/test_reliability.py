@@ -227,7 +227,8 @@ def test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient() -> None:
     one by one until dynamo's recompile limit. One unit's gradients were then
     reduced partly traced and partly eagerly, and the eager ones, held for a flat
     reduction that never came, were lost: 2 of 21 parameters got no gradient (the
-    embedding and one block weight), and the next steps' losses drifted. See [Note: Eager or traced] (``_common.py``).
+    embedding and one block weight), and the next steps' losses drifted. See
+    [Note: Eager or traced] (``_common.py``).
     2 ranks, the test Llama, 2 AdamW steps: with region blocks, compiled whole
     (aot_eager, compiled autograd, ``automatic_dynamic_shapes`` off), every
     parameter gets its gradient in every step, bitwise equal to the same model's

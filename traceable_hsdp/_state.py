@@ -173,9 +173,9 @@ COMPILE_REGION_FIX = (
 # refuses the regions unless ``automatic_dynamic_shapes`` is off, which the message
 # offers along with removing them; the message names the marked modules. The
 # regions are found when the tree is wired (a module whose class, or the module
-# itself, has a forward carrying torch's ``__marked_compile_region_fn__``) into the
-# root's ``compile_regions``; a region marked on a plain function inside a forward
-# is not seen.
+# itself, has a forward carrying torch's ``__marked_compile_region_fn__``), and the
+# root keeps the refusal that names them; a region marked on a plain function
+# inside a forward is not seen.
 
 
 def _marks_compile_region(module: nn.Module) -> bool:
@@ -336,9 +336,9 @@ class FSDPState:
         self.wrapped_by_checkpoint: str | None = None  # the wrapper's path, if any
         # Root only: the units of its tree that either can mark (set by adopt_nested).
         self.checkpoint_suspects: list[FSDPState] = []
-        # Root only: paths of the modules marked as compile regions, and the refusal
-        # that names them (adopt_nested). See [Note: A compile region inside a unit].
-        self.compile_regions: list[str] = []
+        # Root only: the refusal naming the modules marked as compile regions, None
+        # when there are none (adopt_nested). See [Note: A compile region inside a
+        # unit].
         self._refuse_compile_regions: Callable[..., Any] | None = None
         if param_group is not None:
             self._register_post_acc_hooks()
@@ -374,11 +374,14 @@ class FSDPState:
                     s._nest_under(self)
                     nested.append(s)
         self.states = [*nested, self]
+        regions: list[str] = []
         for m in self.modules:
             for name, sub in m.named_modules():
                 s = state_of(sub)
                 if name and s is not None and s is not self:
                     s._label_as(name)
+                if _marks_compile_region(sub):
+                    regions.append(name or type(sub).__name__)
                 if isinstance(sub, CheckpointWrapper):
                     # See [Note: A checkpoint around a unit's call].
                     wrapped = state_of(sub._checkpoint_wrapped_module)
@@ -388,18 +391,11 @@ class FSDPState:
             s for s in self.states
             if s.wrapped_by_checkpoint is not None or s.hf_checkpointing_modules
         ]
-        # See [Note: A compile region inside a unit].
-        self.compile_regions = [
-            name or type(sub).__name__
-            for m in self.modules
-            for name, sub in m.named_modules()
-            if _marks_compile_region(sub)
-        ]
-        if self.compile_regions:
-            # Built here: a refusal's message is all dynamo shows (no details).
-            self._refuse_compile_regions = refusal(
-                f"{COMPILE_REGION_FIX} Modules: {', '.join(self.compile_regions)}."
-            )
+        # See [Note: A compile region inside a unit]. Built here: a refusal's message
+        # is all dynamo shows (no details).
+        self._refuse_compile_regions = (
+            refusal(f"{COMPILE_REGION_FIX} Modules: {', '.join(regions)}.") if regions else None
+        )
 
     def _nest_under(self, root: FSDPState) -> None:
         self.is_root = False
@@ -543,11 +539,10 @@ class FSDPState:
         if (
             needs_backward
             and compiling()
-            and self.compile_regions
+            and self._refuse_compile_regions is not None
             and torch._dynamo.config.automatic_dynamic_shapes
         ):
             # See [Note: A compile region inside a unit].
-            assert self._refuse_compile_regions is not None
             self._refuse_compile_regions()
         if self.post_optim_pending:
             # Only for a step compiled whole; see [Note: The post-optimizer event].
