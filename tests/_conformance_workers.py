@@ -190,6 +190,35 @@ class _PrefixModel(nn.Module):
         return self.head(h)
 
 
+# ------------------------------------------------------ the three, in one model
+class _Mixed(nn.Module):
+    """The structures of the three models above in one, for the compiled tests (one
+    compile where there were three): a frozen unit fed a learnable prefix (a leaf of
+    the root), two units passing a dataclass, and a unit called three times (twice
+    in a row, then once more after the others). Units: ``pre``, ``blocks.0``,
+    ``blocks.1``, ``sub``, in ``units`` for :func:`_shard_children`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(CFG.vocab_size, 16)
+        self.prefix = nn.Parameter(torch.randn(4, 16))
+        self.pre = _PrefixBlock()
+        self.blocks = nn.ModuleList([_DCBlock() for _ in range(2)])
+        self.sub = _Sub(16)
+        self.head = nn.Linear(16, CFG.vocab_size)
+
+    @property
+    def units(self) -> list[nn.Module]:
+        return [self.pre, *self.blocks, self.sub]
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        h = self.sub(self.sub(self.pre(self.emb(tok), self.prefix)))
+        act = _Act(h, h * 0.5)
+        for block in self.blocks:
+            act = block(act)
+        return self.head(self.sub(act.hidden + act.skip))
+
+
 def _shard_children(model: nn.Module, attr: str, fs: Callable[..., Any]) -> nn.Module:
     for m in getattr(model, attr):
         fs(m)
@@ -317,6 +346,7 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
         )
     out["dataclass"] = _both(rank, world, lambda fs: _shard_children(_DCModel(), "blocks", fs))
     out["prefix"] = _both(rank, world, lambda fs: _shard_children(_PrefixModel(), "blocks", fs))
+    out["mixed"] = _both(rank, world, lambda fs: _shard_children(_Mixed(), "units", fs))
 
     def cast_after(fs: Callable[..., Any]) -> nn.Module:
         model = _shard_llama(Llama(CFG), fs)
@@ -413,10 +443,10 @@ def _freeze_midway(rank: int, world: int) -> dict[str, Any]:
 # ------------------------------------------------------------------ compiled
 def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Compiled (``torch.compile(model, fullgraph=True)`` with compiled autograd)
-    against the same flow eager: the weight-reuse model (each unit three times per
-    forward), dataclass activations, prefix tuning (frozen units fed a learnable
-    prefix that persists across steps), and our Llama frozen in part after its first
-    compiled step (block 0 and the output head), and HF ``MixtralForCausalLM``
+    against the same flow eager: ``_Mixed`` (weight reuse, dataclass activations,
+    prefix tuning: a frozen unit fed a learnable prefix that persists across steps),
+    frozen in part after its first compiled step (``blocks.0`` and the head's weight),
+    and HF ``MixtralForCausalLM``
     (mixture of experts: 3-D expert weights sharded on the expert dim, the grouped
     matmul a custom op with its own backward), also trained eager with torch's
     fully_shard. ``backend`` "aot_eager" records the collectives of every graph and
@@ -440,15 +470,12 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     def freeze(model: nn.Module) -> Callable[[int], None]:
         def before(i: int) -> None:
             if i == 1:
-                model.layers[0].requires_grad_(False)
-                model.output.weight.requires_grad_(False)
+                model.blocks[0].requires_grad_(False)
+                model.head.weight.requires_grad_(False)
         return before
 
     cases: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any]]] = {
-        "reuse": (lambda: _shard_children(_Reuse(), "layers", th.fully_shard), lambda m: None),
-        "dataclass": (lambda: _shard_children(_DCModel(), "blocks", th.fully_shard), lambda m: None),
-        "prefix": (lambda: _shard_children(_PrefixModel(), "blocks", th.fully_shard), lambda m: None),
-        "freeze": (lambda: _shard_llama(Llama(CFG), th.fully_shard), freeze),
+        "mixed": (lambda: _shard_children(_Mixed(), "units", th.fully_shard), freeze),
         "moe": (lambda: _hf_shard(_mixtral(), th.fully_shard), lambda m: None),
         "hf_ac": (hf_ac, lambda m: None),
     }

@@ -12,6 +12,7 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
 - prefix tuning: frozen units given a learnable prefix (a leaf of the root) every
   step; their backward must not end before the ops that read their frozen weights
   (it ended early from step 2 on, when each step added a hook to the prefix);
+- the three above in one model (``_Mixed``), the model the compiled tests compile;
 - ``model.to(torch.float64)`` after fully_shard: training follows the new dtype;
 - parameters frozen after fully_shard (before the first forward);
 - activation checkpointing: checkpoint_wrapper then fully_shard (torchtitan's
@@ -37,7 +38,7 @@ from _conformance_workers import (
 )
 from _dist import run_ranks
 
-BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "cast_float64", "freeze_after_shard",
+BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "mixed", "cast_float64", "freeze_after_shard",
            "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective"]
 
 
@@ -101,23 +102,24 @@ def test_conformance_hf_llama_vs_torch_fully_shard() -> None:
         _same(r["hf_meta_ours"], r["hf_meta_torch"], "hf_meta")
 
 
-# Each _Sub unit (w, b) runs three times per forward; the root holds the embedding
-# and the head (weight, bias).
-REUSE_UNIT_PARAMS, REUSE_ROOT_PARAMS, REUSE_CALLS = 3 * 2, 3, 3
+# _Mixed: the root's parameters (embedding, prefix, head weight and bias), and the
+# calls of its reused unit per forward.
+MIXED_ROOT, MIXED_CALLS = 4, 3
 
 
 @pytest.mark.slow
 def test_conformance_compiled_aot_eager() -> None:
     """Compiled with compiled autograd (aot_eager: the same ops as eager, so bitwise
-    equal to the eager run): weight reuse, dataclass activations, prefix tuning,
-    freezing after the first compiled step (fullgraph=True holds: the change is
-    applied before dynamo traces), HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
+    equal to the eager run): weight reuse, dataclass activations and prefix tuning in
+    one model (``_Mixed``, whose eager run is bitwise equal to torch's fully_shard in
+    the eager test), frozen in part after the first compiled step (fullgraph=True
+    holds: the change is applied before dynamo traces), HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
     whose eager runs are also bitwise equal to torch's fully_shard, and HF Llama with
     its own gradient checkpointing (the checkpoint around each unit's whole call;
     dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint on). Collectives counted
     from the captured graphs."""
     for r in run_ranks(conformance_compiled, 2, "aot_eager"):
-        for name in ("reuse", "dataclass", "prefix", "freeze", "moe", "moe_bf16", "hf_ac"):
+        for name in ("mixed", "moe", "moe_bf16", "hf_ac"):
             _same(r[f"{name}_compiled"], r[f"{name}_eager"], name)
             assert r[f"{name}_compiled_bytes_after"] == 0, name
         _same(r["moe_eager"], r["moe_torch"], "moe vs torch's fully_shard")
@@ -141,41 +143,34 @@ def test_conformance_compiled_aot_eager() -> None:
         fwd, bwd = r["hf_ac_graphs"]
         assert len(fwd) == len(bwd) == 1, (fwd, bwd)
         assert bwd[0]["all_gather_into_tensor"] == bwd[0]["reduce_scatter_tensor"] == 9 + 3, bwd
-        # Prefix tuning: the frozen blocks (2 x 4 parameters) are re-gathered for
-        # their inputs' gradients and reduce nothing; the root's 5 (embedding, the
-        # two prefixes, the head's weight and bias) are re-gathered, as in the reuse
-        # case, and reduced.
-        fwd, bwd = r["prefix_graphs"]
-        assert len(fwd) == len(bwd) == 1, (fwd, bwd)
-        assert bwd[0]["all_gather_into_tensor"] == 2 * 4 + 5, bwd
-        assert bwd[0]["reduce_scatter_tensor"] == 5, bwd
-        fwd, bwd = r["reuse_graphs"]
-        # One forward and one backward graph: no recompiles after the first step.
-        assert len(fwd) == len(bwd) == 1, (fwd, bwd)
-        # Every call gathers (resharded after each); backward re-gathers each unit
-        # once and keeps it until its first use's backward, then reduces once.
-        assert fwd[0]["all_gather_into_tensor"] == REUSE_CALLS * REUSE_UNIT_PARAMS + REUSE_ROOT_PARAMS
-        assert bwd[0]["all_gather_into_tensor"] == REUSE_UNIT_PARAMS + REUSE_ROOT_PARAMS
-        assert bwd[0]["reduce_scatter_tensor"] == REUSE_UNIT_PARAMS + REUSE_ROOT_PARAMS
-        # Freezing recompiles once (dynamo's guards on requires_grad), and the
-        # backward after it reduces only the trainable parameters: 21 managed, block
-        # 0 (9) and the head frozen.
-        fwd, bwd = r["freeze_graphs"]
+        # _Mixed: units pre (4 parameters, frozen), blocks.0 and blocks.1 (4 each), sub
+        # (2, called three times); the root holds 4 (embedding, prefix, head weight
+        # and bias). Forward: every call gathers (each unit resharded after it).
+        # Backward: each unit re-gathered once, the frozen pre too (for its input's
+        # gradient, the embedding's), and kept until its first use's backward; every
+        # trainable parameter reduced once. Freezing blocks.0 and the head's weight
+        # after step 1 recompiles once (dynamo's guards on requires_grad), and the
+        # backward after it reduces 5 fewer.
+        fwd, bwd = r["mixed_graphs"]
         assert len(fwd) == len(bwd) == 2, (fwd, bwd)
-        assert bwd[0]["reduce_scatter_tensor"] == 21
-        assert bwd[1]["reduce_scatter_tensor"] == 21 - 9 - 1
+        for f in fwd:
+            assert f["all_gather_into_tensor"] == MIXED_ROOT + 4 + 2 * 4 + MIXED_CALLS * 2, fwd
+        for b in bwd:
+            assert b["all_gather_into_tensor"] == MIXED_ROOT + 4 + 2 * 4 + 2, bwd
+        assert bwd[0]["reduce_scatter_tensor"] == MIXED_ROOT + 2 * 4 + 2, bwd
+        assert bwd[1]["reduce_scatter_tensor"] == MIXED_ROOT + 2 * 4 + 2 - 4 - 1, bwd
 
 
 @pytest.mark.slow
 def test_conformance_compiled_inductor() -> None:
-    """The same six cases under Inductor with every pass on, against the eager run:
+    """The same three cases under Inductor with every pass on, against the eager run:
     losses rtol 1e-5 and parameters atol 2e-5 (Inductor fuses and reorders float
     arithmetic), 1e-4 for Mixtral. AdamW divides each gradient element by its own
     running scale, so an element whose gradient is close to 0 (an expert that few
     tokens reach) turns a reordering error into a visible step: seen 2.4e-5 and
     2.1e-5, on one element of each 3-D expert weight, with the losses equal."""
     for r in run_ranks(conformance_compiled, 2, "inductor"):
-        for name in ("reuse", "dataclass", "prefix", "freeze", "moe", "hf_ac"):
+        for name in ("mixed", "moe", "hf_ac"):
             c, e = r[f"{name}_compiled"], r[f"{name}_eager"]
             torch.testing.assert_close(c[0], e[0], rtol=1e-5, atol=0, msg=name)
             atol = 1e-4 if name == "moe" else 2e-5
