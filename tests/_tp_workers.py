@@ -38,6 +38,9 @@ from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
 from traceable_hsdp.models import Llama, LlamaConfig
 
 TP_STEPS = 3
+# The compiled tests' model: one block (every block costs compile time, on 4 and 8
+# ranks sharing 2 cores); the eager ones use CFG's two.
+ONE_BLOCK_CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
 CLIP = 1.0  # below the gradient norms seen (about 1.1): clipping is active
 
 
@@ -287,12 +290,12 @@ class GroupRecorder:
 
 
 def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
-    """The same FSDP x TP model eager, then compiled whole (compiled autograd,
+    """The FSDP x TP model with one block eager, then compiled whole (compiled autograd,
     ``torch.compile(model, fullgraph=True)``) with aot_eager (collectives counted by
     group) and with Inductor."""
     world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {}
-    model = build_2d(world_mesh, th.fully_shard)
+    model = build_2d(world_mesh, th.fully_shard, cfg=ONE_BLOCK_CFG)
     out["n_params"] = len(list(model.parameters()))
     out["eager"] = train(model, model, world_mesh, TP_STEPS)
 
@@ -301,7 +304,7 @@ def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
         world_mesh["tp"].get_group().group_name: "tp",
     }
     rec = GroupRecorder(groups)
-    model = build_2d(world_mesh, th.fully_shard)
+    model = build_2d(world_mesh, th.fully_shard, cfg=ONE_BLOCK_CFG)
     torch._dynamo.reset()
     counters.clear()
     th.enable_compiled_autograd(backend=rec)
@@ -312,7 +315,7 @@ def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
     out["fwd"], out["bwd"] = rec.forward, rec.backward
     out["graph_breaks"] = sum(counters["graph_break"].values())
 
-    model = build_2d(world_mesh, th.fully_shard)
+    model = build_2d(world_mesh, th.fully_shard, cfg=ONE_BLOCK_CFG)
     torch._dynamo.reset()
     th.enable_compiled_autograd(backend="inductor")
     try:
@@ -322,9 +325,8 @@ def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-# One block (8 ranks compile on 2 cores: each block costs), and a clipping threshold
-# below its gradient norms (about 0.8 on this data).
-HSDP_TP_CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+# A clipping threshold below the gradient norms of ONE_BLOCK_CFG's model (about 0.8
+# on this data).
 HSDP_TP_CLIP = 0.5
 
 
@@ -342,12 +344,12 @@ def hsdp_tp_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     dp = world_mesh["dp_replicate", "dp_shard"]
     out: dict[str, Any] = {}
     for name, fn in (("torch", torch_fully_shard), ("ours", th.fully_shard)):
-        model = build_2d(world_mesh, fn, dp_mesh=dp, cfg=HSDP_TP_CFG)
+        model = build_2d(world_mesh, fn, dp_mesh=dp, cfg=ONE_BLOCK_CFG)
         out[f"{name}_placements"] = {k: tuple(v.placements) for k, v in model.state_dict().items()}
         out[name] = train(model, model, world_mesh, TP_STEPS, clip=HSDP_TP_CLIP)
     out["n_params"] = len(list(model.parameters()))
     dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)  # ours, trained
-    fresh = build_2d(world_mesh, torch_fully_shard, dp_mesh=dp, cfg=HSDP_TP_CFG)
+    fresh = build_2d(world_mesh, torch_fully_shard, dp_mesh=dp, cfg=ONE_BLOCK_CFG)
     sd = fresh.state_dict()
     dcp.load(sd, checkpoint_id=ckpt_dir)
     fresh.load_state_dict(sd)
@@ -355,7 +357,7 @@ def hsdp_tp_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
 
     groups = {world_mesh[d].get_group().group_name: d for d in ("dp_replicate", "dp_shard", "tp")}
     rec = GroupRecorder(groups)
-    model = build_2d(world_mesh, th.fully_shard, dp_mesh=dp, cfg=HSDP_TP_CFG)
+    model = build_2d(world_mesh, th.fully_shard, dp_mesh=dp, cfg=ONE_BLOCK_CFG)
     torch._dynamo.reset()
     counters.clear()
     th.enable_compiled_autograd(backend=rec)
