@@ -1,6 +1,6 @@
 """Tier 2: the passes inside a real compiled training step.
 
-Two gloo ranks, a 4-block Llama (width 32) with nested fully_shard (5 units: 4
+Two gloo ranks, a 3-block Llama (width 32) with nested fully_shard (4 units: 3
 blocks and the root), reshard after forward, the whole step (forward, loss,
 backward) compiled by Inductor with compiled autograd, with one bucket per unit
 (``bucket_cap_mb=None``: the default 4 MiB cap would merge these small units into one
@@ -38,7 +38,7 @@ import torch
 from _dist import run_ranks
 from _workers import _placeholder_bytes
 
-N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 4, 3, 8, 2, 1e-2
+N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 3, 3, 8, 2, 1e-2
 N_UNITS = N_LAYERS + 1
 
 def _overlap_order(graph: torch.fx.Graph) -> dict[str, Any]:
