@@ -294,16 +294,21 @@ def test_torch_compiled_autograd_hook_on_unused_output() -> None:
 
 
 def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:
-    """Two models whose checkpoint is around a unit's whole call, and a step input:
-    HF ``LlamaForCausalLM`` with ``gradient_checkpointing_enable()``, and our Llama
-    with ``checkpoint_wrapper`` applied after ``fully_shard``."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    """Three models whose checkpoint is around a unit's whole call, keyed by what the
+    refusal names, each with its step: HF ``LlamaForCausalLM`` with
+    ``gradient_checkpointing_enable()``; our Llama with ``checkpoint_wrapper``
+    applied to each block after its ``fully_shard``, before the root's; and our Llama
+    with torch's ``apply_activation_checkpointing`` after the root's ``fully_shard``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM
 
     import traceable_hsdp as th
     from _workers import CFG
-    from traceable_hsdp.models import Llama
+    from traceable_hsdp.models import Block, Llama
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(HFLlamaConfig(
@@ -319,18 +324,26 @@ def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:
     for i, block in enumerate(ours.layers):
         ours.layers[i] = checkpoint_wrapper(th.fully_shard(block, mesh=mesh))
     th.fully_shard(ours, mesh=mesh)
+    after = Llama(CFG)
+    for block in after.layers:
+        th.fully_shard(block, mesh=mesh)
+    th.fully_shard(after, mesh=mesh)
+    apply_activation_checkpointing(after, check_fn=lambda m: isinstance(m, Block))
     tokens = torch.randint(0, CFG.vocab_size, (2, 8))
     return {
         "Hugging Face gradient checkpointing": (hf, lambda f: f(input_ids=tokens).logits),
-        "checkpoint_wrapper 'layers.0'": (ours, lambda f: f(tokens)),
+        "checkpoint_wrapper 'layers.0' wraps it.": (ours, lambda f: f(tokens)),
+        "checkpoint_wrapper 'layers.0' wraps it (put there after": (after, lambda f: f(tokens)),
     }
 
 
 def test_checkpoint_around_a_unit_refused_compiled_without_the_dynamo_flag(one_rank) -> None:
     """A checkpoint around a unit's whole call (HF's gradient_checkpointing_enable(),
-    checkpoint_wrapper applied after fully_shard) puts the unit's hooks inside the
-    region. Compiled without dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint,
-    that ended in a compiled-autograd AttributeError; the root's compiled pre-forward
+    checkpoint_wrapper applied after fully_shard, before or after the root's) puts
+    the unit's hooks inside the region. Compiled without dynamo's
+    skip_fwd_side_effects_in_bwd_under_checkpoint, that ended in a compiled-autograd
+    AttributeError, or (the wrapper put in after the root's fully_shard, before it
+    was checked for) in minutes of compiling graph breaks; the root's compiled pre-forward
     refuses it, naming the unit and the fix (see [Note: A checkpoint around a unit's
     call] in traceable_hsdp/_state.py). Eager and forward-only it runs; with the
     flag on, the compiled (aot_eager) gradients equal the eager ones bitwise (1 rank;

@@ -138,11 +138,20 @@ _refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 # cause nor the fix, so the root's compiled pre-forward refuses it instead. The
 # flag is the user's to set, not ours: torch documents it as letting compiled code
 # differ from eager for side effects in checkpointed code (eager replays them in
-# the recompute). The units that can be so are found when the tree is wired
-# (``checkpoint_wrapper`` around a nested unit, or a module whose class has Hugging
-# Face's ``GradientCheckpointingLayer`` attribute) into the root's
-# ``checkpoint_suspects``; only those are read per step (the latter's flag), so a
-# model with neither reads one empty list.
+# the recompute). The units that can be so are found when the tree is wired, into
+# the root's ``checkpoint_suspects``: a module whose class has Hugging Face's
+# ``GradientCheckpointingLayer`` attribute (its flag is read), and every nested
+# unit, with the module that holds it and the name it holds it by (its ``slots``).
+# A unit is checkpointed around if that holder is a ``checkpoint_wrapper``
+# (``checkpoint_wrapper(fully_shard(block))`` before the root's fully_shard) or if
+# a wrapper has since replaced the unit in its holder (torch's
+# ``apply_activation_checkpointing`` called after the root's fully_shard). That
+# order was not refused before, and plain ``torch.compile`` (no fullgraph) then
+# compiled each of the
+# backward's graph breaks in turn, for minutes (seen: over 5 minutes for 2 steps
+# of a 2-block model on 1 rank, unfinished). Only the compiled pre-forward reads
+# them, with the flag off: eager reads nothing, and in a compiled step dynamo
+# guards on each slot, so a wrapper put there later recompiles and is seen.
 
 
 COMPILE_REGION_FIX = (
@@ -333,7 +342,9 @@ class FSDPState:
             m for m in modules
             if isinstance(getattr(type(m), "gradient_checkpointing", None), bool)
         ]
-        self.wrapped_by_checkpoint: str | None = None  # the wrapper's path, if any
+        # Where the root found this unit's modules (set by adopt_nested): the module
+        # holding each, its path under the root, and the name it holds it by.
+        self.slots: list[tuple[nn.Module, str, str]] = []
         # Root only: the units of its tree that either can mark (set by adopt_nested).
         self.checkpoint_suspects: list[FSDPState] = []
         # Root only: the refusal naming the modules marked as compile regions, None
@@ -382,15 +393,12 @@ class FSDPState:
                     s._label_as(name)
                 if _marks_compile_region(sub):
                     regions.append(name or type(sub).__name__)
-                if isinstance(sub, CheckpointWrapper):
-                    # See [Note: A checkpoint around a unit's call].
-                    wrapped = state_of(sub._checkpoint_wrapped_module)
-                    if wrapped is not None and wrapped is not self:
-                        wrapped.wrapped_by_checkpoint = name
-        self.checkpoint_suspects = [
-            s for s in self.states
-            if s.wrapped_by_checkpoint is not None or s.hf_checkpointing_modules
-        ]
+                for child_name, child in sub._modules.items():
+                    s = state_of(child) if child is not None else None
+                    if s is not None and s is not self:
+                        # See [Note: A checkpoint around a unit's call].
+                        s.slots.append((sub, name, child_name))
+        self.checkpoint_suspects = [s for s in self.states if s.slots or s.hf_checkpointing_modules]
         # See [Note: A compile region inside a unit]. Built here: a refusal's message
         # is all dynamo shows (no details).
         self._refuse_compile_regions = (
@@ -572,9 +580,14 @@ class FSDPState:
     def _checkpointed_around(self) -> str | None:
         """How a checkpoint is put around this unit's whole call, if one is. See
         [Note: A checkpoint around a unit's call]."""
-        if self.wrapped_by_checkpoint is not None:
-            return (f"Unit {self._where()!r}: checkpoint_wrapper "
-                    f"{self.wrapped_by_checkpoint!r} wraps it.")
+        for holder, path, name in self.slots:
+            if isinstance(holder, CheckpointWrapper):
+                return f"Unit {self._where()!r}: checkpoint_wrapper {path!r} wraps it."
+            now = holder._modules.get(name)
+            if isinstance(now, CheckpointWrapper) and now._checkpoint_wrapped_module in self.modules:
+                where = f"{path}.{name}" if path else name
+                return (f"Unit {self._where()!r}: checkpoint_wrapper {where!r} wraps it "
+                        "(put there after fully_shard on the root).")
         for m in self.hf_checkpointing_modules:
             if m.gradient_checkpointing and m.training:
                 return (f"Unit {self._where()!r}: Hugging Face gradient checkpointing "
