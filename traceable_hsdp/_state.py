@@ -383,6 +383,7 @@ class FSDPState:
                 s = state_of(sub)
                 if s is not None and s is not self and s not in nested:
                     s._nest_under(self)
+                    s.slots = []  # found again below, under this root
                     nested.append(s)
         self.states = [*nested, self]
         regions: list[str] = []
