@@ -395,10 +395,10 @@ class FSDPState:
                 if _marks_compile_region(sub):
                     regions.append(name or type(sub).__name__)
                 for child_name, child in sub._modules.items():
-                    s = state_of(child) if child is not None else None
-                    if s is not None and s is not self:
+                    held = state_of(child) if child is not None else None
+                    if held is not None and held is not self:
                         # See [Note: A checkpoint around a unit's call].
-                        s.slots.append((sub, name, child_name))
+                        held.slots.append((sub, name, child_name))
         self.checkpoint_suspects = [s for s in self.states if s.slots or s.hf_checkpointing_modules]
         # See [Note: A compile region inside a unit]. Built here: a refusal's message
         # is all dynamo shows (no details).
