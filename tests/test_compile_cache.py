@@ -132,13 +132,20 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _start(monkeypatch: pytest.MonkeyPatch, fn: Any, world: int, *args: Any, **env: str) -> Ranks:
+def _start(monkeypatch: pytest.MonkeyPatch, fn: Any, world: int, *args: Any,
+           spawn: bool = True, **env: str) -> Ranks:
     """Starts ``fn`` on ``world`` fresh spawned ranks with ``env`` set for them only
-    (a spawned rank's environment is the one at its start)."""
+    (a spawned rank's environment is the one at its start). ``spawn=False`` forks
+    them from the preloaded server instead (no ``env`` then): for compiles that must
+    miss, or whose entries a spawned process must later hit. Only the process that
+    is to hit needs a hash seed of its own; a forked one shares the server's, and a
+    key that hung on the seed would hit by coincidence ([Note: Rank processes from a
+    preloaded fork server] in _dist.py)."""
+    assert spawn or not env, "a forked rank has the server's environment"
     with monkeypatch.context() as m:
         for k, v in env.items():
             m.setenv(k, v)
-        return start_ranks(fn, world, *args, spawn=True)
+        return start_ranks(fn, world, *args, spawn=spawn)
 
 
 @pytest.mark.slow
@@ -187,20 +194,25 @@ def test_changed_configuration_shape_or_world_misses(
     def start(world: int = 1, dim: int = 16, *args: Any, **env: str) -> Ranks:
         return _start(monkeypatch, W.compile_step, world, dim, *args, **env)
 
+    def fork(world: int = 1, dim: int = 16, *args: Any) -> Ranks:
+        return _start(monkeypatch, W.compile_step, world, dim, *args, spawn=False)
+
     def all_miss(runs: list[dict[str, int]]) -> bool:
         return all(c["fx_hit"] == 0 and c["fx_miss"] == 1 for c in runs)
 
     def all_hit(runs: list[dict[str, int]]) -> bool:
         return all(c["fx_hit"] == 1 and c["fx_miss"] == 0 for c in runs)
 
-    ((first,),) = gather([start()])
+    # Forked where a compile must miss or writes what a spawned one then hits; the
+    # compiles that must hit are spawned (their own hash seed: see _start).
+    ((first,),) = gather([fork()])
     assert first["fx_miss"] == 1 and first["fx_bypass"] == 1, first
     again, config, shape, world = gather([
         start(),  # nothing changed: the backward hits (the check can see a hit)
         # The pass configuration: overlap off and another bucket cap, one change.
         start(TRACEABLE_HSDP_PASSES="remove_resize_copy,bucket", TRACEABLE_HSDP_BUCKET_CAP_MB="1"),
-        start(dim=24),  # the model's shape
-        start(2),  # two ranks: the world size changed
+        fork(dim=24),  # the model's shape
+        fork(2),  # two ranks: the world size changed
     ])
     assert all_hit(again), again
     assert all_miss(config), config
@@ -209,7 +221,7 @@ def test_changed_configuration_shape_or_world_misses(
     # Two ranks again: the same (each rank hits its own entry), then the same world
     # with another mesh shape (HSDP 1x2) or another fully_shard option
     # (reshard_after_forward=False: no re-gather in the backward): misses.
-    same, mesh, option = gather([start(2), start(2, 16, (1, 2)), start(2, 16, None, False)])
+    same, mesh, option = gather([start(2), fork(2, 16, (1, 2)), fork(2, 16, None, False)])
     assert all_hit(same), "2 ranks, unchanged"
     assert all_miss(mesh), mesh
     assert all_miss(option), option
