@@ -29,13 +29,15 @@ After::
     ag  = all_gather_into_tensor(buf, 2, "0")        # (70,) = cat(buf of rank 0, 1)
     r   = wait_tensor(ag)
     grd = view(r, [2, 35])                           # row k: rank k's flat input
-    r0  = view(clone(slice(grd, 1, 0, 32)), [8, 8])  # rank-major rows of w0
-    r1  = view(clone(slice(grd, 1, 32, 35)), [6])
+    bs  = traceable_hsdp.split_columns(grd, [32, 3]) # column blocks, each copied
+    r0  = view(bs[0], [8, 8])                        # rank-major rows of w0
+    r1  = view(bs[1], [6])
     ... uses of r0, r1 ...
 
 The bucket goes just before the first use of any of its results; the un-interleave
-(``view(ws, N)`` then a column slice per parameter) turns the rank-major output back
-into each parameter's own ``cat`` over ranks.
+(``view(ws, N)`` then a column block per parameter, copied out in one call: see
+[Note: One copy-out per all-gather bucket] in ``_ops.py``) turns the rank-major
+output back into each parameter's own ``cat`` over ranks.
 
 [Note: Reduce-scatter buckets]
 A unit's reduce-scatters are the run of reduce-scatters (same group, group size,
@@ -123,6 +125,7 @@ happens while a unit with its own options is alive.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -145,6 +148,7 @@ from ._graph import (
     single_wait,
     unit_pass_options,
 )
+from ._ops import SPLIT_COLUMNS
 from ._rewrite import (
     erase_all,
     insert_call,
@@ -355,21 +359,15 @@ def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
         set_annotation(ag, merge_annotations(gathers))
         out = insert_call(graph, WAIT, (ag,), like=first)
         grid = insert_call(graph, _aten.view.default, (out, [size, total]), like=first)
-        offset = 0
-        for m in members:
-            cols = insert_call(
-                graph, _aten.slice.Tensor, (grid, 1, offset, offset + m.numel), like=m.node
-            )
-            dense = insert_call(
-                graph,
-                _aten.clone.default,
-                (cols,),
-                {"memory_format": torch.contiguous_format},
-                like=m.node,
-            )
+        # One copy-out for the whole bucket: see [Note: One copy-out per all-gather
+        # bucket] in _ops.py.
+        blocks = insert_call(
+            graph, SPLIT_COLUMNS, (grid, [m.numel for m in members]), like=first
+        )
+        for i, m in enumerate(members):
+            dense = insert_call(graph, operator.getitem, (blocks, i), like=m.node)
             result = insert_call(graph, _aten.view.default, (dense, m.out_shape), like=m.node)
             m.wait.replace_all_uses_with(result)
-            offset += m.numel
     erase_all(graph, [n for m in members for n in (m.wait, m.node)])
     log.debug("bucket_all_gathers: %s -> %s", [g.name for g in gathers], ag.name)
     return True

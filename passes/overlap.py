@@ -17,7 +17,7 @@ Forward (after bucketing), before::
 
     ag1  = all_gather_into_tensor(buf1, 2, "0")
     r1   = wait_tensor(ag1)
-    p1   = view(clone(slice(view(r1, [2, n1]), 1, 0, k1)), [..])   # unit 1's params
+    p1   = view(split_columns(view(r1, [2, n1]), [k1, ..])[0], [..])  # unit 1's params
     y1   = mm(x, p1)                                               # unit 1's compute
     buf2 = cat([reshape(w2a, [-1]), reshape(w2b, [-1])])
     ag2  = all_gather_into_tensor(buf2, 2, "0")

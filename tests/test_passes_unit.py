@@ -51,6 +51,7 @@ from traceable_hsdp.passes._graph import (
     annotation_value,
     set_annotation,
 )
+from traceable_hsdp.passes._ops import SPLIT_COLUMNS
 from traceable_hsdp.passes._rewrite import alias_closure, set_fake_val
 
 aten = torch.ops.aten
@@ -395,8 +396,11 @@ def test_bucket_all_gathers_three_into_one(world: int) -> None:
     after = _counts(gm)
     assert (before["all_gather"], before["wait"]) == (3, 3)
     assert (after["all_gather"], after["wait"]) == (1, 1)
-    # 3 flattens + cat + gather + wait + view + 3 x (slice, clone, view) - 6 old nodes
-    assert after["nodes"] == before["nodes"] + 3 + 4 + 9 - 6
+    # 3 flattens + cat + gather + wait + view + split_columns + 3 x (getitem, view)
+    # - 6 old nodes: one copy-out for the bucket, not a clone per parameter
+    assert after["nodes"] == before["nodes"] + 3 + 4 + 1 + 6 - 6
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(SPLIT_COLUMNS) == 1 and aten.clone.default not in targets, targets
     out = _run_spmd(gm, inputs)
     _same(out, ref)  # bitwise: the gathered tensors come back in cat-over-ranks order
     for o, s in zip(out[0][1:], _SHAPES):
