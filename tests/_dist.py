@@ -39,6 +39,15 @@ import torch.multiprocessing as mp
 # (a set of names) would issue mismatched collectives across ranks; spawned ranks keep
 # that chance to show it. Their time is compile time, so spawning costs them little.
 # (``_stop`` is the fork server's private method; Python has no public restart.)
+# The server also answers Inductor's once-per-process questions before it forks
+# (_warm_inductor.py): which vector instruction sets build and load on this machine
+# (a C++ build and a child interpreter per set; 2.4-3.5 s in each of two forked ranks
+# side by side on 2 cores, at the rank's first Inductor compile) and the hash of
+# torch's sources that every cache key holds. Those answers are functools caches, so
+# a forked rank inherits them; a spawned one still asks. For the server to find
+# _workers and _warm_inductor it is started with this directory on PYTHONPATH (see
+# _ensure_server); its ranks inherit that variable, which only adds this directory
+# to the path of the processes they start.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -46,8 +55,10 @@ _PRELOAD = [
     "torch._inductor.compile_fx",
     "traceable_hsdp._fully_shard",
     "_workers",
+    "_warm_inductor",
 ]
 _server_env: dict[str, str] | None = None
+_HERE = os.path.dirname(os.path.abspath(__file__))
 # Variables that change with every test and mean nothing to a rank.
 _PER_TEST_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 
@@ -64,7 +75,26 @@ def _start_method(spawn: bool) -> str:
     elif env != _server_env:
         multiprocessing.forkserver._forkserver._stop()  # the next start runs a new one
     _server_env = env
+    _ensure_server()
     return "forkserver"
+
+
+def _ensure_server() -> None:
+    """Starts the fork server unless it runs, with this directory on its path: the
+    server of Python 3.11 ignores the parent's ``sys.path`` for its preload (it is
+    passed, never applied), so the modules of ``_PRELOAD`` that live here would be
+    skipped without a word (an ``ImportError`` is ignored). Through ``PYTHONPATH``,
+    set for the server's start only, it finds them. The ranks it forks get the
+    parent's ``sys.path`` as before."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, old) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _worker(rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple) -> None:
