@@ -11,6 +11,7 @@ uneven over both TP and FSDP.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -262,13 +263,15 @@ def tp_eager_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
 
 
 class GroupRecorder:
-    """A torch.compile backend (aot_eager underneath) that counts the collectives of
-    every graph dynamo hands it by (op, process group size), split into forward and
-    compiled-autograd graphs. Every group of these meshes has 2 ranks, so groups are
-    told apart by name: ``groups`` maps a group name to its mesh dim's name."""
+    """A torch.compile backend (``backend`` underneath: aot_eager, or Inductor's
+    ``compile_fx``) that counts the collectives of every graph dynamo hands it by
+    (op, process group size), split into forward and compiled-autograd graphs. Every
+    group of these meshes has 2 ranks, so groups are told apart by name: ``groups``
+    maps a group name to its mesh dim's name."""
 
-    def __init__(self, groups: dict[str, str]) -> None:
+    def __init__(self, groups: dict[str, str], backend: Callable[..., Any] = aot_eager) -> None:
         self.groups = groups
+        self.backend = backend
         self.forward: list[dict[str, int]] = []
         self.backward: list[dict[str, int]] = []
 
@@ -286,13 +289,15 @@ class GroupRecorder:
         cid = torch._guards.CompileContext.current_compile_id()
         is_bwd = cid is not None and cid.compiled_autograd_id is not None
         (self.backward if is_bwd else self.forward).append(counts)
-        return aot_eager(gm, example_inputs)
+        return self.backend(gm, example_inputs)
 
 
 def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
     """The FSDP x TP model with one block eager, then compiled whole (compiled autograd,
-    ``torch.compile(model, fullgraph=True)``) with aot_eager (collectives counted by
-    group) and with Inductor."""
+    ``torch.compile(model, fullgraph=True)``) with Inductor, the collectives of dynamo's
+    graphs counted by group on the way in."""
+    from torch._inductor.compile_fx import compile_fx
+
     world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {}
     model = build_2d(world_mesh, th.fully_shard, cfg=ONE_BLOCK_CFG)
@@ -303,25 +308,17 @@ def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
         world_mesh["dp"].get_group().group_name: "dp",
         world_mesh["tp"].get_group().group_name: "tp",
     }
-    rec = GroupRecorder(groups)
+    rec = GroupRecorder(groups, compile_fx)
     model = build_2d(world_mesh, th.fully_shard, cfg=ONE_BLOCK_CFG)
     torch._dynamo.reset()
     counters.clear()
     th.enable_compiled_autograd(backend=rec)
     try:
-        out["aot_eager"] = train(model, torch.compile(model, backend=rec, fullgraph=True), world_mesh, TP_STEPS)
+        out["inductor"] = train(model, torch.compile(model, backend=rec, fullgraph=True), world_mesh, TP_STEPS)
     finally:
         th.disable_compiled_autograd()
     out["fwd"], out["bwd"] = rec.forward, rec.backward
     out["graph_breaks"] = sum(counters["graph_break"].values())
-
-    model = build_2d(world_mesh, th.fully_shard, cfg=ONE_BLOCK_CFG)
-    torch._dynamo.reset()
-    th.enable_compiled_autograd(backend="inductor")
-    try:
-        out["inductor"] = train(model, torch.compile(model, fullgraph=True), world_mesh, TP_STEPS)
-    finally:
-        th.disable_compiled_autograd()
     return out
 
 

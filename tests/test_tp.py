@@ -11,8 +11,8 @@ Checks and tolerances:
   parameters atol 2e-5 after 3 AdamW steps (TP and the dp reduction sum in another
   order; AdamW amplifies the difference; seen: 5e-6);
 - compiled whole (compiled autograd) against eager: aot_eager bitwise (the same ops,
-  run one by one); Inductor losses rtol 1e-5, parameters atol 1e-5 (fused kernels;
-  seen: 4e-6).
+  run one by one; on the 3-D mesh); Inductor losses and norms rtol 1e-5, parameters
+  atol 1e-5 (fused kernels; seen: 4e-6; on the 2-D mesh).
 """
 
 from __future__ import annotations
@@ -115,18 +115,17 @@ def test_fsdp_tp_eager(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_fsdp_tp_compiled() -> None:
-    """The whole model (one block) compiled (compiled autograd, fullgraph=True):
-    aot_eager bitwise equal to eager, with the collectives counted per process group
-    from the graphs (FSDP's over dp only, TP's over tp only, one forward and one
-    backward graph, no graph break); Inductor within tolerance."""
+    """The whole model (one block) compiled (compiled autograd, fullgraph=True) with
+    Inductor, every pass on: within tolerance of eager, with the collectives counted
+    per process group from dynamo's graphs (FSDP's over dp only, TP's over tp only,
+    one forward and one backward graph, no graph break). Bitwise equality of the
+    compiled graphs with eager (aot_eager) is checked on the 3-D mesh below, which
+    composes the same FSDP x TP with a replicate dim; compiling this model a second
+    time for it here cost 4 ranks on 2 cores another compile."""
     results = run_ranks(tp_compiled_worker, 4)
     for rank, r in enumerate(results):
         n = r["n_params"]
-        eager, aot = r["eager"], r["aot_eager"]
-        assert aot["losses"] == eager["losses"], rank
-        assert aot["norms"] == eager["norms"], rank
-        _assert_equal_params(aot["params"], eager["params"], f"rank {rank} aot_eager")
-        assert aot["bytes_after"] == [0] * TP_STEPS
+        eager = r["eager"]
         assert r["graph_breaks"] == 0
         assert len(r["fwd"]) == 1 and len(r["bwd"]) == 1, (r["fwd"], r["bwd"])
         # Forward (dynamo's graph; TP's collectives are inside DTensor ops there): one
@@ -147,6 +146,7 @@ def test_fsdp_tp_compiled() -> None:
         }, r["bwd"]
         ind = r["inductor"]
         torch.testing.assert_close(ind["losses"], eager["losses"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(ind["norms"], eager["norms"], rtol=1e-5, atol=0)
         _assert_params(ind["params"], eager["params"], 1e-5, f"rank {rank} inductor")
         assert ind["bytes_after"] == [0] * TP_STEPS
 
