@@ -265,7 +265,7 @@ def tp_eager_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
 class GroupRecorder:
     """A torch.compile backend (``backend`` underneath: aot_eager, or Inductor's
     ``compile_fx``) that counts the collectives of every graph dynamo hands it by
-    (op, process group size), split into forward and compiled-autograd graphs. Every
+    (op, process group), split into forward and compiled-autograd graphs. Every
     group of these meshes has 2 ranks, so groups are told apart by name: ``groups``
     maps a group name to its mesh dim's name."""
 
