@@ -24,6 +24,7 @@ from torch.utils.checkpoint import (
 import traceable_hsdp as th
 from traceable_hsdp.models import Llama, shard_llama
 from traceable_hsdp.passes._graph import (
+    current_compile,
     is_all_gather,
     is_fsdp_copy,
     is_reduce_scatter,
@@ -95,8 +96,7 @@ class ACRecorder:
         self.backward: list[dict[str, Any]] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Any:
-        cid = torch._guards.CompileContext.current_compile_id()
-        is_bwd = cid is not None and cid.compiled_autograd_id is not None
+        _, is_bwd = current_compile()
         saved: list[int] = []
 
         def partition(joint: fx.GraphModule, inputs: Any, **kw: Any) -> Any:

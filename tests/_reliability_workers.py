@@ -111,9 +111,7 @@ def prefetch_order_worker(rank: int, world: int) -> dict[str, Any]:
     graphs: list[tuple[bool, list[str]]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        cid = torch._guards.CompileContext.current_compile_id()
-        graphs.append((cid is not None and cid.compiled_autograd_id is not None,
-                       _compress(_graph_order(gm, unit_of))))
+        graphs.append((G.current_compile()[1], _compress(_graph_order(gm, unit_of))))
         return aot_eager(gm, example_inputs)
 
     model = _prefetch_model(mesh)

@@ -286,8 +286,7 @@ class GroupRecorder:
             group = G.collective_group_name(n)
             key = f"{op}@{self.groups.get(group, group)}"
             counts[key] = counts.get(key, 0) + 1
-        cid = torch._guards.CompileContext.current_compile_id()
-        is_bwd = cid is not None and cid.compiled_autograd_id is not None
+        _, is_bwd = G.current_compile()
         (self.backward if is_bwd else self.forward).append(counts)
         return self.backend(gm, example_inputs)
 

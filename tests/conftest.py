@@ -14,10 +14,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # most of its 18-19 minutes (2 cores of an AMD EPYC; 25-28 minutes on 2 cores of a
 # 2.1 GHz Intel Xeon, three runs on 2026-11-26) is dynamo, AOTAutograd and Inductor
 # compiling in the rank processes; the tests that take under 3 s each add up to 36 s
-# (one run's --durations). Of an aot_eager compile, dynamo's tracing is about half
-# and AOTAutograd a quarter (cProfile of test_conformance_compiled_aot_eager's rank
-# 0). A C++ kernel takes Inductor about 1.4 s to build on that Xeon with the header
-# it precompiles (0.8 s for an empty kernel; 4.4 s without the header; -O0 or -O1
+# (one run's --durations). Of rank 0's time in test_conformance_compiled_aot_eager,
+# dynamo's tracing is about half and AOTAutograd a quarter (cProfile). A C++
+# kernel takes Inductor about 1.4 s to build on that Xeon with the header it
+# precompiles (0.8 s for an empty kernel; 4.4 s without the header; -O0 or -O1
 # instead of -O3 saves nothing: parsing dominates), so a test's first kernels cost
 # seconds each and later tests find most of them in the shared cache. Running tests
 # side by side does not pay: pytest-xdist with 2 workers took 373 s against 332 s
