@@ -310,6 +310,41 @@ def test_step_time_goal_lines() -> None:
     assert step_time.goal_lines("smoke", rows(ours_compiled=1.0)) == []
 
 
+def test_profile_gpu_time_counts_kernels_not_annotations() -> None:
+    """The CUDA profile's GPU time: kernels and copies summed per step, NCCL apart, the
+    top kernels named, and the record_function ranges that the profiler mirrors onto
+    the GPU's timeline (``is_user_annotation``) left out. Those spans made the first
+    CUDA profile report about 6 ms of GPU time per step for 1.2 ms of kernels. Hand
+    made events, two steps; no GPU."""
+    from types import SimpleNamespace
+
+    def ev(name: str, us: float, device: str = "CUDA", annotation: bool = False) -> Any:
+        return SimpleNamespace(
+            name=name, is_user_annotation=annotation,
+            device_type=SimpleNamespace(name=device),
+            time_range=SimpleNamespace(elapsed_us=lambda: us),
+        )
+
+    events = (
+        [ev("triton_poi_fused_copy_0", 5.0)] * 6
+        + [ev("ncclDevKernel_AllGather_RING_LL", 40.0)] * 2
+        + [ev("Memcpy DtoD (Device -> Device)", 1.0)] * 4
+        + [ev("phase::backward", 3000.0, annotation=True)] * 2
+        + [ev("aten::mm", 50.0, device="CPU")] * 8
+    )
+    got = profile_step._gpu_ms(events, steps=2)
+    assert got is not None
+    assert got["nccl"] == pytest.approx(0.040)  # 2 x 40 us over 2 steps
+    assert got["other"] == pytest.approx(0.017)  # (6 x 5 + 4 x 1) us over 2 steps
+    assert got["events"] == 6  # 12 kernels and copies over 2 steps
+    assert [k["name"] for k in got["top"]] == [
+        "ncclDevKernel_AllGather_RING_LL", "triton_poi_fused_copy_0",
+        "Memcpy DtoD (Device -> Device)",
+    ]
+    assert [k["count"] for k in got["top"]] == [1, 3, 2]
+    assert profile_step._gpu_ms([ev("aten::mm", 1.0, device="CPU")], steps=1) is None
+
+
 def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
     """``compile_time.py`` and ``step_time.py`` build HF Llama with the same function."""
     assert not hasattr(compile_time, "build_hf_llama")
