@@ -44,10 +44,12 @@ import torch.multiprocessing as mp
 # (a C++ build and a child interpreter per set; 2.4-3.5 s in each of two forked ranks
 # side by side on 2 cores, at the rank's first Inductor compile) and the hash of
 # torch's sources that every cache key holds. Those answers are functools caches, so
-# a forked rank inherits them; a spawned one still asks. For the server to find
-# _workers and _warm_inductor it is started with this directory on PYTHONPATH (see
-# _ensure_server); its ranks inherit that variable, which only adds this directory
-# to the path of the processes they start.
+# a forked rank inherits them. A spawned one is told the first answer through the
+# environment when the session's probe passed ([Note: Inductor's vector-ISA probe,
+# answered once per session] in conftest.py), and computes the hash. For the server
+# to find _workers and _warm_inductor it is started with this directory on
+# PYTHONPATH (see _ensure_server); its ranks inherit that variable, which only adds
+# this directory to the path of the processes they start.
 _PRELOAD = [
     "torch",
     "torch.distributed",

@@ -35,6 +35,42 @@ sys.path.insert(0, os.path.dirname(__file__))
 # fork server] in _dist.py).
 
 
+# [Note: Inductor's vector-ISA probe, answered once per session]
+# Before its first C++ kernel, every process that runs Inductor asks which vector
+# instruction sets this machine can use: for each set the CPU lists, it builds a
+# probe and starts a child interpreter that imports torch and loads it (3.3 s on the
+# 2-core Xeon, 0.9 s with the answer given). Forked ranks inherit the fork server's
+# answer (_warm_inductor.py); spawned ranks and torchrun's processes asked again,
+# each. This session asks once, here, and when every set the CPU lists built and
+# loaded, it says so to every process it starts through Inductor's own switch,
+# TORCHINDUCTOR_VEC_ISA_OK=1 (trust the CPU's list). Where any set failed, or the
+# variable is already set, or the machine is not x86, nothing is set and each
+# process probes for itself as before. This process keeps its own probed answer (its
+# Inductor configuration was read before the variable was set). Every child sees
+# the same value, so the cache-key tests compare like with like.
+def _share_vec_isa_probe() -> None:
+    import platform
+
+    if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is not None:
+        return
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    from torch._inductor import config, cpu_vec_isa
+
+    if config.cpp.vec_isa_ok is not None:
+        return
+    flags = cpu_vec_isa.x86_isa_checker()
+    listed = [
+        isa for isa in cpu_vec_isa.supported_vec_isa_list
+        if all(flag in flags for flag in str(isa).split())
+    ]
+    if listed and cpu_vec_isa.valid_vec_isa_list() == listed:  # each built and loaded
+        os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+
+
+_share_vec_isa_probe()
+
+
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[DeviceMesh]:
     """A 1-rank gloo process group in this process (for the module's tests), and a
