@@ -9,18 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
+DIM = 16
+
 
 def _tiny(dim: int) -> nn.Module:
     return nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
 
 
-def compile_step(
-    rank: int,
-    world: int,
-    dim: int = 16,
-    mesh_shape: tuple[int, ...] | None = None,
-    reshard_after_forward: bool = True,
-) -> dict[str, Any]:
+def compile_step(rank: int, world: int, mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Shards a 2-linear model (each linear and the root) over a mesh of
     ``mesh_shape`` (default ``(world,)``; two dims: HSDP), compiles it with Inductor
     and compiled autograd, runs one step; returns what the caches did (the
@@ -32,12 +28,12 @@ def compile_step(
 
     mesh = init_device_mesh("cpu", mesh_shape or (world,))
     torch.manual_seed(0)
-    model = _tiny(dim)
+    model = _tiny(DIM)
     for m in (model[0], model[2], model):
-        traceable_hsdp.fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        traceable_hsdp.fully_shard(m, mesh=mesh)
     before = CacheCounts.now()
     with traceable_hsdp.compiled_autograd():
-        torch.compile(model, fullgraph=True)(torch.randn(4, dim)).sum().backward()
+        torch.compile(model, fullgraph=True)(torch.randn(4, DIM)).sum().backward()
     return dataclasses.asdict(CacheCounts.now() - before)
 
 
