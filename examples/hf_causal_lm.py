@@ -127,7 +127,7 @@ def main() -> None:
     # Activation checkpointing: recompute each decoder layer's forward in backward.
     # checkpoint_wrapper (non-reentrant) before fully_shard, torchtitan's order: the
     # checkpoint sits inside the unit, so fully_shard's hooks stay outside it. (HF's
-    # own gradient_checkpointing_enable puts the checkpoint around the whole layer
+    # own activation_checkpointing_enable puts the checkpoint around the whole layer
     # call, hooks included: that trains eagerly, and compiled only with
     # torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True;
     # see docs/compile.md, "Activation checkpointing".)

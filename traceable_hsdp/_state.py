@@ -117,8 +117,9 @@ CHECKPOINT_AROUND_UNIT_FIX = (
     "before the first compiled step (the hooks then run once, in the forward, and "
     "the backward recomputes only the region's ops, after the unit's re-gather); or "
     "checkpoint inside the unit: `fully_shard(checkpoint_wrapper(block))` "
-    "(torchtitan's order) instead of Hugging Face's gradient_checkpointing_enable() "
-    "or checkpoint_wrapper applied after fully_shard. See docs/compile.md, "
+    "(torchtitan's order) instead of Hugging Face's activation_checkpointing_enable() "
+    "(or its older name, gradient_checkpointing_enable()) or checkpoint_wrapper "
+    "applied after fully_shard. See docs/compile.md, "
     "'Activation checkpointing'."
 )
 
@@ -128,30 +129,33 @@ _refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 
 # [Note: A checkpoint around a unit's call]
 # Two common ways of checkpointing put the checkpoint around a unit's whole call,
-# hooks included: Hugging Face's ``gradient_checkpointing_enable()`` (its layers
+# hooks included: Hugging Face's ``activation_checkpointing_enable()`` (its layers
 # checkpoint ``type(self).forward``, which for a unit is our forward wrapper, see
-# [Note: Forward wrapper, not module hooks]) and ``checkpoint_wrapper`` applied
-# after ``fully_shard``. Eagerly that trains (the recompute sees the unit in its
-# backward; see [Note: Forward during the unit's backward]). Compiled, it trains
-# only with dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``; without it
-# the step ended in a compiled-autograd ``AttributeError`` that names neither the
-# cause nor the fix, so the root's compiled pre-forward refuses it instead. The
-# flag is the user's to set, not ours: torch documents it as letting compiled code
-# differ from eager for side effects in checkpointed code (eager replays them in
-# the recompute). The units that can be so are found when the tree is wired, into
-# the root's ``checkpoint_suspects``: a module whose class has Hugging Face's
+# [Note: Forward wrapper, not module hooks]; the older name,
+# ``gradient_checkpointing_enable()``, deprecated in transformers 5.24, does the
+# same, and both set the ``gradient_checkpointing`` flag that the check reads) and
+# ``checkpoint_wrapper`` applied after ``fully_shard``. Eagerly that trains (the
+# recompute sees the unit in its backward; see [Note: Forward during the unit's
+# backward]). Compiled, it trains only with dynamo's
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint``; without it the step ended in a
+# compiled-autograd ``AttributeError`` that names neither the cause nor the fix, so
+# the root's compiled pre-forward refuses it instead. The flag is the user's to set,
+# not ours: torch documents it as letting compiled code differ from eager for side
+# effects in checkpointed code (eager replays them in the recompute). The units that
+# can be so are found when the tree is wired, into the root's
+# ``checkpoint_suspects``: a module whose class has Hugging Face's
 # ``GradientCheckpointingLayer`` attribute (its flag is read), and every nested
-# unit, with the module that holds it and the name it holds it by (its ``slots``).
-# A unit is checkpointed around if that holder is a ``checkpoint_wrapper``
-# (``checkpoint_wrapper(fully_shard(block))`` before the root's fully_shard) or if
-# a wrapper has since replaced the unit in its holder (torch's
+# unit, with the module that holds it and the name it holds it by (its ``slots``). A
+# unit is checkpointed around if that holder is a ``checkpoint_wrapper``
+# (``checkpoint_wrapper(fully_shard(block))`` before the root's fully_shard) or if a
+# wrapper has since replaced the unit in its holder (torch's
 # ``apply_activation_checkpointing`` called after the root's fully_shard). That
 # order was not refused before, and plain ``torch.compile`` (no fullgraph) then
 # compiled each of the backward's graph breaks in turn, for minutes (seen: over 5
 # minutes for 2 steps of a 2-block model on 1 rank, unfinished). Only the compiled
 # pre-forward reads them, with the flag off: eager reads nothing, and in a compiled
-# step dynamo guards on each slot (21 more guards on a 2-block Llama, 3,533 in
-# all), so a wrapper put there later recompiles and is seen.
+# step dynamo guards on each slot (21 more guards on a 2-block Llama, 3,533 in all),
+# so a wrapper put there later recompiles and is seen.
 
 
 COMPILE_REGION_FIX = (
@@ -592,7 +596,8 @@ class FSDPState:
         for m in self.hf_checkpointing_modules:
             if m.gradient_checkpointing and m.training:
                 return (f"Unit {self._where()!r}: Hugging Face gradient checkpointing "
-                        "is on (gradient_checkpointing_enable()).")
+                        "is on (activation_checkpointing_enable(), formerly "
+                        "gradient_checkpointing_enable()).")
         return None
 
     def _where(self) -> str:
