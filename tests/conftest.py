@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # graph alone decides (test_compile_cache), and rank processes that skip the imports
 # and Inductor's per-process probes ([Note: Rank processes from a preloaded fork
 # server] in _dist.py, and the Note below). With the last of those cuts the suite
-# took 1665 s on the Xeon (2026-11-26, evening) against 1606 s before them
-# (afternoon), in a run whose 34 unchanged slowest tests took 13.5% longer: at the
-# afternoon's speed, about 1470 s (24.5 minutes).
+# took 1665 s and 1803 s on the Xeon (2026-11-26, evening) against 1606 s before
+# them (afternoon), in runs whose 34 unchanged slowest tests took 13.5% and 24.7%
+# longer: at the afternoon's speed, about 1470 s and 1450 s (24-24.5 minutes).
 
 
 # [Note: Inductor's vector-ISA probe, answered once per session]
