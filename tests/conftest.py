@@ -38,6 +38,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 # took 1665 s and 1803 s on the Xeon (2026-11-26, evening) against 1606 s before
 # them (afternoon), in runs whose 34 unchanged slowest tests took 13.5% and 24.7%
 # longer: at the afternoon's speed, about 1470 s and 1450 s (24-24.5 minutes).
+# Where an Inductor test's time goes (torch's compilation_time_metrics summed over
+# the 4 spawned ranks of test_inductor_features_hsdp_2x2, 2026-11-26): of 459 s of
+# compile wall time, dynamo's tracing took 73 s, AOTAutograd 74 s, and Inductor 262 s.
+# Of Inductor's 262 s, code generation took 95 s, loading the generated modules 117 s,
+# and the C++ builds within it 68 s. The forward is lowered again in every process
+# (the cache bypass in docs/compile.md). Two further levers were measured and not
+# kept. The first was a fork server that compiles one tiny step with Inductor before
+# it forks, so that each rank inherits the lazy set-up of a first compile. Alone, a
+# process's first compile of a 2-layer model fell from 18-21 s to 13-16 s. But 7
+# tests (4 of them compiled with Inductor on forked ranks) took 153 s with it
+# against 156 and 163 s without, which is inside the noise. The second was static shapes in compiled autograd
+# (dynamic=False, which torch's own config entry uses). It halved the backward
+# graph's nodes (2385 to 1094 at 2 layers), but cold compiles took the same time
+# (33.2 and 32.9 s against 33.9 and 33.8 s).
 
 
 # [Note: Inductor's vector-ISA probe, answered once per session]
