@@ -17,22 +17,17 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import traceable_hsdp as th
-from _workers import CFG, LR, GraphRecorder, _data, _loss, _placeholder_bytes
+from _workers import CFG, LR, GraphRecorder, _data, _loss, _placeholder_bytes, dp_mesh
 from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
 
 TIED_CFG = dataclasses.replace(CFG, tie_embeddings=True)
 N_PARAMS = 2 + 9 * CFG.n_layers + 1  # embedding, norm, output + 9 per block
 N_SAVE, N_RESUME = 3, 3  # DCP test: steps before the checkpoint, steps after it
 TIED_STEPS = N_SAVE + N_RESUME  # the compiled DCP run doubles as tied parity
-
-
-def _mesh(shape: tuple[int, ...]) -> DeviceMesh:
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def _sharded(cfg: LlamaConfig, seed: int, mesh: DeviceMesh) -> Llama:
@@ -90,7 +85,7 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
     """Eager, 1-D mesh: keys, strictness, the three value kinds (DTensor, plain full
     tensor, assign=True), loading before the first forward, and loading while units
     hold gathered data. Returns what the test compares with a reference."""
-    mesh = _mesh((world,))
+    mesh = dp_mesh((world,))
     torch.manual_seed(0)
     plain = Llama(CFG)  # the values every load below brings in
     plain_sd = plain.state_dict()
@@ -268,7 +263,7 @@ def dcp_worker(
     and train the same N_RESUME steps; then they load it again, warm, and repeat.
     ``mode`` is "eager" or "compiled" (aot_eager, compiled autograd); ``tied`` uses
     the Llama with tied embedding and output head."""
-    mesh = _mesh(mesh_shape)
+    mesh = dp_mesh(mesh_shape)
     cfg = TIED_CFG if tied else CFG
     doc = _doc_example()
     save, load = doc["save_checkpoint"], doc["load_checkpoint"]
@@ -368,7 +363,7 @@ def tied_worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
 def tied_run(rank: int, world: int, layout: str) -> dict[str, Any]:
     """Tied Llama, eager: fully_shard per block then the root (``layout`` "root"), or
     with embedding and head as one list unit first ("list_unit")."""
-    mesh = _mesh((world,))
+    mesh = dp_mesh((world,))
     torch.manual_seed(0)
     model = Llama(TIED_CFG)
     init_sd = {k: v.clone() for k, v in model.state_dict().items()}

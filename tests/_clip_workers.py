@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
-from _workers import CFG, LR, GraphRecorder, _data, _loss, _mean_over_ranks
+from _workers import CFG, LR, GraphRecorder, _data, _loss, _mean_over_ranks, dp_mesh
 from traceable_hsdp.models import Llama, shard_llama
 
 STEPS = 3
@@ -154,6 +154,5 @@ def clip_worker(
 ) -> dict[str, dict[str, Any]]:
     """Each ``(how, mode)`` of ``runs`` in turn on one mesh (see :func:`_run`); the
     results keyed ``"how mode"``."""
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    mesh = dp_mesh(mesh_shape)
     return {f"{how} {mode}": _run(how, mode, mesh, rank, world) for how, mode in runs}

@@ -6,11 +6,10 @@ from typing import Any
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import traceable_hsdp as th
-from _workers import CFG, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes
+from _workers import CFG, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
 from traceable_hsdp.models import Llama
 
 MICRO = 2  # micro-batches per optimizer step
@@ -95,8 +94,7 @@ def _full(model: Llama) -> dict[str, torch.Tensor]:
 
 
 def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str) -> dict[str, Any]:
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    mesh = dp_mesh(mesh_shape)
     mp = th.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     tmp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 

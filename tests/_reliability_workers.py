@@ -176,13 +176,12 @@ def uneven_worker(rank: int, world: int) -> dict[str, Any]:
     batch (ranks are data-parallel index order on both meshes)."""
     from torch.distributed.tensor import Shard
 
-    from _workers import GraphRecorder
+    from _workers import GraphRecorder, dp_mesh
 
     middle = {2, 4}  # module indices of the Linear layers sharded on dim 1
     out: dict[str, Any] = {}
     for mesh_name, shape in (("1d", (world,)), ("hsdp", (2, world // 2))):
-        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        mesh = dp_mesh(shape)
         for mode in ("eager", "compiled"):
             model = _uneven_model()
             dim1 = {id(model[i].weight) for i in middle}
@@ -435,8 +434,9 @@ def fat_worker(rank: int, world: int, mesh_shape: tuple[int, ...], ckpt: str) ->
     FAT_STEPS-1 and loaded back after step FAT_STEPS, which is then run again."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    from _workers import dp_mesh
+
+    mesh = dp_mesh(mesh_shape)
     graphs: list[dict[str, int]] = []
 
     class Record(CustomGraphPass):

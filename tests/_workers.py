@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import traceable_hsdp as th
 from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
@@ -29,6 +29,13 @@ from traceable_hsdp.passes._graph import (
 # vocab 65: the embedding and output head have an uneven first dim (padded shards).
 CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
 SEQ, BATCH_PER_RANK, STEPS, LR = 8, 2, 5, 1e-2
+
+
+def dp_mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    """A CPU mesh for data parallelism: 1-D named ``("shard",)``, 2-D named
+    ``("replicate", "shard")`` (HSDP)."""
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def _data(world: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -162,8 +169,7 @@ def parity_worker(
     torch._dynamo.config.compiled_autograd, both on aot_eager; "inductor": the plain
     loop on Inductor with every pass, its final post-grad graphs recorded) and
     reports what the test asserts."""
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    mesh = dp_mesh(mesh_shape)
     torch.manual_seed(0)
     model = Llama(CFG)
     shard_llama(model, th.fully_shard, mesh=mesh, reshard_after_forward=raf)
