@@ -48,10 +48,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # it forks, so that each rank inherits the lazy set-up of a first compile. Alone, a
 # process's first compile of a 2-layer model fell from 18-21 s to 13-16 s. But 7
 # tests (4 of them compiled with Inductor on forked ranks) took 153 s with it
-# against 156 and 163 s without, which is inside the noise. The second was static shapes in compiled autograd
-# (dynamic=False, which torch's own config entry uses). It halved the backward
-# graph's nodes (2385 to 1094 at 2 layers), but cold compiles took the same time
-# (33.2 and 32.9 s against 33.9 and 33.8 s).
+# against 156 and 163 s without, which is inside the noise. The second was static
+# shapes in compiled autograd (dynamic=False; docs/compile.md, "Other decisions
+# worth knowing"). It halved the backward graph's nodes (2385 to 1094 at 2 layers),
+# but cold compiles took the same time (33.2 and 32.9 s against 33.9 and 33.8 s).
 
 
 # [Note: Inductor's vector-ISA probe, answered once per session]
