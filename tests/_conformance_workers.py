@@ -376,11 +376,9 @@ def conformance_2x2(rank: int, world: int) -> dict[str, Any]:
     """On a 2x2 (replicate, shard) mesh: the meta-device flow and the three AC forms,
     eager, torch's fully_shard and ours; and ours built on meta with checkpoint_wrapper
     on every block, compiled (aot_eager, plain loop) against the same eager."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from _workers import compile_for, dp_mesh
 
-    from _workers import compile_for
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = dp_mesh((2, 2))
     out: dict[str, Any] = {}
     for form in ("wrap_then_shard", "shard_then_wrap", "selective"):
         out[f"ac_{form}"] = _both(rank, world, functools.partial(_ac_llama, form=form), mesh=mesh)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
-from _workers import CFG, _data, _loss, _placeholder_bytes
+from _workers import CFG, _data, _loss, _placeholder_bytes, dp_mesh
 from traceable_hsdp._annotate import ANNOTATION_KEY
 from traceable_hsdp.models import Llama
 
@@ -147,7 +147,7 @@ def flat_4_ranks(rank: int, world: int) -> dict[str, Any]:
     parameters replicated (one flat all-reduce per group for them), against torch's
     fully_shard on the 2x2 mesh."""
     out = {}
-    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh2 = dp_mesh((2, 2))
     out["hsdp"] = _both(rank, mesh2, world, rank)
     mesh1 = init_device_mesh("cpu", (world,))
     # Vocab 68 (even over 4 ranks) and no Shard(1): torch 2.13's fully_shard fails

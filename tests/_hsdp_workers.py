@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
-from _workers import CFG, LR, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes
+from _workers import CFG, LR, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
 from traceable_hsdp.models import Llama, shard_llama
 
 STEPS = 3
@@ -81,10 +81,9 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     same model and data (gradients after two backwards). Compiled, it also reports the
     collectives of every graph each run compiled."""
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
 
     compiled = mode == "compiled"
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = dp_mesh((2, 2))
     data = _data(world * 2, 1)[0]
     xs, ys = data[0].chunk(world)[rank].chunk(2), data[1].chunk(world)[rank].chunk(2)
     graphs: dict[str, tuple[list, list]] = {}

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp as th
 from _workers import (
@@ -19,6 +18,7 @@ from _workers import (
     _managed,
     _mean_over_ranks,
     _placeholder_bytes,
+    dp_mesh,
 )
 from traceable_hsdp._common import TrainingState
 from traceable_hsdp.models import Llama, shard_llama
@@ -98,7 +98,7 @@ def _train_hooked(
     mesh's shard dim), every unit's all-reduce hook all-reducing over the replicate
     dim: data parallel over the ranks, against one process on the global batch
     (AdamW). A new stand-in post-optimizer event is set every step."""
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = dp_mesh((world, 1))
     g = torch.Generator().manual_seed(3)
     batches = [torch.randn(world * 4, 8, generator=g) for _ in range(STEPS)]
     torch.manual_seed(0)
@@ -203,7 +203,7 @@ def _hook_eager(rank: int, world: int) -> dict[str, Any]:
 
     # HSDP on a (2, 1) mesh: the hook sees the all-reduce output, which is what lands
     # in .grad (no divide factor).
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = dp_mesh((world, 1))
     torch.manual_seed(0)
     lin = th.fully_shard(nn.Linear(4, 3), mesh=mesh)
     kept: list[torch.Tensor] = []

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 import traceable_hsdp as th
 from traceable_hsdp import optim as th_optim
 from traceable_hsdp.models import Llama, shard_llama
-from _workers import CFG, _data, _loss
+from _workers import CFG, _data, _loss, dp_mesh
 
 
 class _DTensorOps(TorchDispatchMode):
@@ -34,7 +34,7 @@ def _train(world: int, opt_cls: type, kw: dict[str, Any], hsdp: bool) -> tuple[A
     torch.manual_seed(0)
     model = Llama(CFG)
     if hsdp:  # 2 ranks as 1 x 2, and parameters under 2 KiB (the norms) replicated (hsdp's threshold)
-        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        mesh = dp_mesh((1, world))
         for layer in model.layers:
             th.hsdp(layer, mesh=mesh, threshold=2)
         th.hsdp(model, mesh=mesh, threshold=2)

@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
 from _dist import run_ranks
 from _method_workers import RecordingEvent, eager_worker, hook_compiled_worker
+from _workers import dp_mesh
 
 NOT_SUPPORTED = {
     "set_custom_all_gather": (None,),
@@ -97,7 +97,7 @@ def test_all_reduce_hook_errors(one_rank) -> None:
         m.set_all_reduce_hook(lambda t: None, stream="s")
     with pytest.raises(ValueError, match="CPU mesh has no streams"):
         m.set_all_reduce_hook(lambda t: None, stream=torch.Stream(device="cpu"))
-    hsdp_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    hsdp_mesh = dp_mesh((1, 1))
     h = th.fully_shard(nn.Linear(2, 2), mesh=hsdp_mesh)
     with pytest.raises(ValueError, match="native HSDP"):
         h.set_all_reduce_hook(lambda t: None, stream=torch.Stream(device="cpu"))
