@@ -9,16 +9,28 @@ reference (:func:`reference_clip_run`) runs the same loop on plain tensors.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
-from _workers import CFG, LR, GraphRecorder, _data, _loss, _mean_over_ranks, dp_mesh
+from _workers import (
+    CFG,
+    LR,
+    GraphRecorder,
+    _data,
+    _loss,
+    _mean_over_ranks,
+    _placeholder_bytes,
+    dp_mesh,
+)
 from traceable_hsdp.models import Llama, shard_llama
 
 STEPS = 3
@@ -71,12 +83,15 @@ def _train(
 ) -> dict[str, Any]:
     """One ``step(x, y) -> loss`` (it runs the backward), the clipping and AdamW per
     batch. Reports the losses (averaged over the ranks, if any), each step's clip
-    results and graph counts, and the final parameters whole."""
+    results, and the final parameters whole; with ``rec`` (a compiled run), also each
+    step's graph counts and the placeholders' storage bytes after its backward."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    losses, clips, graphs = [], [], []
+    losses, clips, graphs, bytes_after_bwd = [], [], [], []
     for x, y in batches:
         loss = step(x, y)
+        if rec is not None:
+            bytes_after_bwd.append(_placeholder_bytes(model))
         clips.append(_clip(model))
         opt.step()
         opt.zero_grad()
@@ -87,14 +102,21 @@ def _train(
         losses=losses,
         clips=clips,
         graphs=graphs,
+        bytes_after_bwd=bytes_after_bwd,
         params={k: _whole(v).detach().clone() for k, v in model.state_dict().items()},
     )
 
 
-def _plain_step(model: Callable[[torch.Tensor], torch.Tensor]) -> Step:
-    """The plain loop's step; ``model`` is the module or its compiled wrapper."""
+def _plain_step(
+    model: Callable[[torch.Tensor], torch.Tensor], after_forward: Callable[[], None] | None = None
+) -> Step:
+    """The plain loop's step; ``model`` is the module or its compiled wrapper, and
+    ``after_forward`` (if given) runs between the forward and the backward."""
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = _loss(model(x), y)
+        out = model(x)
+        if after_forward is not None:
+            after_forward()
+        loss = _loss(out, y)
         loss.backward()
         return loss.detach()
     return step
@@ -129,24 +151,53 @@ def _run(how: str, mode: str, mesh: DeviceMesh, rank: int, world: int) -> dict[s
     """Trains a fresh model built by ``how`` in ``mode``: "eager"; "compiled" (the
     plain loop, enable_compiled_autograd + torch.compile(model, fullgraph=True));
     "compiled_step" (forward, loss and backward in one compiled function under
-    torch._dynamo.config.compiled_autograd). aot_eager underneath (GraphRecorder)."""
+    torch._dynamo.config.compiled_autograd). aot_eager underneath (GraphRecorder).
+
+    A compiled run also reports what the graphs hold: the collectives of each graph
+    (``fwd_counts``, ``bwd_counts``), dynamo's graph breaks, the placeholders' bytes
+    after each forward ("compiled") and backward, the state dict's types, and how many
+    of the model and its parameters outlive dropping them with the compiled wrapper
+    (``alive_after_del``)."""
     model = _build(how, mesh)
     batches = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in _data(world, STEPS)]
     if mode == "eager":
         return _train(model, _plain_step(model), batches)
     rec = GraphRecorder()
     torch._dynamo.reset()
+    counters.clear()
+    bytes_after_fwd: list[int] = []
     if mode == "compiled":
         th.enable_compiled_autograd(backend=rec)
         try:
-            step = _plain_step(torch.compile(model, backend=rec, fullgraph=True))
-            return _train(model, step, batches, rec)
+            compiled = torch.compile(model, backend=rec, fullgraph=True)
+            step = _plain_step(
+                compiled, lambda m=model: bytes_after_fwd.append(_placeholder_bytes(m))
+            )
+            result = _train(model, step, batches, rec)
         finally:
             th.disable_compiled_autograd()
-    if mode == "compiled_step":
+    elif mode == "compiled_step":
         with torch._dynamo.config.patch(compiled_autograd=True):
-            return _train(model, torch.compile(_plain_step(model), backend=rec), batches, rec)
-    raise ValueError(mode)
+            step = torch.compile(_plain_step(model), backend=rec)
+            result = _train(model, step, batches, rec)
+    else:
+        raise ValueError(mode)
+    result.update(
+        fwd_counts=rec.forward,
+        bwd_counts=rec.backward,
+        graph_breaks={k.splitlines()[0]: v for k, v in counters["graph_break"].items()},
+        bytes_after_fwd=bytes_after_fwd,
+        sd_types={type(v).__name__ for v in model.state_dict().values()},
+    )
+    # Dropping the model frees it and its parameters, as torch's fully_shard's (see
+    # [Note: Parameter hooks hold their unit weakly] in traceable_hsdp/_state.py).
+    alive = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+    del model, step
+    if mode == "compiled":
+        del compiled
+    gc.collect()
+    result["alive_after_del"] = sum(r() is not None for r in alive)
+    return result
 
 
 def clip_worker(

@@ -164,56 +164,46 @@ def compile_for(model: torch.nn.Module, how: str, backend: Any) -> tuple[Any, An
 def parity_worker(
     rank: int, world: int, mesh_shape: tuple[int, ...], mode: str, raf: bool | int = True
 ) -> dict[str, Any]:
-    """Trains the sharded model for STEPS steps in ``mode`` ("eager", "compiled": plain
-    loop with enable_compiled_autograd, "compiled_step": whole step compiled under
-    torch._dynamo.config.compiled_autograd, both on aot_eager; "inductor": the plain
-    loop on Inductor with every pass, its final post-grad graphs recorded) and
-    reports what the test asserts."""
+    """Trains the sharded model for STEPS steps in ``mode`` ("eager"; "inductor": the
+    plain loop with enable_compiled_autograd on Inductor with every pass, its final
+    post-grad graphs recorded) and reports what the test asserts. (The compiled runs
+    on aot_eager of this model are test_clip.py's.)"""
+    if mode not in ("eager", "inductor"):
+        raise ValueError(mode)
     mesh = dp_mesh(mesh_shape)
     torch.manual_seed(0)
     model = Llama(CFG)
     shard_llama(model, th.fully_shard, mesh=mesh, reshard_after_forward=raf)
     n_units = CFG.n_layers + 1
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    # This rank's slice of the global batch: ranks are laid out (replicate, shard) in
-    # row-major order, so the global rank is the data-parallel index.
-    rec = GraphRecorder()
     post_grad = PostGradRecorder()
-    backend: Any = rec
     if mode == "inductor":
-        backend = "inductor"
         torch._inductor.config.post_grad_custom_post_pass = post_grad
     counters.clear()
-    how = {"compiled": "loop", "inductor": "loop", "compiled_step": "step"}.get(mode, "")
-    fwd, compiled_step = compile_for(model, how, backend)
+    fwd, _ = compile_for(model, "loop" if mode == "inductor" else "", "inductor")
     losses, bytes_after_fwd, bytes_after_bwd, graphs_after_step = [], [], [], []
     pf_bytes_after_fwd, pf_bytes_after_bwd = [], []
     out = None
     for x, y in _data(world, STEPS):
+        # This rank's slice of the global batch: ranks are laid out (replicate, shard)
+        # in row-major order, so the global rank is the data-parallel index.
         xs = x.chunk(world)[rank]
         ys = y.chunk(world)[rank]
-        if mode == "compiled_step":
-            loss = compiled_step(xs, ys)
-            bytes_after_fwd.append(None)
-        else:
-            out = fwd(xs)
-            bytes_after_fwd.append(_placeholder_bytes(model))
-            pf_bytes_after_fwd.append(_post_forward_bytes(model))
-            loss = _loss(out, ys)
-            loss.backward()
-            pf_bytes_after_bwd.append(_post_forward_bytes(model))
+        out = fwd(xs)
+        bytes_after_fwd.append(_placeholder_bytes(model))
+        pf_bytes_after_fwd.append(_post_forward_bytes(model))
+        loss = _loss(out, ys)
+        loss.backward()
+        pf_bytes_after_bwd.append(_post_forward_bytes(model))
         bytes_after_bwd.append(_placeholder_bytes(model))
-        if mode == "inductor":
-            kinds = [g.kind for g in post_grad.graphs]
-            graphs_after_step.append((kinds.count("fwd"), kinds.count("bwd")))
-        else:
-            graphs_after_step.append((len(rec.forward), len(rec.backward)))
+        kinds = [g.kind for g in post_grad.graphs]
+        graphs_after_step.append((kinds.count("fwd"), kinds.count("bwd")))
         # Every managed parameter has its sharded grad, and only that.
         assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters())
         opt.step()
         opt.zero_grad()
         losses.append(_mean_over_ranks(loss, world))
-    if mode in ("compiled", "inductor"):
+    if mode == "inductor":
         th.disable_compiled_autograd()
     final = [(g.kind, g.final_graph()) for g in post_grad.graphs]
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -225,8 +215,6 @@ def parity_worker(
         bytes_after_fwd=bytes_after_fwd,
         bytes_after_bwd=bytes_after_bwd,
         graphs_after_step=graphs_after_step,
-        fwd_counts=rec.forward,
-        bwd_counts=rec.backward,
         n_units=n_units,
         n_params=len(list(model.parameters())),
         full_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -249,7 +237,7 @@ def parity_worker(
     # cycle through a hook that autograd holds in C++ is invisible to the garbage
     # collector (see [Note: Parameter hooks hold their unit weakly] in _state.py).
     alive = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
-    del model, opt, fwd, compiled_step, out, loss
+    del model, opt, fwd, out, loss
     gc.collect()
     result["alive_after_del"] = sum(r() is not None for r in alive)
     return result

@@ -31,7 +31,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # compiling: fat tests that check several features per compile, aot_eager where
 # Inductor is covered elsewhere, one compile where a second would repeat a check
 # made elsewhere (on a larger mesh: test_fsdp_tp_compiled, test_inductor_features;
-# under Inductor: test_hsdp_levels_2x2_compiled), no compile whose outcome the
+# the same model, mesh and backend: test_clip.py's compiled runs also make the
+# graph checks of the compiled parity tests of test_runtime.py and test_hsdp.py,
+# which were three more compiles of the same graphs), no compile whose outcome the
 # graph alone decides (test_compile_cache), and rank processes that skip the imports
 # and Inductor's per-process probes ([Note: Rank processes from a preloaded fork
 # server] in _dist.py, and the Note below). With the last of those cuts the suite

@@ -96,6 +96,11 @@ def _check(results: list[dict[str, Any]], world: int, placements: str, sharded: 
             _check_clipped(run, key)
             _assert_same(run, ref, f"{key} vs reference", bitwise=False)
             mode = key.split()[1]
+            if mode != "eager":
+                # The model and its parameters are freed once dropped with the compiled
+                # wrapper; the state dict holds DTensors.
+                assert run["alive_after_del"] == 0, (key, run["alive_after_del"])
+                assert run["sd_types"] == {"DTensor"}, (key, run["sd_types"])
             if mode == "compiled":
                 # One forward and one backward graph, compiled in the first step: the
                 # clipping outside adds no recompiles.
@@ -117,12 +122,52 @@ def _check(results: list[dict[str, Any]], world: int, placements: str, sharded: 
 @pytest.mark.slow
 def test_clip_grad_2_ranks() -> None:
     """1-D mesh, 2 ranks: traceable_hsdp.fully_shard eager, compiled loop and whole
-    compiled step, each bitwise against torch's fully_shard (eager)."""
+    compiled step, each bitwise against torch's fully_shard (eager).
+
+    Its two compiled runs are also the runtime's compiled checks on this mesh (the
+    clipping runs outside the graphs): what each graph holds, the graph breaks, the
+    freed placeholders; see :func:`_check_compiled_graphs`."""
     ours = ("ours eager", "ours compiled", "ours compiled_step")
     runs = [("torch", "eager")] + [tuple(k.split()) for k in ours]
     results = run_ranks(clip_worker, 2, (2,), runs)
     _check(results, 2, "(Replicate(),)", "(Shard(dim=0),)",
            bitwise_to={k: "torch eager" for k in ours}, tolerant_to={})
+    for r in results:
+        _check_compiled_graphs(r["ours compiled"], r["ours compiled_step"])
+
+
+def _check_compiled_graphs(loop: dict[str, Any], step: dict[str, Any]) -> None:
+    """fully_shard on every block and the root, 1-D mesh, compiled with compiled
+    autograd (aot_eager), collectives counted from dynamo's graphs.
+
+    ``loop`` (enable_compiled_autograd + torch.compile(model, fullgraph=True)): one
+    forward and one backward graph, compiled in the first step (asserted in
+    :func:`_check`), no graph break. Forward: one all-gather, one fsdp.copy_ and two
+    resizes per parameter, no reduce-scatter. Backward: the re-gathers and the
+    reduce-scatters, one per parameter, inside the captured graph (HSDP's all-reduces
+    across replicas: test_hsdp.py). Every placeholder is freed (0 bytes) after each
+    forward and each backward.
+
+    ``step`` (forward, loss and backward in one compiled function under
+    ``compiled_autograd = True``): the only graph break is backward() (see [Note: The
+    forward reads the local shard, not the DTensor] in traceable_hsdp/_param.py for
+    the two that lifting a DTensor into the backward graph used to add); the
+    forward+loss graph holds the gathers and the backward graph the reduce-scatters;
+    every placeholder is freed after each step."""
+    assert loop["graph_breaks"] == {}, loop["graph_breaks"]
+    fwd, bwd = loop["fwd_counts"][0], loop["bwd_counts"][0]
+    assert fwd.get("all_gather_into_tensor") == N_PARAMS, fwd
+    assert fwd.get("fsdp.copy_") == N_PARAMS and fwd.get("resize_storage_bytes_") == 2 * N_PARAMS
+    assert "reduce_scatter_tensor" not in fwd, fwd
+    assert bwd.get("all_gather_into_tensor") == N_PARAMS, bwd
+    assert bwd.get("reduce_scatter_tensor") == N_PARAMS, bwd
+    assert "all_reduce" not in bwd, bwd
+    assert loop["bytes_after_fwd"] == [0] * STEPS, loop["bytes_after_fwd"]
+    assert loop["bytes_after_bwd"] == [0] * STEPS, loop["bytes_after_bwd"]
+    assert set(step["graph_breaks"]) == {"Unsupported Tensor.backward() call"}, step["graph_breaks"]
+    assert step["fwd_counts"][0]["all_gather_into_tensor"] == N_PARAMS, step["fwd_counts"]
+    assert step["bwd_counts"][0]["reduce_scatter_tensor"] == N_PARAMS, step["bwd_counts"]
+    assert step["bytes_after_bwd"] == [0] * STEPS, step["bytes_after_bwd"]
 
 
 @pytest.mark.slow
@@ -138,3 +183,23 @@ def test_clip_grad_hsdp_2x2() -> None:
     _check(results, 4, "(Replicate(), Replicate())", "(Replicate(), Shard(dim=0))",
            bitwise_to={"ours eager": "torch eager", "hsdp compiled": "hsdp eager"},
            tolerant_to={"hsdp eager": "torch eager"})
+    for r in results:
+        _check_hsdp_compiled_graphs(r["hsdp compiled"])
+
+
+def _check_hsdp_compiled_graphs(run: dict[str, Any]) -> None:
+    """hsdp() level3 (its default) on the 2x2 mesh, the plain compiled loop
+    (aot_eager, compiled autograd), collectives counted from dynamo's graphs: one
+    forward and one backward graph (asserted in :func:`_check`). The replicated
+    parameters have no all-gather and are all-reduced in the backward graph over both
+    mesh dims (shard, then replicate); the sharded ones are reduce-scattered, then
+    all-reduced across the replicas, and re-gathered in the backward. Every
+    placeholder, replicated ones too, is grown, filled by one fsdp.copy_ and freed in
+    the forward, and has no storage after the backward."""
+    n_sharded = N_PARAMS - N_REPLICATED
+    fwd, bwd = run["fwd_counts"][0], run["bwd_counts"][0]
+    assert fwd["all_gather_into_tensor"] == n_sharded, fwd
+    assert fwd["fsdp.copy_"] == N_PARAMS and fwd["resize_storage_bytes_"] == 2 * N_PARAMS, fwd
+    assert bwd["all_gather_into_tensor"] == bwd["reduce_scatter_tensor"] == n_sharded, bwd
+    assert bwd["all_reduce"] == n_sharded + 2 * N_REPLICATED, bwd
+    assert run["bytes_after_bwd"] == [0] * STEPS, run["bytes_after_bwd"]
