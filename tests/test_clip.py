@@ -25,6 +25,12 @@ Checks and tolerances:
   seen: norms within 1.1e-7 relative, parameters within 3.6e-6). That comparison can
   fail: the reference trained without clipping ends more than 1e-3 away (seen: 8e-3
   on the 2x2 data, 2.5e-2 on the 1-D data).
+- The compiled runs are also the runtime's compiled checks for this model on these
+  meshes (the clipping runs outside the graphs, so the graphs are those of a plain
+  step): the collectives of each graph, counted from the graphs dynamo captured;
+  no recompile after step 1; the graph breaks; every placeholder freed after the
+  forward and the backward; the model freed once dropped with its compiled wrapper.
+  See :func:`_check_compiled_graphs` and :func:`_check_hsdp_compiled_graphs`.
 """
 
 from __future__ import annotations
