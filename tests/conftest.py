@@ -40,6 +40,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # took 1665 s and 1803 s on the Xeon (2026-11-26, evening) against 1606 s before
 # them (afternoon), in runs whose 34 unchanged slowest tests took 13.5% and 24.7%
 # longer: at the afternoon's speed, about 1470 s and 1450 s (24-24.5 minutes).
+# Merging the compiled parity checks into test_clip.py's runs (2026-11-27) removed
+# three compiles: 89 s of the 2182 s run before it, less the 5 s its two clip tests
+# grew by. The run after it took 1810 s, its shared tests 13.6% faster than before.
 # Where an Inductor test's time goes (torch's compilation_time_metrics summed over
 # the 4 spawned ranks of test_inductor_features_hsdp_2x2, 2026-11-26): of 459 s of
 # compile wall time, dynamo's tracing took 73 s, AOTAutograd 74 s, and Inductor 262 s.
