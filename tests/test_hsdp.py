@@ -49,8 +49,9 @@ def test_hsdp_levels_2x2_eager() -> None:
     """shard_size=2 on 4 ranks: a 2-D (replicate, shard) mesh; all three levels.
 
     Compiled: level3 (the default) on this model and mesh is test_clip.py's
-    test_clip_grad_hsdp_2x2 (the plain loop, aot_eager; against this reference and
-    bitwise against its eager run; the collectives of each graph counted). Level2 and
+    test_clip_grad_hsdp_2x2 (the plain loop, aot_eager; against the one-process
+    reference of the same steps with clipping, and bitwise against its eager run; the
+    collectives of each graph counted). Level2 and
     level1 are compiled under Inductor on this mesh in test_inductor_features.py, with
     every graph's collectives counted (no re-gather of either in the backward, level2's
     storage freed there and level1's kept), losses and parameters against the eager
