@@ -9,8 +9,6 @@ reference (:func:`reference_clip_run`) runs the same loop on plain tensors.
 
 from __future__ import annotations
 
-import gc
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +27,10 @@ from _workers import (
     _loss,
     _mean_over_ranks,
     _placeholder_bytes,
+    count_alive,
     dp_mesh,
+    graph_break_reasons,
+    model_refs,
 )
 from traceable_hsdp.models import Llama, shard_llama
 
@@ -185,18 +186,15 @@ def _run(how: str, mode: str, mesh: DeviceMesh, rank: int, world: int) -> dict[s
     result.update(
         fwd_counts=rec.forward,
         bwd_counts=rec.backward,
-        graph_breaks={k.splitlines()[0]: v for k, v in counters["graph_break"].items()},
+        graph_breaks=graph_break_reasons(),
         bytes_after_fwd=bytes_after_fwd,
         sd_types={type(v).__name__ for v in model.state_dict().values()},
     )
-    # Dropping the model frees it and its parameters, as torch's fully_shard's (see
-    # [Note: Parameter hooks hold their unit weakly] in traceable_hsdp/_state.py).
-    alive = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+    refs = model_refs(model)
     del model, step
     if mode == "compiled":
         del compiled
-    gc.collect()
-    result["alive_after_del"] = sum(r() is not None for r in alive)
+    result["alive_after_del"] = count_alive(refs)
     return result
 
 

@@ -126,6 +126,27 @@ def _managed(model: torch.nn.Module) -> list[Any]:
     return [fp for s in states.values() for fp in s.param_group.fsdp_params]
 
 
+def graph_break_reasons() -> dict[str, int]:
+    """Dynamo's graph breaks since ``counters`` was last cleared: each reason's first
+    line, and how often it broke."""
+    return {k.splitlines()[0]: v for k, v in counters["graph_break"].items()}
+
+
+def model_refs(model: torch.nn.Module) -> list[weakref.ref]:
+    """Weak references to ``model`` and its parameters, for :func:`count_alive` once
+    the caller has dropped its own references."""
+    return [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+
+
+def count_alive(refs: list[weakref.ref]) -> int:
+    """How many of ``refs`` still resolve after a full garbage collection. Dropping a
+    model frees it and its parameters, as torch's fully_shard's: a cycle through a
+    hook that autograd holds in C++ is invisible to the garbage collector (see [Note:
+    Parameter hooks hold their unit weakly] in traceable_hsdp/_state.py)."""
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
 def _placeholder_bytes(model: torch.nn.Module) -> int:
     """Storage bytes of every unsharded placeholder."""
     return sum(fp.unsharded_param.untyped_storage().nbytes() for fp in _managed(model))
@@ -221,7 +242,7 @@ def parity_worker(
         pf_bytes_after_fwd=pf_bytes_after_fwd,
         pf_bytes_after_bwd=pf_bytes_after_bwd,
         placements={k: tuple(str(p) for p in v.placements) for k, v in model.state_dict().items()},
-        graph_breaks={k.splitlines()[0]: v for k, v in counters["graph_break"].items()},
+        graph_breaks=graph_break_reasons(),
         # mode "inductor": per final post-grad graph, its kind, node counts and
         # collectives as (op, group size, unit).
         post_grad=[
@@ -233,13 +254,9 @@ def parity_worker(
             for kind, g in final
         ],
     )
-    # Dropping the model frees it and its parameters, as torch's fully_shard's: a
-    # cycle through a hook that autograd holds in C++ is invisible to the garbage
-    # collector (see [Note: Parameter hooks hold their unit weakly] in _state.py).
-    alive = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+    refs = model_refs(model)
     del model, opt, fwd, out, loss
-    gc.collect()
-    result["alive_after_del"] = sum(r() is not None for r in alive)
+    result["alive_after_del"] = count_alive(refs)
     return result
 
 
