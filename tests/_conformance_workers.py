@@ -40,8 +40,17 @@ def _fs(lib: str, mesh: Any = None) -> Callable[..., Any]:
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+    return {k: _full_tensor(v) if isinstance(v, DTensor) else v.detach().clone()
             for k, v in model.state_dict().items()}
+
+
+def _full_tensor(v: DTensor) -> torch.Tensor:
+    """The full tensor; a float8 one as its bytes (uint8), which gloo can gather and
+    assert_close can compare bitwise."""
+    if v.dtype != torch.float8_e4m3fn:
+        return v.full_tensor()
+    local = v.to_local().view(torch.uint8)
+    return DTensor.from_local(local, v.device_mesh, v.placements, shape=v.shape, stride=v.stride()).full_tensor()
 
 
 def _llama_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -336,6 +345,39 @@ def _meta_random_init(rank: int, world: int, lib: str) -> tuple[list[float], dic
     return _train(model, rank, world)
 
 
+def _meta_assign(fs: Callable[..., Any]) -> nn.Module:
+    """torch's rank-0 broadcast flow (HF accelerate's FSDP2 loading): build on meta,
+    shard, then load_state_dict of DTensors laid out like the parameters, with
+    assign=True. Every rank builds the same full values here (seeded), so
+    distribute_tensor needs no broadcast."""
+    full_sd = Llama(CFG).state_dict()  # seeded by _both
+    with torch.device("meta"):
+        model = _shard_llama(Llama(CFG), fs)
+    sd = {k: nn.Parameter(torch.distributed.tensor.distribute_tensor(full_sd[k], v.device_mesh, v.placements))
+          for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    ref = Llama(CFG)  # the rotary tables (buffers outside the state dict)
+    model.rope_cos = ref.rope_cos
+    model.rope_sin = ref.rope_sin
+    return model
+
+
+class _Float8Frozen(nn.Module):
+    """A frozen float8 weight (quantized, as in a fine-tune beside quantized weights)
+    in one unit with trainable fp32 ones: gathered in its own flat all-gather, as
+    bytes on gloo (see [Note: Gathering bytes] in traceable_hsdp/_collectives.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(CFG.vocab_size, 16)
+        w8 = (torch.randn(16, 16) * 2).to(torch.float8_e4m3fn)
+        self.w8 = nn.Parameter(w8, requires_grad=False)
+        self.out = nn.Linear(16, CFG.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(x) @ self.w8.float()))
+
+
 # ------------------------------------------------------------------ the run
 def conformance_eager(rank: int, world: int) -> dict[str, Any]:
     """Every scenario, eager, torch's fully_shard and ours side by side."""
@@ -369,6 +411,8 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
         out[f"meta_{lib}"] = _meta_flow(rank, world, lib)
         out[f"meta_random_{lib}"] = _meta_random_init(rank, world, lib)
     out["freeze_midway"] = _freeze_midway(rank, world)
+    out["meta_assign"] = _both(rank, world, _meta_assign)
+    out["float8_frozen"] = _both(rank, world, lambda fs: fs(_Float8Frozen()))
     return out
 
 

@@ -22,7 +22,12 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
   allocates a parameter's full size, and training matches torch's same flow; a
   seeded random init of the shards matches torch's same flow;
 - freezing and unfreezing between steps after the first forward: against a
-  one-process model (tolerance below).
+  one-process model (tolerance below);
+- torch's rank-0 broadcast flow (HF accelerate's FSDP2 loading): build on meta,
+  fully_shard, load_state_dict of DTensors with assign=True (ours refused it, naming
+  CPUOffloadPolicy, before 2026-11-27);
+- a frozen float8 parameter in a unit with fp32 ones (ours failed in gloo's
+  all-gather, "Invalid scalar type", before 2026-11-27).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from _conformance_workers import (
 from _dist import run_ranks
 
 BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "mixed", "cast_float64", "freeze_after_shard",
-           "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective"]
+           "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective", "meta_assign", "float8_frozen"]
 
 
 def _same(a: tuple, b: tuple, what: str) -> None:

@@ -176,6 +176,56 @@ def test_error_applied_twice_and_bad_options(one_rank) -> None:
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank, ignored_params=[torch.ones(1)])
 
 
+class _WithAllGatherExtension(torch.Tensor):
+    """A tensor subclass that declares torch's FSDP2 all-gather extension."""
+
+    def fsdp_pre_all_gather(self, *args: Any) -> Any:
+        raise AssertionError("never called")
+
+    def fsdp_post_all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("never called")
+
+
+def test_refused_like_torch_fully_shard(one_rank) -> None:
+    """What torch's fully_shard refuses, and ours accepted and then crashed on or
+    got wrong (found by running torch's test_fully_shard_init.py, _state.py and
+    _extensions.py against ours): a container without a forward (its children then
+    computed with the shards), deepcopy (a copied placeholder read freed memory: the
+    process died with SIGSEGV), a non-contiguous parameter (an unclear DTensor
+    error), and the all-gather extension (never called: gathered without it, with no
+    error)."""
+    import copy
+
+    for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
+        with pytest.raises(ValueError, match="containers that do not implement forward"):
+            th.fully_shard(container, mesh=one_rank)
+        child = container[0] if isinstance(container, nn.ModuleList) else container["a"]
+        assert not isinstance(child.weight, DTensor)  # refused before sharding anything
+    # Its modules as one list unit are fine.
+    th.fully_shard(list(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])), mesh=one_rank)
+
+    unit = th.fully_shard(nn.Linear(2, 2), mesh=one_rank)
+    unit(torch.randn(1, 2)).sum().backward()
+    for obj in (unit, nn.Sequential(unit)):
+        with pytest.raises(AssertionError, match="FSDP does not support deepcopy.*load_state_dict"):
+            copy.deepcopy(obj)
+
+    conv = nn.Conv2d(2, 2, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(NotImplementedError, match=r"non-contiguous parameters: 'weight' has shape \(2, 2, 3, 3\)"):
+        th.fully_shard(conv, mesh=one_rank)
+
+    ext = nn.Linear(2, 2)
+    ext.weight = nn.Parameter(ext.weight.detach().as_subclass(_WithAllGatherExtension))
+    with pytest.raises(NotImplementedError, match="'weight'.*_WithAllGatherExtension.*fsdp_pre_all_gather"):
+        th.fully_shard(ext, mesh=one_rank)
+    # Set on the local tensor after fully_shard (torch's test does this after
+    # to_empty): the next eager forward refuses it.
+    m = th.fully_shard(nn.Linear(2, 2), mesh=one_rank)
+    m.weight._local_tensor.fsdp_pre_all_gather = lambda *a: None
+    with pytest.raises(NotImplementedError, match="'weight'.*fsdp_pre_all_gather"):
+        m(torch.randn(1, 2))
+
+
 def test_error_compiled_without_compiled_autograd(one_rank) -> None:
     """The compile path that would be silently wrong is refused with the fix named."""
     m = th.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), mesh=one_rank)

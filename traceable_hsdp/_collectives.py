@@ -42,14 +42,30 @@ _c10d = torch.ops._c10d_functional
 # no collective at world size 1.
 
 
+# [Note: Gathering bytes]
+# gloo has no float8 types ("Invalid scalar type"), and a gather moves bytes without
+# arithmetic, so a float8 shard is gathered as its bytes (a uint8 view of the same
+# storage) and the result viewed back: the same values on every backend. torch's
+# FSDP2 gathers such a parameter in a uint8 flat buffer as well. Reductions are not
+# affected: a float8 parameter cannot be trained (it is frozen, e.g. quantized
+# weights beside trainable ones).
+_GATHERED_AS_BYTES = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+)
+
+
 def all_gather_start(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """Issues an all-gather of ``shard`` along dim 0 (``world_size * shard.size(0)``
     rows); pass the result to :func:`wait_all_gather` before reading it. While
     tracing, the result is already waited for. See [Note: In-flight all-gathers on
-    gloo] and [Note: Groups of one rank]."""
+    gloo], [Note: Groups of one rank] and [Note: Gathering bytes]."""
     if world_size == 1:
         return shard
     shard = shard.contiguous()
+    if shard.dtype in _GATHERED_AS_BYTES:
+        return all_gather_start(shard.view(torch.uint8), world_size, group_name).view(shard.dtype)
     if compiling() or not _has_device_backend(group_name, shard.device):
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
     out = shard.new_empty((world_size * shard.size(0), *shard.shape[1:]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, get_args, overload
+from typing import Any, Literal, NoReturn, get_args, overload
 
 import torch
 from torch import nn
@@ -848,7 +848,22 @@ def _add_fsdp_class(module: nn.Module) -> None:
         state = _require_state(self)
         return state.forward(functools.partial(orig_forward, self), args, kwargs)
 
-    new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"forward": forward})
+    new_cls = type(
+        f"FSDP{cls.__name__}",
+        (FSDPModule, cls),
+        {"forward": forward, "__deepcopy__": _unsupported_deepcopy},
+    )
     module.__class__ = new_cls
+
+
+def _unsupported_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    # A copy would share the unit's state (its placeholders, whose storage is
+    # resized to 0 outside forward: copying one read freed memory and killed the
+    # process). torch's fully_shard refuses it with the same first sentence.
+    raise AssertionError(
+        "FSDP does not support deepcopy. Please use state dict for serialization: "
+        "build a second model, apply fully_shard to it in the same way, and "
+        "load_state_dict(model.state_dict()) into it."
+    )
 
 

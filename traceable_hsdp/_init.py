@@ -391,6 +391,15 @@ def check_modules(module: Any) -> list[nn.Module]:
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once "
                 "per module."
             )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            # Its parameters would be sharded, but no forward of its own would ever
+            # gather them: its children would compute with the shards. torch's
+            # fully_shard refuses it too.
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: "
+                f"{type(m).__name__}. Apply it to each module in it (fully_shard(block) for "
+                "block in container), or pass them as one unit: fully_shard(list(container))."
+            )
     if not mods:
         raise ValueError("fully_shard got an empty list of modules.")
     return mods

@@ -301,6 +301,18 @@ class FSDPParam:
                 f"fully_shard cannot shard the 0-dim parameter {fqn!r} on dim 0. "
                 "Keep it out with ignored_params={...} or make it 1-D."
             )
+        if not data.is_contiguous():
+            # torch's fully_shard refuses these too: the shards, the gathered
+            # parameter and the flat collectives assume the contiguous layout.
+            raise NotImplementedError(
+                f"fully_shard does not support non-contiguous parameters: {fqn!r} has "
+                f"shape {tuple(data.shape)} and stride {data.stride()} (channels_last, or "
+                "a transposed view). Make it contiguous before fully_shard "
+                "(model.to(memory_format=torch.contiguous_format), or "
+                "param.data = param.data.contiguous()), or keep it out with "
+                "ignored_params={...}."
+            )
+        refuse_all_gather_extension(fqn, data)
         # See [Note: Shard dim and offload].
         self.shard_dim = shard_dim
         self.offload = offload
@@ -784,6 +796,12 @@ class FSDPParam:
     def _shard_device_type(self) -> str:
         return "cpu" if self.offload is not None else self.device.type
 
+    @property
+    def shard_device(self) -> torch.device:
+        """Where the sharded parameter's local tensor lives once materialized: the
+        compute device, or the CPU with CPUOffloadPolicy."""
+        return torch.device("cpu") if self.offload is not None else self.device
+
     def reset_sharded_param(self, check_device: bool = True) -> None:
         """Re-reads the sharded parameter after the user changed it, as torch's FSDP2
         does: adopts a DTensor assigned to the module (``load_state_dict(assign=True)``
@@ -808,6 +826,7 @@ class FSDPParam:
             if new is not sp:
                 sp = self._adopt(new, info)
                 break
+        refuse_all_gather_extension(self.fqn, sp._local_tensor)
         self.sharded_param = sp
         self._sharded_stride = sp.stride()
         for info in self.module_infos:
@@ -863,6 +882,37 @@ class FSDPParam:
             new = nn.Parameter(new, requires_grad=self.sharded_param.requires_grad)
         return new
 
+
+
+# [Note: All-gather extensions are refused]
+# torch's FSDP2 lets a parameter's local tensor define ``fsdp_pre_all_gather`` and
+# ``fsdp_post_all_gather`` (a tensor subclass such as torchao's float8 training
+# weights, or methods set on the tensor): FSDP then gathers what the first returns,
+# in its dtype and layout, and builds the unsharded parameter with the second. This
+# runtime gathers the local tensor as it is and never calls them, so such a
+# parameter would be gathered in the wrong dtype or layout with no error (seen: a
+# bf16-quantizing pair ignored, the forward then 7.8e-4 off torch's). It is refused
+# where the local tensor is first read or replaced: ``fully_shard``, and
+# ``reset_sharded_param`` (``to_empty``, ``model.to(...)``, an assigned parameter,
+# ``load_state_dict(assign=True)``); and, eagerly, at each root's pre-forward, which
+# catches methods set on a tensor after those (they are instance attributes that
+# nothing else reads). A compiled forward does not re-check, since a traced
+# ``hasattr`` on each local tensor would add a guard per parameter to every step.
+
+
+def refuse_all_gather_extension(fqn: str, local: torch.Tensor) -> None:
+    """Raises NotImplementedError if ``local`` (a parameter's local shard) defines
+    torch's FSDP all-gather extension. See [Note: All-gather extensions are refused]."""
+    if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
+        raise NotImplementedError(
+            f"Parameter {fqn!r}: its local tensor ({type(local).__name__}) defines "
+            "fsdp_pre_all_gather/fsdp_post_all_gather, torch's FSDP2 all-gather "
+            "extension (used by float8 training, e.g. torchao's "
+            "enable_fsdp_float8_all_gather). traceable_hsdp does not call it, so the "
+            "parameter would be gathered without it. Turn the extension off (for "
+            "torchao: Float8LinearConfig(enable_fsdp_float8_all_gather=False)), or use "
+            "torch.distributed.fsdp.fully_shard for this model."
+        )
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._common import TrainingState, compiling, refusal
-from ._param import FSDPParam, UserChange
+from ._param import FSDPParam, UserChange, refuse_all_gather_extension
 from ._param_group import FSDPParamGroup
 
 if TYPE_CHECKING:
@@ -557,6 +557,12 @@ class FSDPState:
         ):
             # See [Note: A compile region inside a unit].
             self._refuse_compile_regions()
+        if not compiling():
+            # See [Note: All-gather extensions are refused] (_param.py).
+            for state in self.states:
+                if state.param_group is not None:
+                    for fp in state.param_group.fsdp_params:
+                        refuse_all_gather_extension(fp.fqn, fp.sharded_param._local_tensor)
         if self.post_optim_pending:
             # Only for a step compiled whole; see [Note: The post-optimizer event].
             self._wait_post_optim_event()
@@ -879,7 +885,7 @@ def _prepare_loaded_value(
         value = distribute_tensor(
             value.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
         )
-        local_device = sharded.to_local().device
+        local_device = fp.shard_device
         if value.to_local().device != local_device:
             # CPUOffloadPolicy keeps the shards on the CPU (distribute_tensor puts
             # them on the mesh's device).
@@ -893,11 +899,15 @@ def _prepare_loaded_value(
             )
         state_dict[key] = value
     if assign:
-        _check_assignable(key, value, sharded)
+        _check_assignable(key, value, fp)
 
 
-def _check_assignable(key: str, value: DTensor, sharded: DTensor) -> None:
-    """Raises ValueError unless ``value`` can replace ``sharded`` under assign=True."""
+def _check_assignable(key: str, value: DTensor, fp: FSDPParam) -> None:
+    """Raises ValueError unless ``value`` can replace ``fp``'s sharded parameter under
+    assign=True. A parameter still on meta (a model built there) is replaced by
+    shards on the device it gathers from: torch's rank-0 broadcast flow (build on
+    meta, fully_shard, load_state_dict(sharded_sd, assign=True))."""
+    sharded = fp.sharded_param
     if value.device_mesh != sharded.device_mesh or tuple(value.placements) != tuple(
         sharded.placements
     ):
@@ -909,12 +919,13 @@ def _check_assignable(key: str, value: DTensor, sharded: DTensor) -> None:
             "(value.redistribute(param.device_mesh, param.placements)), or load with "
             "assign=False, which copies."
         )
-    if value.to_local().device != sharded.to_local().device:
+    if value.to_local().device != fp.shard_device:
+        why = " (CPUOffloadPolicy keeps shards on the CPU)" if fp.offload is not None else ""
         raise ValueError(
             f"load_state_dict(assign=True): {key!r} holds its shard on "
-            f"{value.to_local().device}; the fully_shard parameter it would replace holds "
-            f"it on {sharded.to_local().device} (CPUOffloadPolicy keeps shards on the "
-            "CPU). Move the shards there first, or load with assign=False, which copies."
+            f"{value.to_local().device}; the fully_shard unit keeps this parameter's shard "
+            f"on {fp.shard_device}{why}. Move the shards there first, or load with "
+            "assign=False, which copies."
         )
     if value.dtype != sharded.dtype:
         raise ValueError(
