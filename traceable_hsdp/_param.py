@@ -305,7 +305,8 @@ class FSDPParam:
             # torch's fully_shard refuses these too: the shards, the gathered
             # parameter and the flat collectives assume the contiguous layout.
             raise NotImplementedError(
-                f"fully_shard does not support non-contiguous parameters: {fqn!r} has "
+                f"FSDP does not support non-contiguous parameters yet (torch's "
+                f"fully_shard neither): {fqn!r} has "
                 f"shape {tuple(data.shape)} and stride {data.stride()} (channels_last, or "
                 "a transposed view). Make it contiguous before fully_shard "
                 "(model.to(memory_format=torch.contiguous_format), or "
