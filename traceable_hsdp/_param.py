@@ -318,6 +318,8 @@ class FSDPParam:
         self.shard_dim = shard_dim
         self.offload = offload
         self.device = mesh_info.device  # where gathers, compute and reduction run
+        # Where the local shard lives once materialized (not on meta).
+        self.shard_device = torch.device("cpu") if offload is not None else self.device
         # Read once here, not in the traced path: see [Note: A lean traced path].
         self._shard_size = mesh_info.shard_size
         self._shard_group_name = mesh_info.shard_group_name
@@ -788,20 +790,11 @@ class FSDPParam:
         for info in self.module_infos:
             if info.module._parameters[info.param_name] is not sp:
                 return UserChange.OTHER
-        if sp.dtype is not self.orig_dtype or sp.device.type != self._shard_device_type():
+        if sp.dtype is not self.orig_dtype or sp.device.type != self.shard_device.type:
             return UserChange.OTHER
         if sp.requires_grad is not self.unsharded_param.requires_grad:
             return UserChange.OTHER if sp.requires_grad else UserChange.FROZEN
         return UserChange.NONE
-
-    def _shard_device_type(self) -> str:
-        return "cpu" if self.offload is not None else self.device.type
-
-    @property
-    def shard_device(self) -> torch.device:
-        """Where the sharded parameter's local tensor lives once materialized: the
-        compute device, or the CPU with CPUOffloadPolicy."""
-        return torch.device("cpu") if self.offload is not None else self.device
 
     def reset_sharded_param(self, check_device: bool = True) -> None:
         """Re-reads the sharded parameter after the user changed it, as torch's FSDP2
@@ -832,7 +825,7 @@ class FSDPParam:
         self._sharded_stride = sp.stride()
         for info in self.module_infos:
             _set_param(info, sp)
-        if check_device and sp.device.type != self._shard_device_type():
+        if check_device and sp.device.type != self.shard_device.type:
             where = "the CPU (CPUOffloadPolicy)" if self.offload is not None else str(self.device)
             fix = (
                 "Materialize it first: module.to_empty(device=...) and then initialize it "
