@@ -645,6 +645,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> Any:
     """Shards ``module``'s parameters over ``mesh`` and makes its forward and backward
     gather and reduce them, eagerly or inside ``torch.compile`` graphs.
@@ -679,6 +680,10 @@ def fully_shard(
             ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters and gradients
             live on the CPU and are copied to the mesh's device for the all-gather.
         ignored_params: parameters left alone (neither sharded nor reduced).
+        dp_mesh_dims: torch 2.13's SPMD-mesh form (``DataParallelMeshDims``:
+            parameters already ``DTensor``s on the full mesh, ``mesh`` that full mesh)
+            is not supported: only ``None`` is accepted. The same layout is
+            expressed with the TP submesh and the DP submesh; see Raises.
 
     Returns:
         The same module (or list), its class now a subclass of ``FSDPModule``.
@@ -692,8 +697,18 @@ def fully_shard(
             unsupported option values; a ``DTensor`` parameter whose mesh does not
             combine with ``mesh`` or whose placements are not Shard/Replicate.
         NotImplementedError: a ``DTensor`` parameter with HSDP (a 2-D ``mesh``), or
-            with an int ``reshard_after_forward``.
+            with an int ``reshard_after_forward``; ``dp_mesh_dims`` other than ``None``.
     """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}): torch's SPMD-mesh form "
+            "(parameters already DTensors on the full mesh) is not supported by "
+            "traceable_hsdp. Express the same layout with submeshes: distribute the "
+            "parameters over the non-data-parallel dims only (parallelize_module(model, "
+            "world_mesh['tp'], plan)), then fully_shard(block, "
+            "mesh=world_mesh['dp']) with the data-parallel submesh. See docs/api.md, "
+            "FSDP x TP."
+        )
     modules = check_modules(module)
     options = unit_options(
         mesh=mesh,
