@@ -113,6 +113,11 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
             run(name, model, backwards)
         return {k: p.grad.full_tensor() for k, p in model.named_parameters()}
 
+    def _on_units(model: Any, setter: str, value: Any) -> None:
+        # These setters apply to one unit, as torch's: set them on every unit.
+        for unit in (*model.layers, model):
+            getattr(unit, setter)(value)
+
     def diff(a: dict, b: dict, scale: float = 1.0) -> float:
         return max((a[k] - scale * b[k]).abs().max().item() for k in a)
 
@@ -125,12 +130,12 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         # One compiled run for both (compiles are the cost): summed collectives, and
         # no all-reduce on the first backward, all-reduce on the second.
         out["force_sum_all_reduce_later"] = diff(
-            grads("force_sum_all_reduce_later", lambda m: m.set_force_sum_reduction_for_comms(True),
+            grads("force_sum_all_reduce_later", lambda m: _on_units(m, "set_force_sum_reduction_for_comms", True),
                   lambda m, i: m.set_requires_all_reduce(i == 1)),
             base)
     else:
         out["force_sum"] = diff(
-            grads("force_sum", lambda m: m.set_force_sum_reduction_for_comms(True)), base)
+            grads("force_sum", lambda m: _on_units(m, "set_force_sum_reduction_for_comms", True)), base)
         # No all-reduce on the first backward, all-reduce on the second: the same sum.
         out["all_reduce_later"] = diff(
             grads("all_reduce_later", lambda m: None, lambda m, i: m.set_requires_all_reduce(i == 1)),
@@ -142,7 +147,7 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            rs = grads("rs_divide", lambda m: m.set_reduce_scatter_divide_factor(2.0))
+            rs = grads("rs_divide", lambda m: _on_units(m, "set_reduce_scatter_divide_factor", 2.0))
         out["rs_divide_warned"] = any(issubclass(w.category, FutureWarning) for w in caught)
         out["rs_divide"] = diff(rs, base, world / 2.0)
         # Without any all-reduce the replicas' gradients differ (so the check above

@@ -185,7 +185,11 @@ def _hook_eager(rank: int, world: int) -> dict[str, Any]:
 
     def setup(m: Llama) -> None:
         m.layers[0].set_all_reduce_hook(doubling)  # this unit only
-        m.set_gradient_divide_factor(1.0)  # the hook sees the sum (before dividing)
+        # On the root only: its own parameters are summed, not averaged; the
+        # blocks keep the average (torch's setter has no recurse; ours applied it to
+        # every unit inside until 2026-11-27: the blocks' gradients were off by the
+        # world size, silently).
+        m.set_gradient_divide_factor(1.0)
         local_shapes.extend(
             tuple(fp.sharded_param.to_local().shape) for fp in _managed(m.layers[0])
         )
@@ -194,7 +198,7 @@ def _hook_eager(rank: int, world: int) -> dict[str, Any]:
     out["hook_shapes"] = seen
     out["local_shapes"] = local_shapes
     out["doubled_diff"] = {
-        k: (doubled[k] - (2 * world if k.startswith("layers.0.") else world) * base[k])
+        k: (doubled[k] - (2 if k.startswith("layers.0.") else 1 if k.startswith("layers.") else world) * base[k])
         .abs()
         .max()
         .item()

@@ -271,15 +271,17 @@ class FSDPModule(_TorchFSDPModule):
         _require_state(self).backward_prefetch = _prefetch_states(modules, "backward")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide gradients by ``factor`` after summing them over the data-parallel
-        ranks, instead of averaging (the default divides by the number of ranks).
+        """Divide this unit's gradients by ``factor`` after summing them over the
+        data-parallel ranks, instead of averaging (the default divides by the number
+        of ranks). This unit only, as torch's (no ``recurse``): call it on each unit
+        that should use the factor.
 
         Raises:
             ValueError: ``factor`` is not a positive number.
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}.")
-        for state in _states(self, recurse=True):
+        for state in _states(self, recurse=False):
             if state.param_group is not None:
                 state.param_group.gradient_divide_factor = float(factor)
 
@@ -295,8 +297,9 @@ class FSDPModule(_TorchFSDPModule):
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Sum in the collectives and divide by the number of data-parallel ranks
         locally, instead of averaging in the collectives (same result up to
-        rounding). An explicit gradient divide factor takes precedence."""
-        _set_on_groups(self, True, "force_sum", "enable", enable)
+        rounding). An explicit gradient divide factor takes precedence. This unit
+        only, as torch's (no ``recurse``)."""
+        _set_on_groups(self, False, "force_sum", "enable", enable)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether backward all-reduces gradients over the replicas. With
