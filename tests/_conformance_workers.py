@@ -362,6 +362,19 @@ def _meta_assign(fs: Callable[..., Any]) -> nn.Module:
     return model
 
 
+def _replicate_root(fs: Callable[..., Any]) -> nn.Module:
+    """fully_shard on the blocks and torch's replicate() (DDP) on the root, whose own
+    parameters it all-reduces; it must leave the blocks' to fully_shard (it turned
+    ours into plain parameters before 2026-11-27: torch's registry did not list our
+    units)."""
+    from torch.distributed._composable import replicate
+
+    model = Llama(CFG)
+    for layer in model.layers:
+        fs(layer)
+    return replicate(model)
+
+
 class _Float8Frozen(nn.Module):
     """A frozen float8 weight (quantized, as in a fine-tune beside quantized weights)
     in one unit with trainable fp32 ones: gathered in its own flat all-gather, as
@@ -413,6 +426,7 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
     out["freeze_midway"] = _freeze_midway(rank, world)
     out["meta_assign"] = _both(rank, world, _meta_assign)
     out["float8_frozen"] = _both(rank, world, lambda fs: fs(_Float8Frozen()))
+    out["replicate_root"] = _both(rank, world, _replicate_root)
     return out
 
 

@@ -27,7 +27,9 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
   fully_shard, load_state_dict of DTensors with assign=True (ours refused it, naming
   CPUOffloadPolicy, before 2026-11-27);
 - a frozen float8 parameter in a unit with fp32 ones (ours failed in gloo's
-  all-gather, "Invalid scalar type", before 2026-11-27).
+  all-gather, "Invalid scalar type", before 2026-11-27);
+- torch's ``replicate()`` (DDP) on the root over fully_shard blocks (it converted
+  our sharded parameters, before 2026-11-27).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from _conformance_workers import (
 from _dist import run_ranks
 
 BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "mixed", "cast_float64", "freeze_after_shard",
-           "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective", "meta_assign", "float8_frozen"]
+           "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective", "meta_assign", "float8_frozen",
+           "replicate_root"]
 
 
 def _same(a: tuple, b: tuple, what: str) -> None:

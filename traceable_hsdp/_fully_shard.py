@@ -130,14 +130,18 @@ class _TorchGroupView:
 
 def _expose_to_torch(modules: list[nn.Module], state: FSDPState) -> None:
     """Makes torch's ``fully_shard.state(module)`` return the unit's view, for
-    torch.distributed.pipelining. See [Note: A subclass of torch's FSDPModule]."""
-    from torch.distributed._composable.contract import STATE_KEY
+    torch.distributed.pipelining, and marks the modules as fully_shard's in torch's
+    registry of composable APIs, which torch's ``replicate()`` reads to leave
+    fully_shard's parameters alone (without it, it turned our sharded parameters into
+    plain ones and handed them to DDP). See [Note: A subclass of torch's FSDPModule]."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     key = torch_fully_shard.__wrapped__  # what torch's contract keys the state by
     view = TorchStateView(state)
     for m in modules:
         m.__dict__.setdefault(STATE_KEY, {})[key] = view
+        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
 
 
 class FSDPModule(_TorchFSDPModule):
