@@ -136,9 +136,26 @@ def _both(
     return dict(ours=ours, torch=ref)
 
 
+def _comm_debug_counts(lib: str, mesh: Any, rank: int) -> tuple[int, int]:
+    """The collectives torch's CommDebugMode counts in one forward and in its
+    backward, every unit resharded after forward (torch's default keeps the root
+    gathered; ours does not)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = _build(lib, mesh, reshard_after_forward=True)
+    x, y = _data(2, 1)[0]
+    with CommDebugMode() as fwd:
+        loss = _loss(model(x.chunk(2)[rank]).float(), y.chunk(2)[rank])
+    with CommDebugMode() as bwd:
+        loss.backward()
+    return fwd.get_total_counts(), bwd.get_total_counts()
+
+
 def flat_2_ranks(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
-    return {"fsdp": _both(rank, mesh, world, rank)}
+    out = {"fsdp": _both(rank, mesh, world, rank)}
+    out["comm_debug"] = {lib: _comm_debug_counts(lib, mesh, rank) for lib in ("torch", "ours")}
+    return out
 
 
 def flat_4_ranks(rank: int, world: int) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._common import compiling
 
@@ -66,10 +68,18 @@ def all_gather_start(shard: torch.Tensor, world_size: int, group_name: str) -> t
     shard = shard.contiguous()
     if shard.dtype in _GATHERED_AS_BYTES:
         return all_gather_start(shard.view(torch.uint8), world_size, group_name).view(shard.dtype)
-    if compiling() or not _has_device_backend(group_name, shard.device):
+    if compiling() or not _has_device_backend(group_name, shard.device) or _comm_debug_mode():
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
     out = shard.new_empty((world_size * shard.size(0), *shard.shape[1:]))
     return _c10d.all_gather_into_tensor_out(shard, world_size, group_name, out=out)
+
+
+def _comm_debug_mode() -> bool:
+    """Whether torch's ``CommDebugMode`` is counting: it does not know the ``_out``
+    all-gather, so under it an eager all-gather is issued as the allocating op and
+    waited for at once (as while tracing), which it counts. Debugging only: no
+    all-gather stays in flight then."""
+    return any(isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack())
 
 
 def _has_device_backend(group_name: str, device: torch.device) -> bool:
