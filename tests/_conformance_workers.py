@@ -348,8 +348,8 @@ def _meta_random_init(rank: int, world: int, lib: str) -> tuple[list[float], dic
 def _meta_assign(fs: Callable[..., Any]) -> nn.Module:
     """torch's rank-0 broadcast flow (HF accelerate's FSDP2 loading): build on meta,
     shard, then load_state_dict of DTensors laid out like the parameters, with
-    assign=True. Every rank builds the same full values here (seeded), so
-    distribute_tensor needs no broadcast."""
+    assign=True. distribute_tensor sends rank 0's full values (every rank builds
+    the same ones here, seeded)."""
     full_sd = Llama(CFG).state_dict()  # seeded by _both
     with torch.device("meta"):
         model = _shard_llama(Llama(CFG), fs)
