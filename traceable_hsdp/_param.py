@@ -888,9 +888,10 @@ class FSDPParam:
 # bf16-quantizing pair ignored, the forward then 7.8e-4 off torch's). It is refused
 # where the local tensor is first read or replaced: ``fully_shard``, and
 # ``reset_sharded_param`` (``to_empty``, ``model.to(...)``, an assigned parameter,
-# ``load_state_dict(assign=True)``); and, eagerly, at each root's pre-forward, which
-# catches methods set on a tensor after those (they are instance attributes that
-# nothing else reads). A compiled forward does not re-check, since a traced
+# ``load_state_dict(assign=True)``); and, eagerly, at each unit's pre-forward (with
+# the check for other changes, ``FSDPState._sync_user_changes``), which catches
+# methods set on a tensor after those (they are instance attributes that nothing
+# else reads). A compiled forward does not re-check, since a traced
 # ``hasattr`` on each local tensor would add a guard per parameter to every step.
 
 

@@ -436,6 +436,10 @@ class FSDPState:
         pg = self.param_group
         if pg is None:
             return
+        if not compiling():
+            # See [Note: All-gather extensions are refused] (_param.py).
+            for fp in pg.fsdp_params:
+                refuse_all_gather_extension(fp.fqn, fp.sharded_param._local_tensor)
         changes = [fp.user_change() for fp in pg.fsdp_params]
         # A compiled step follows a freeze without applying it (see the Note).
         if UserChange.OTHER in changes or (not compiling() and UserChange.FROZEN in changes):
@@ -557,12 +561,6 @@ class FSDPState:
         ):
             # See [Note: A compile region inside a unit].
             self._refuse_compile_regions()
-        if not compiling():
-            # See [Note: All-gather extensions are refused] (_param.py).
-            for state in self.states:
-                if state.param_group is not None:
-                    for fp in state.param_group.fsdp_params:
-                        refuse_all_gather_extension(fp.fqn, fp.sharded_param._local_tensor)
         if self.post_optim_pending:
             # Only for a step compiled whole; see [Note: The post-optimizer event].
             self._wait_post_optim_event()
