@@ -81,6 +81,23 @@ artifact, and the summary says whether they agree.
 With the ``trace_log`` handler present torch renders every structured-trace
 payload, which adds to compile time (as ``TORCH_TRACE`` does).
 
+[Note: depyf writes, dynamo's bytecode runs]
+``depyf.prepare_debug`` does more than write files: its bytecode hook decompiles the
+bytecode dynamo made for each frame, compiles the decompiled source again, and
+returns that, so the process runs depyf's recompiled code instead of dynamo's. On
+torch 2.13 with depyf 0.20 the two can differ. In a compiled forward whose root
+keeps its parameters gathered (``reshard_after_forward=None``, the default), dynamo
+replays the units' state changes after the graph, and one replayed value is read
+from the root's ``sharded_state``: dynamo's bytecode reads it before the replay sets
+the root's state, depyf's recompiled source reads it after. So the first block was
+marked gathered, skipped its re-gather in backward, and read freed storage
+("setStorage ... out of bounds for storage of size 0"), in the dump only. A dump must
+run the program a plain run runs, so ``dump_graphs`` registers two hooks of its own
+through torch's ``register_bytecode_hook``, one before depyf's and one after: the
+first remembers dynamo's code for the frame, the last hands it back. depyf still
+writes every file (its ``__transformed_code_*`` files are its decompilation of
+dynamo's bytecode: a reading aid, not what ran).
+
 [Note: Entering before the first compile]
 depyf and the recorders see only compiles that happen inside the block; a function
 compiled before keeps running its cached code, which is not dumped. ``dump_graphs``
@@ -101,6 +118,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -110,6 +128,7 @@ from typing import Any, Literal, TextIO
 
 import torch
 import torch._dynamo
+import torch._dynamo.convert_frame
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch import fx
@@ -863,10 +882,14 @@ def dump_graphs(
             trace_files = stack.enter_context(_structured_trace(out / "trace"))
         stack.enter_context(_capture_schedule(dump))
         if depyf is not None:
+            # See [Note: depyf writes, dynamo's bytecode runs].
+            dynamo_code: dict[types.CodeType, types.CodeType] = {}
+            stack.enter_context(_bytecode_hook(lambda code, new: dynamo_code.__setitem__(code, new)))
             with warnings.catch_warnings():
                 # depyf warns on every entry that the code must run several times.
                 warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`")
                 stack.enter_context(depyf.prepare_debug(str(out / "depyf")))
+            stack.enter_context(_bytecode_hook(lambda code, new: dynamo_code.pop(code, None)))
         else:
             dump._depyf_note = (
                 "not written: depyf is not installed (pip install depyf, or "
@@ -888,6 +911,18 @@ def dump_graphs(
             _write_results(dump)
             if print_summary:
                 print(dump.summary(), file=sys.stdout if file is None else file, flush=True)
+
+
+@contextlib.contextmanager
+def _bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], types.CodeType | None]) -> Iterator[None]:
+    """``hook`` runs after dynamo compiles a frame (torch's ``register_bytecode_hook``:
+    called with the frame's code and the code dynamo made, in registration order; a
+    returned code replaces the latter) while the block runs."""
+    handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def compare_dumps(dirs: Sequence[str | os.PathLike[str]]) -> str:
