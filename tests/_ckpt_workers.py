@@ -112,6 +112,12 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
         # Loaded before the first forward, the values are the ones it uses: the same
         # loss as src, bitwise (same sharded values, same ops).
         assert _eval_loss(model, rank, world) == src_loss
+        # That forward ran without grad: the root resharded too, so an optimizer
+        # built now gets the sharded parameters ([Note: The default keeps the root
+        # gathered for backward]; torch's keeps the root's gathered copies registered,
+        # and an optimizer built from them never updates the model).
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert _placeholder_bytes(model) == 0
 
     # strict=True: a missing and an unexpected key raise as torch does.
     # strict=False reports them and loads the rest.

@@ -138,11 +138,10 @@ def _both(
 
 def _comm_debug_counts(lib: str, mesh: Any, rank: int) -> tuple[int, int]:
     """The collectives torch's CommDebugMode counts in one forward and in its
-    backward, every unit resharded after forward (torch's default keeps the root
-    gathered; ours does not)."""
+    backward, with the default reshard_after_forward (the root stays gathered)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    model = _build(lib, mesh, reshard_after_forward=True)
+    model = _build(lib, mesh)
     x, y = _data(2, 1)[0]
     with CommDebugMode() as fwd:
         loss = _loss(model(x.chunk(2)[rank]).float(), y.chunk(2)[rank])

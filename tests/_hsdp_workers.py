@@ -161,7 +161,8 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     ref = nn.Sequential(nn.Embedding(CFG.vocab_size, 8), nn.Linear(8, 3))
     ref.load_state_dict(emb.state_dict())
     th.fully_shard(emb[0], mesh=mesh)
-    th.fully_shard(emb, mesh=mesh)
+    # The root reshards too, so its re-gather shows beside the embedding's absence.
+    th.fully_shard(emb, mesh=mesh, reshard_after_forward=True)
     emb[0].set_unshard_in_backward(False)
     run("embedding_no_unshard", emb, lambda fwd: fwd(xs[0]).sum().backward())
     ref(xs[0]).sum().backward()
@@ -173,7 +174,7 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         for a, b in zip(emb.parameters(), ref.parameters())
     )
     # A unit that reads its weight in backward fails loudly when not re-gathered.
-    lin = th.fully_shard(nn.Linear(4, 4), mesh=mesh)
+    lin = th.fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=True)
     lin.set_unshard_in_backward(False)
     try:
         run("linear_error", lin, lambda fwd: fwd(torch.randn(2, 4, requires_grad=True)).sum().backward())

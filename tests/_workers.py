@@ -29,6 +29,11 @@ from traceable_hsdp.passes._graph import (
 # vocab 65: the embedding and output head have an uneven first dim (padded shards).
 CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
 SEQ, BATCH_PER_RANK, STEPS, LR = 8, 2, 5, 1e-2
+# The root unit's parameters (embedding, final norm, output head). The default
+# reshard_after_forward (None, as torch's) keeps them gathered from a training
+# forward to its backward: the backward re-gathers the blocks only.
+ROOT_PARAMS = 3
+ROOT_BYTES = (2 * CFG.vocab_size * CFG.dim + CFG.dim) * 4  # fp32, unsharded
 
 
 def dp_mesh(shape: tuple[int, ...]) -> DeviceMesh:

@@ -145,15 +145,17 @@ def test_fsdp_module_comm_options_2x2_compiled() -> None:
         assert len(fwd) == 1 and fwd[0]["all_gather_into_tensor"] == n, fwd
         # Two backward graphs (compiled autograd also specializes on the gradient
         # the first leaves): set_requires_all_reduce(False) has no all-reduce in the
-        # first, the second all-reduces every parameter.
+        # first, the second all-reduces every parameter. The blocks re-gather; the
+        # root's 3 parameters stay gathered (the default reshard_after_forward).
         assert len(bwd) == 2, bwd
         assert "all_reduce" not in bwd[0] and bwd[0]["reduce_scatter_tensor"] == n, bwd
-        assert _sub({"all_gather_into_tensor": n, "reduce_scatter_tensor": n, "all_reduce": n}, bwd[1]), bwd
+        assert _sub({"all_gather_into_tensor": n - 3, "reduce_scatter_tensor": n, "all_reduce": n}, bwd[1]), bwd
         # Forced sums: no averaging collective in the graphs (the default run's are
         # "avg", see below); the division is a separate op.
         assert ops == ["sum"], ops
         # set_unshard_in_backward(False) on the embedding unit: the backward re-gathers
-        # only the root's two Linear parameters, and reduces all three, averaging.
+        # only the root's two Linear parameters (reshard_after_forward=True on it),
+        # and reduces all three, averaging.
         fwd, bwd, ops = g["embedding_no_unshard"]
         assert fwd == [_with_copies({"all_gather_into_tensor": 3})], fwd
         assert bwd == [_with_copies({"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3,

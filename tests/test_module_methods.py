@@ -56,13 +56,12 @@ def test_every_torch_method_exists_with_torch_signature() -> None:
 def test_fully_shard_takes_torch_arguments() -> None:
     """fully_shard takes every argument torch's takes, by the same names (torch 2.13
     added ``dp_mesh_dims``; code passing it failed with "unexpected keyword
-    argument"), and torch's defaults except the one docs/api.md names:
-    reshard_after_forward (ours True, torch 2.13's None)."""
+    argument"), and torch's defaults."""
     ours = inspect.signature(th.fully_shard).parameters
     theirs = inspect.signature(torch_fsdp.fully_shard).parameters
     assert [(p.name, p.kind) for p in ours.values()] == [(p.name, p.kind) for p in theirs.values()]
     differ = {n for n, p in theirs.items() if repr(p.default) != repr(ours[n].default)}
-    assert differ == {"reshard_after_forward"}, differ
+    assert not differ, differ
 
 
 def test_units_are_torch_fsdp_modules_with_every_member_ours() -> None:

@@ -431,11 +431,14 @@ def test_variable_sequence_lengths_compiled() -> None:
       process compiles three backward graphs on these lengths, at 8, 12 and 16,
       aot_eager and Inductor alike.) The evaluation adds one forward graph; step 5
       compiles nothing.
-    - Our passes ran on the symbolic graphs as on static ones: no resize or
-      ``fsdp.copy_`` is left in any graph, each forward (the evaluation's too)
-      gathers both units in one bucket (the default cap), and each backward
-      re-gathers block 0 (the root stays gathered) and reduce-scatters every
-      gradient in one bucket.
+    - Our passes ran on the symbolic graphs as on static ones: each forward (the
+      evaluation's too) gathers both units in one bucket (the default cap), and each
+      backward re-gathers block 0 and reduce-scatters every gradient in one bucket.
+      The root stays gathered from a training forward to its backward (the default
+      ``reshard_after_forward``): the forward fills its 3 placeholders (a resize to
+      full and an ``fsdp.copy_`` each) and the backward frees them; no other resize
+      or copy is left. The evaluation forward, without grad, reshards the root too
+      and leaves none ([Note: The default keeps the root gathered for backward]).
     - Losses and the evaluation logits against one process on the global batches,
       atol 1e-4.
     """
@@ -446,8 +449,10 @@ def test_variable_sequence_lengths_compiled() -> None:
         assert r["graphs"] == [(1, 1)] + [(1, 2)] * 3 + [(2, 2)], r["graphs"]
         assert r["graph_breaks"] == 0, r
         one_bucket = {"all_gather_into_tensor": 1, "wait_tensor": 1}
-        both = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "wait_tensor": 2}
-        assert r["counts"] == [("fwd", one_bucket), ("bwd", both), ("bwd", both),
+        train_fwd = {**one_bucket, "fsdp.copy_": 3, "resize_to_full": 3}
+        both = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "wait_tensor": 2,
+                "resize_to_0": 3}
+        assert r["counts"] == [("fwd", train_fwd), ("bwd", both), ("bwd", both),
                                ("fwd", one_bucket)], r["counts"]
         torch.testing.assert_close(r["losses"], ref_losses, rtol=0, atol=1e-4)
         torch.testing.assert_close(r["eval_logits"], ref_logits.chunk(2)[rank], rtol=0, atol=1e-4)

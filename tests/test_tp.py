@@ -132,17 +132,19 @@ def test_fsdp_tp_compiled() -> None:
         # all-gather over dp per parameter.
         assert r["fwd"][0] == {"all_gather_into_tensor@dp": n, "fsdp.copy_": n}, r["fwd"]
         # Backward (compiled autograd's graph, TP's collectives explicit): FSDP's
-        # re-gathers and reduce-scatters over dp; sequence parallelism's over tp (one
+        # re-gathers over dp (the block's: the root, 3 parameters, stays gathered,
+        # the default reshard_after_forward) and reduce-scatters over dp; sequence
+        # parallelism's over tp (one
         # block: 3 sequence all-gathers and their reduce-scatters, the 3 RMSNorm
         # weight gradients, the block's two and the final one, all-reduced from
         # Partial).
         assert r["bwd"][0] == {
-            "all_gather_into_tensor@dp": n,
+            "all_gather_into_tensor@dp": n - 3,
             "reduce_scatter_tensor@dp": n,
             "all_gather_into_tensor@tp": 3,
             "reduce_scatter_tensor@tp": 3,
             "all_reduce@tp": 3,
-            "fsdp.copy_": n,
+            "fsdp.copy_": n - 3,
         }, r["bwd"]
         ind = r["inductor"]
         torch.testing.assert_close(ind["losses"], eager["losses"], rtol=1e-5, atol=0)
@@ -182,15 +184,15 @@ def test_hsdp_tp_3d(tmp_path) -> None:
         assert len(r["fwd"]) == 1 and len(r["bwd"]) == 1, (r["fwd"], r["bwd"])
         n = r["n_params"]
         assert r["fwd"][0] == {"all_gather_into_tensor@dp_shard": n, "fsdp.copy_": n}, r["fwd"]
-        assert r["bwd"][0] == {
-            "all_gather_into_tensor@dp_shard": n,
+        assert r["bwd"][0] == {  # the block re-gathers; the root stays gathered
+            "all_gather_into_tensor@dp_shard": n - 3,
             "reduce_scatter_tensor@dp_shard": n,
             "all_reduce@dp_replicate": n,
             # One block: its two RMSNorms and the final one (sequence parallelism).
             "all_gather_into_tensor@tp": 3,
             "reduce_scatter_tensor@tp": 3,
             "all_reduce@tp": 3,
-            "fsdp.copy_": n,
+            "fsdp.copy_": n - 3,
         }, r["bwd"]
     pl = results[0]["ours_placements"]
     assert str(pl["layers.0.attn.wq.weight"]) == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))", pl

@@ -647,7 +647,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int | None = True,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -669,10 +669,10 @@ def fully_shard(
             model already distributed by ``parallelize_module`` over
             ``world_mesh["tp"]``, pass ``world_mesh["dp"]`` (see [Note: FSDP x TP]
             in ``_param.py``).
-        reshard_after_forward: free the unsharded parameters after forward and
-            re-gather them for backward (default ``True``). ``False`` keeps them from
-            forward to backward. ``None``, as torch's: ``False`` for the root unit (its
-            backward comes first), ``True`` for the others. An int k dividing the shard
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward
+            and re-gathers them for backward; ``False`` keeps them from forward to
+            backward. ``None`` (the default, as torch 2.13's): ``False`` for the root
+            unit (its backward comes first), ``True`` for the others. An int k dividing the shard
             group's size keeps 1/k of each parameter per rank after forward and
             re-gathers over groups of k ranks for backward.
         shard_placement_fn: called with each managed parameter; returns the

@@ -609,6 +609,21 @@ class FSDPState:
         pg = self.param_group
         return pg.label if pg is not None else " ".join(type(m).__name__ for m in self.modules)
 
+    # [Note: The default keeps the root gathered for backward]
+    # ``reshard_after_forward=None`` (the default, as torch 2.13's) keeps the root's
+    # parameters gathered after forward, because its backward comes first and would
+    # re-gather them at once. We keep them only when a backward can follow: after a
+    # forward with grad disabled (``torch.no_grad``, ``inference_mode``: evaluation)
+    # the root reshards like every other unit. torch's keeps them, and then its
+    # modules hold the gathered plain parameters until the next backward or
+    # reshard(), so an optimizer built from ``model.parameters()`` after an
+    # evaluation forward steps those copies and never the sharded parameters; the
+    # loss of the second step differs, with no error (torch's and ours alike before
+    # this, seen on the demo Llama, 2 ranks). Compiled, a root left gathered by an
+    # evaluation forward also made the next training step compile its forward and
+    # backward again (its state differs from the one the graphs were traced with).
+    # What it costs: an evaluation loop re-gathers the root's parameters at each
+    # forward. An explicit ``False`` keeps them, as torch's.
     def _post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             # See [Note: Forward during the unit's backward].
@@ -616,8 +631,8 @@ class FSDPState:
         pg = self.param_group
         if pg is not None:
             raf = self.reshard_after_forward
-            if raf is None:  # torch's default for None: keep the root gathered
-                raf = not self.is_root
+            if raf is None:  # See [Note: The default keeps the root gathered for backward].
+                raf = not (self.is_root and torch.is_grad_enabled())
             if raf is True:
                 pg.reshard()
             elif raf is False:

@@ -108,6 +108,10 @@ class TrainConfig:
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
             on every ``fully_shard`` call (bf16 compute and all-gathers, fp32
             gradient reduction and fp32 sharded parameters for the optimizer).
+        reshard_after_forward: ``fully_shard``'s ``reshard_after_forward`` on every
+            unit, by torchtitan's names: ``"default"`` (``None``: the root stays
+            gathered from forward to backward, the blocks reshard), ``"always"``
+            (``True``) or ``"never"`` (``False``).
         eager: run without ``torch.compile`` (default ``False``).
         seed: model init and data seed (default 0).
         progress: a tqdm bar on rank 0's stderr: ``True`` shows it, ``False`` hides it,
@@ -137,6 +141,7 @@ class TrainConfig:
     backend: str = "inductor"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     mixed_precision: Literal["none", "bf16"] = "none"
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
     eager: bool = False
     seed: int = 0
     progress: bool | None = None
@@ -326,6 +331,7 @@ def _build_sharded(
         mp_policy = traceable_hsdp.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
+    raf = {"default": None, "always": True, "never": False}[cfg.reshard_after_forward]
     full_sd: dict[str, torch.Tensor] = {}
     if cfg.init == "cpu" or rank == 0:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -343,8 +349,8 @@ def _build_sharded(
                 kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
             layer = checkpoint_wrapper(layer, **kw)
             model.layers[i] = layer
-        traceable_hsdp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    traceable_hsdp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        traceable_hsdp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=raf)
+    traceable_hsdp.fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=raf)
     if cfg.init == "meta":
         model.to_empty(device=device)
         model.reset_buffers()
@@ -431,6 +437,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         + ("" if cfg.ac == "none" else f"; {cfg.ac} activation checkpointing")
         + ("" if cfg.clip is None else f"; clip grad norm {cfg.clip:g}")
         + ("" if cfg.mixed_precision == "none" else f"; {cfg.mixed_precision} mixed precision")
+        + ("" if cfg.reshard_after_forward == "default"
+           else f"; reshard after forward: {cfg.reshard_after_forward}")
     )
 
     if cfg.dump_dir is not None and cfg.eager:

@@ -144,6 +144,13 @@ def _add_job_arguments(p: argparse.ArgumentParser, *, steps: int | None, eager: 
                        help="bf16: compute and all-gather parameters in bfloat16, reduce "
                             "gradients and keep the sharded parameters in float32 "
                             "(MixedPrecisionPolicy) (default: none, float32)")
+    dist_.add_argument("--reshard-after-forward", choices=("default", "always", "never"),
+                       default=d.reshard_after_forward,
+                       help="fully_shard's reshard_after_forward for every unit: default "
+                            "(None: the root stays gathered for backward, the blocks "
+                            "reshard), always (True: every unit reshards and re-gathers "
+                            "in backward), never (False: every unit stays gathered "
+                            "until its backward) (default %(default)s)")
     comp.add_argument("--backend", choices=BACKENDS, default=d.backend,
                       help="torch.compile backend: inductor (generates kernels; the graph "
                            "passes run), aot_eager (traces forward and backward, runs them "
@@ -205,7 +212,7 @@ def _train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         batch_size=args.batch_size, steps=args.steps, world_size=world,
         replicate=args.replicate, lr=args.lr, ac=args.ac, init=args.init, clip=args.clip,
         backend=args.backend, device=device, mixed_precision=args.mixed_precision,
-        eager=args.eager, seed=args.seed, progress=args.progress,
+        reshard_after_forward=args.reshard_after_forward, eager=args.eager, seed=args.seed, progress=args.progress,
     )
 
 
