@@ -87,11 +87,13 @@ bytecode dynamo made for each frame, compiles the decompiled source again, and
 returns that, so the process runs depyf's recompiled code instead of dynamo's. On
 torch 2.13 with depyf 0.20 the two can differ. In a compiled forward whose root
 keeps its parameters gathered (``reshard_after_forward=None``, the default), dynamo
-replays the units' state changes after the graph, and one replayed value is read
-from the root's ``sharded_state``: dynamo's bytecode reads it before the replay sets
-the root's state, depyf's recompiled source reads it after. So the first block was
-marked gathered, skipped its re-gather in backward, and read freed storage
-("setStorage ... out of bounds for storage of size 0"), in the dump only. A dump must
+replays the units' state changes after the graph, and one replayed value (the
+blocks' ``sharded_state``) is read from the root's ``sharded_state``; depyf's
+recompiled source (its ``__transformed_code_0_for_forward.py``) reads it after the
+replay has set the root's state to gathered. So the first block was marked gathered,
+skipped its re-gather in backward, and read freed storage ("setStorage ... out of
+bounds for storage of size 0"), in the dump only: the same model, compiled the same
+way without depyf, trains (2 ranks, aot_eager, 2026-11-27). A dump must
 run the program a plain run runs, so ``dump_graphs`` registers two hooks of its own
 through torch's ``register_bytecode_hook``, one before depyf's and one after: the
 first remembers dynamo's code for the frame, the last hands it back. depyf still
@@ -884,7 +886,9 @@ def dump_graphs(
         if depyf is not None:
             # See [Note: depyf writes, dynamo's bytecode runs].
             dynamo_code: dict[types.CodeType, types.CodeType] = {}
-            stack.enter_context(_bytecode_hook(lambda code, new: dynamo_code.__setitem__(code, new)))
+            stack.enter_context(
+                _bytecode_hook(lambda code, new: dynamo_code.__setitem__(code, new))
+            )
             with warnings.catch_warnings():
                 # depyf warns on every entry that the code must run several times.
                 warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`")
@@ -914,7 +918,9 @@ def dump_graphs(
 
 
 @contextlib.contextmanager
-def _bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], types.CodeType | None]) -> Iterator[None]:
+def _bytecode_hook(
+    hook: Callable[[types.CodeType, types.CodeType], types.CodeType | None],
+) -> Iterator[None]:
     """``hook`` runs after dynamo compiles a frame (torch's ``register_bytecode_hook``:
     called with the frame's code and the code dynamo made, in registration order; a
     returned code replaces the latter) while the block runs."""

@@ -672,9 +672,10 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the unsharded parameters after forward
             and re-gathers them for backward; ``False`` keeps them from forward to
             backward. ``None`` (the default, as torch 2.13's): ``False`` for the root
-            unit (its backward comes first), ``True`` for the others. An int k dividing the shard
-            group's size keeps 1/k of each parameter per rank after forward and
-            re-gathers over groups of k ranks for backward.
+            unit (its backward comes first; after a forward without grad it reshards
+            too), ``True`` for the others. An int k dividing the shard group's size
+            keeps 1/k of each parameter per rank after forward and re-gathers over
+            groups of k ranks for backward.
         shard_placement_fn: called with each managed parameter; returns the
             ``Shard(dim)`` to shard it on, or ``None`` for ``Shard(0)`` (default
             ``None``: every parameter on dim 0), or torch's

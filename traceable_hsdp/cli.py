@@ -212,7 +212,8 @@ def _train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         batch_size=args.batch_size, steps=args.steps, world_size=world,
         replicate=args.replicate, lr=args.lr, ac=args.ac, init=args.init, clip=args.clip,
         backend=args.backend, device=device, mixed_precision=args.mixed_precision,
-        reshard_after_forward=args.reshard_after_forward, eager=args.eager, seed=args.seed, progress=args.progress,
+        reshard_after_forward=args.reshard_after_forward, eager=args.eager, seed=args.seed,
+        progress=args.progress,
     )
 
 
