@@ -332,6 +332,8 @@ class Variant:
         optimizer: ``"torch"`` (``torch.optim.AdamW``) or ``"local"``
             (``traceable_hsdp.optim.AdamW``: the same numbers, stepped on the
             ``DTensor``s' local shards; works on torch's ``fully_shard`` too).
+        reshard_after_forward: passed to every ``fully_shard`` call; ``None`` is the
+            default of both ours and torch's (the root stays gathered for backward).
     """
 
     name: str
@@ -340,6 +342,7 @@ class Variant:
     passes: str | None = None
     passes_config: tuple[tuple[str, Any], ...] = ()
     optimizer: Literal["torch", "local"] = "torch"
+    reshard_after_forward: bool | None = None
 
     @property
     def compiled(self) -> bool:
@@ -408,6 +411,10 @@ def all_variants() -> tuple[list[Variant], str]:
             Variant("ours_eager", "ours", "none"),
             *ours_compiled,
             dataclasses.replace(default, name="ours_compiled_local_adamw", optimizer="local"),
+            # Every unit resharded after forward, the root too: our default before
+            # 2026-11-27, beside today's (the root kept gathered for backward).
+            dataclasses.replace(default, name="ours_compiled_reshard_root",
+                                reshard_after_forward=True),
             Variant("torch_eager", "torch", "none"),
             Variant("torch_block_compiled", "torch", "blocks"),
             Variant("torch_block_compiled_local_adamw", "torch", "blocks", optimizer="local"),
@@ -601,9 +608,10 @@ def _shard_and_compile(
         if variant.compile == "blocks":
             for i, block in enumerate(blocks):
                 blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+        raf = variant.reshard_after_forward
         for block in blocks:
-            fs(block, mesh=mesh)
-        fs(model, mesh=mesh)
+            fs(block, mesh=mesh, reshard_after_forward=raf)
+        fs(model, mesh=mesh, reshard_after_forward=raf)
     if variant.compile == "whole":
         return torch.compile(model, backend=backend, fullgraph=True)
     return model

@@ -44,6 +44,8 @@ _LABELS = {
                            "TRACEABLE_HSDP_STABLE_MESH_KEY=0",
     "ours_compiled_local_adamw": "traceable_hsdp fully_shard, torch.compile(model), "
                                  "traceable_hsdp.optim.AdamW",
+    "ours_compiled_reshard_root": "traceable_hsdp fully_shard, torch.compile(model), "
+                                  "reshard_after_forward=True (the root re-gathered)",
     "torch_eager": "torch fully_shard, eager",
     "torch_block_compiled": "torch fully_shard, per-block torch.compile",
     "torch_block_compiled_local_adamw": "torch fully_shard, per-block torch.compile, "

@@ -25,6 +25,9 @@ same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same 
   (see [Note: The default bucket cap] in ``passes/bucket_collectives.py``);
 - ``ours_compiled_local_adamw``: ``ours_compiled`` stepping with
   ``traceable_hsdp.optim.AdamW`` (torch's AdamW numbers on the local shards);
+- ``ours_compiled_reshard_root``: ``ours_compiled`` with ``reshard_after_forward=True``
+  on every unit, the root too (its backward re-gathers the root; the default, ``None``
+  as torch's, keeps the root gathered from forward to backward);
 - ``torch_eager``: ``torch.distributed.fsdp.fully_shard`` per block then root, eager;
 - ``torch_block_compiled_local_adamw``: ``torch_block_compiled`` with the same
   optimizer (it steps torch's ``fully_shard`` parameters just as well);
