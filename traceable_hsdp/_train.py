@@ -71,6 +71,10 @@ _BRANCHES = 4  # successors per token in the synthetic language; see [Note: Synt
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
+# ``TrainConfig.reshard_after_forward`` (torchtitan's names) -> ``fully_shard``'s value.
+RESHARD_AFTER_FORWARD: dict[str, bool | None] = {"default": None, "always": True, "never": False}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run.
@@ -331,7 +335,7 @@ def _build_sharded(
         mp_policy = traceable_hsdp.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    raf = {"default": None, "always": True, "never": False}[cfg.reshard_after_forward]
+    raf = RESHARD_AFTER_FORWARD[cfg.reshard_after_forward]
     full_sd: dict[str, torch.Tensor] = {}
     if cfg.init == "cpu" or rank == 0:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank

@@ -96,7 +96,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 def _add_job_arguments(p: argparse.ArgumentParser, *, steps: int | None, eager: bool) -> None:
     """The training job's arguments, shared by ``train`` and ``dump``: ``steps``
     overrides the default number of steps; ``eager`` offers ``--eager``."""
-    from ._train import TrainConfig
+    from ._train import RESHARD_AFTER_FORWARD, TrainConfig
 
     d = TrainConfig()
     model = p.add_argument_group("model")
@@ -144,7 +144,7 @@ def _add_job_arguments(p: argparse.ArgumentParser, *, steps: int | None, eager: 
                        help="bf16: compute and all-gather parameters in bfloat16, reduce "
                             "gradients and keep the sharded parameters in float32 "
                             "(MixedPrecisionPolicy) (default: none, float32)")
-    dist_.add_argument("--reshard-after-forward", choices=("default", "always", "never"),
+    dist_.add_argument("--reshard-after-forward", choices=tuple(RESHARD_AFTER_FORWARD),
                        default=d.reshard_after_forward,
                        help="fully_shard's reshard_after_forward for every unit: default "
                             "(None: the root stays gathered for backward, the blocks "
