@@ -33,6 +33,20 @@ of machine noise (the 2-core box is shared) then lands on every variant alike
 instead of on whichever ran during it. Each variant keeps its own model, optimizer
 and step counter across rounds, so its k-th step always sees batch k.
 
+The default alternates step by step (``step_time.py``: 1 timed step per variant per
+round, 20 rounds, no warm-up after the compile step). Blocks of 5 steps were the
+default until 2026-11-27, and the machine's speed moves in steps of seconds to
+minutes that land on a whole block: on the 2-core Xeon, six runs of the same code
+that day put our compiled step at 0.44x to 0.61x of torch's per-block compile, and
+the variant that ran first in its block order lost 10-25% against the same code run
+second (swapping the order swapped the winner). Two step-by-step runs, the order of
+five variants reversed between them, gave torch's per-block step 214.0 and 209.2 ms
+and our eager step 1.01x of torch's in both (``docs/benchmarks.md``, "Results after
+the default change"). Two of our compiled variants in one process (the same code
+with one setting changed) still differed by 7-10% with the order, the earlier one
+faster in both runs, so an A/B of two of ours is run in both orders and read as the
+geometric mean of the two.
+
 [Note: Per-variant settings]
 Some switches are global to the process and read at compile time or run time:
 compiled autograd (on only while an ``ours_compiled*`` variant steps, so torch's

@@ -73,6 +73,9 @@ if HERE not in sys.path:
 import _report as R  # noqa: E402
 
 LOSS_TOL = 1e-4
+# Timing defaults: every variant steps once per round, for many rounds ([Note:
+# Round-robin timing] in _harness.py).
+DEFAULT_STEPS, DEFAULT_ROUNDS, DEFAULT_WARMUP = 1, 20, 0
 REF_BLOCK, REF_EAGER = "torch_block_compiled", "torch_eager"
 # The step-time issue's goals, per shape: (variant, reference, the most its median step
 # may be as a multiple of the reference's).
@@ -100,11 +103,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", choices=("overhead", "compute", "both"), default="both",
                    help="overhead: 16 layers, dim 64, seq 32; compute: 4 layers, dim 256, "
                         "seq 128; both batch 2 per rank, 4 heads, vocab 256 (default both)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round (default 5)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
-    p.add_argument("--warmup", type=int, default=1,
+    # Defaults: one step per variant per round, many rounds; see [Note: Round-robin
+    # timing] in _harness.py for why the variants alternate step by step.
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"timed steps per variant per round (default {DEFAULT_STEPS}; --smoke 2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"rounds (default {DEFAULT_ROUNDS}; --smoke 1)")
+    p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps per variant at the start of each round, after the "
-                        "compile step of round 1 (default 1)")
+                        f"compile step of round 1 (default {DEFAULT_WARMUP}; --smoke 1)")
     R.add_out_argument(p, required=False)  # required unless --table-from, checked below
     p.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
                    help="run nothing: print the short table docs/benchmarks.md shows (with "
@@ -117,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile backend of every compiled variant (default inductor; "
                         "collectives are only counted with inductor)")
     p.add_argument("--variants", default=None,
-                   help="comma list of variant names to run (default all)")
+                   help="comma list of variant names to run, in that order within each "
+                        "round (default all, in the harness's order)")
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny check of the harness: 2 layers, dim 32, seq 16, 2 steps, 1 round")
@@ -130,8 +138,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.out is None and a.table_from is None:
         p.error("the following arguments are required: --out")
-    if a.smoke:
-        a.steps, a.rounds = (2 if a.steps == 5 else a.steps), (1 if a.rounds == 3 else a.rounds)
+    for name, default, smoke in (("steps", DEFAULT_STEPS, 2), ("rounds", DEFAULT_ROUNDS, 1),
+                                 ("warmup", DEFAULT_WARMUP, 1)):
+        if getattr(a, name) is None:
+            setattr(a, name, smoke if a.smoke else default)
     for name in ("steps", "rounds"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
@@ -589,7 +599,8 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         bad = [w for w in want if w not in known]
         if bad:
             raise SystemExit(f"unknown variant(s) {bad}; known: {sorted(known)}")
-        variants = [v for v in variants if v.name in want]
+        by_name = {v.name: v for v in variants}
+        variants = [by_name[w] for w in dict.fromkeys(want)]  # the order given: A/B runs swap it
     print(f"== step_time: model {args.model}, shape {shape_name}, variants {[v.name for v in variants]}; {passes_line}",
           flush=True)
     t0 = time.time()
