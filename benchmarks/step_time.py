@@ -154,6 +154,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------- report
 
 
+def _rounds_phrase(rounds: int, steps: int) -> str:
+    """``20 rounds x 1 timed step``."""
+    return (f"{rounds} round{'s' if rounds != 1 else ''} x {steps} timed "
+            f"step{'s' if steps != 1 else ''}")
+
+
+def _warmup_phrase(warmup: int) -> str:
+    if warmup == 0:
+        return "no warm-up after round 1's compile step"
+    return f"+{warmup} warm-up step{'s' if warmup != 1 else ''} per round"
+
+
 def _q(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if len(xs) == 1:
@@ -346,8 +358,8 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         "",
         f"{device_line(meta['device'])}"
         + (f"; CPU {meta['cpu']}" if meta.get("cpu") else "") + "; torch "
-        f"{meta['torch']}; backend `{args.backend}`; {args.rounds} rounds x {args.steps} timed "
-        f"steps per variant (+{args.warmup} warm-up per round); medians over all "
+        f"{meta['torch']}; backend `{args.backend}`; {_rounds_phrase(args.rounds, args.steps)} "
+        f"per variant ({_warmup_phrase(args.warmup)}); medians over all "
         f"{max([r['n_timed'] for r in rows.values()] or [0])} timed steps, rank 0's clock. "
         f"{meta['passes']}.",
         "",
@@ -455,8 +467,9 @@ def doc_table(report: dict[str, Any]) -> str:
         f"{H.model_description(meta.get('model', 'demo'), shape)}, {shape.layers} layers, "
         f"{shape.heads} heads, vocab {shape.vocab}, seq {shape.seq}, batch {shape.batch} "
         f"per rank; {device_line(meta['device'])}; CPU {meta.get('cpu', '?')}; torch "
-        f"{meta['torch']}; backend `{args['backend']}`; {args['rounds']} rounds x "
-        f"{args['steps']} timed steps per variant, round-robin, medians of rank 0's clock; "
+        f"{meta['torch']}; backend `{args['backend']}`; "
+        f"{_rounds_phrase(args['rounds'], args['steps'])} per variant, round-robin, "
+        "medians of rank 0's clock; "
         f"{'Inductor cache as left by earlier runs' if args.get('keep_inductor_cache') else 'fresh Inductor cache'}. Load average (1 min) {lb[0]:.1f} at the start, {la[0]:.1f} "
         f"at the end ({la[2]:.1f} over the last 15 min); wall time {meta['wall_s'] / 60:.0f} min.",
         "",
