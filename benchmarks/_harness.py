@@ -38,8 +38,8 @@ round, 20 rounds, no warm-up after the compile step). Blocks of 5 steps were the
 default until 2026-11-27, and the machine's speed moves in steps of seconds to
 minutes that land on a whole block: on the 2-core Xeon, six runs of the same code
 that day put our compiled step at 0.44x to 0.61x of torch's per-block compile, and
-the variant that ran first in its block order lost 10-25% against the same code run
-second (swapping the order swapped the winner). Two step-by-step runs, the order of
+of two of our compiled variants the one first in the order lost by 11-26% in three
+runs (swapping the order swapped the winner). Two step-by-step runs, the order of
 five variants reversed between them, gave torch's per-block step 214.0 and 209.2 ms
 and our eager step 1.01x of torch's in both (``docs/benchmarks.md``, "Results after
 the default change"). Two of our compiled variants in one process (the same code
