@@ -416,6 +416,21 @@ def pass_variants() -> tuple[list[Variant], str]:
     return out, f"passes (traceable_hsdp.passes.PassConfig switches): {', '.join(switches)}"
 
 
+def pick_variants(variants: list[Variant], spec: str) -> list[Variant]:
+    """The variants that ``spec`` (a comma list of names) names, each once, in the
+    order given (an A/B run swaps it: [Note: Round-robin timing]).
+
+    Raises:
+        ValueError: a name is not one of ``variants``'; the message lists them.
+    """
+    by_name = {v.name: v for v in variants}
+    want = [w.strip() for w in spec.split(",") if w.strip()]
+    bad = [w for w in want if w not in by_name]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad}; known: {sorted(by_name)}")
+    return [by_name[w] for w in dict.fromkeys(want)]
+
+
 def all_variants() -> tuple[list[Variant], str]:
     """Every variant, in run order, and the passes line."""
     ours_compiled, what = pass_variants()

@@ -317,11 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     H.add_placement_args(p)
     args = p.parse_args(argv)
     args.placement = H.placement_from_args(p, args)
-    args.names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    known = {v.name for v in H.all_variants()[0]}
-    bad = [n for n in args.names if n not in known]
-    if bad:
-        p.error(f"unknown variant(s) {bad}; known: {sorted(known)}")
+    try:
+        args.names = [v.name for v in H.pick_variants(H.all_variants()[0], args.variants)]
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 

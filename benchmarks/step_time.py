@@ -607,13 +607,10 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     shape = H.SHAPES[shape_name]
     variants, passes_line = H.all_variants()
     if args.variants:
-        want = [v.strip() for v in args.variants.split(",") if v.strip()]
-        known = {v.name for v in variants}
-        bad = [w for w in want if w not in known]
-        if bad:
-            raise SystemExit(f"unknown variant(s) {bad}; known: {sorted(known)}")
-        by_name = {v.name: v for v in variants}
-        variants = [by_name[w] for w in dict.fromkeys(want)]  # the order given: A/B runs swap it
+        try:
+            variants = H.pick_variants(variants, args.variants)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     print(f"== step_time: model {args.model}, shape {shape_name}, variants {[v.name for v in variants]}; {passes_line}",
           flush=True)
     t0 = time.time()
