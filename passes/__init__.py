@@ -11,6 +11,12 @@ it in place and does nothing when nothing matches:
 - :func:`overlap`: each all-gather is issued one unit early (before the previous
   unit's compute), each reduce-scatter waited for just before the next one.
 
+then, on every post-grad graph and not switchable:
+
+- :func:`gather_into_buffers`: each all-gather of CPU tensors is issued into a
+  buffer allocated beforehand (``all_gather_into_tensor_out``), which gloo needs
+  when another collective is in flight.
+
 and two passes over AOTAutograd joint graphs (any backend), not switchable:
 
 - :func:`save_checkpoint_outputs`: what leaves an activation-checkpoint region is
@@ -25,7 +31,7 @@ the environment variables ``TRACEABLE_HSDP_PASSES`` and
 What each of them matches (an all-gather, a wait, an ``fsdp.copy_``, a resize, a
 unit's annotation) is the graph vocabulary of ``_graph.py``, which the dump tool, the
 benchmarks and the tests use as well. The package imports only torch.
-``docs/passes.md`` describes all six, their order, switches and memory cost, and
+``docs/passes.md`` describes all seven, their order, switches and memory cost, and
 what :func:`install` changes in torch's configuration.
 """
 
@@ -46,6 +52,7 @@ from ._install import (
 )
 from ._graph import UnitPassOptions
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
+from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
 from .recompute_placeholder_views import recompute_placeholder_views
 from .remove_resize_copy import remove_resize_copy
@@ -60,6 +67,7 @@ __all__ = [
     "bucket_all_gathers",
     "bucket_reduce_scatters",
     "config",
+    "gather_into_buffers",
     "get_config",
     "install",
     "overlap",

@@ -88,7 +88,7 @@ from __future__ import annotations
 import ast
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -99,6 +99,7 @@ from torch._inductor import custom_graph_pass as _cgp
 
 __all__ = [
     "ALL_GATHER",
+    "ALL_GATHER_OUT",
     "ALL_REDUCE",
     "ANNOTATION_KEY",
     "CollectiveRow",
@@ -117,6 +118,7 @@ __all__ = [
     "collective_group_name",
     "collective_table",
     "collective_totals",
+    "family_counts",
     "copy_annotations",
     "current_compile",
     "graph_counts",
@@ -147,6 +149,7 @@ _c10d = torch.ops._c10d_functional
 
 # The OpOverloads of post-grad graphs (what the passes insert, and tests build with).
 ALL_GATHER = _c10d.all_gather_into_tensor.default
+ALL_GATHER_OUT = _c10d.all_gather_into_tensor_out.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default
 WAIT = _c10d.wait_tensor.default
@@ -706,6 +709,19 @@ def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
         elif is_resize(node):
             c["resize_to_0" if resize_nbytes(node) == 0 else "resize_to_full"] += 1
     return dict(sorted(c.items()))
+
+
+def family_counts(counts: Mapping[str, int]) -> dict[Family, int]:
+    """The collectives of :func:`graph_counts` summed by family: an all-gather counts
+    as ``"all_gather"`` in either form (the allocating op, or ``_out`` as CPU graphs
+    issue it; see [Note: CPU all-gathers into buffers] in ``gather_into_buffers.py``).
+    Families with no collective are left out."""
+    out: dict[Family, int] = {}
+    for name, n in counts.items():
+        family = _name_family(name)
+        if family is not None:
+            out[family] = out.get(family, 0) + n
+    return out
 
 
 def collective_totals(graph: fx.Graph | fx.GraphModule) -> dict[Family, dict[str, int]]:

@@ -8,6 +8,10 @@ and the compiled-autograd backward graph) before Inductor's own post-grad passes
 its collective bucketing. ``fully_shard`` calls it, so a compiled fully_shard model
 gets the passes without any user code.
 
+After our passes (:func:`run_passes`), on every graph and whatever
+:class:`PassConfig` says, :func:`gather_into_buffers` issues each CPU all-gather into
+a buffer allocated beforehand (a gloo fix; see [Note: CPU all-gathers into buffers]).
+
 - Composes: a pass the user already set there is kept and run after ours (a
   ``CustomGraphPass``, a plain callable, or a list of them). The FX graph cache key
   then hashes both: ours by source and configuration, theirs by its ``uuid()``; a
@@ -113,6 +117,7 @@ from torch._inductor import custom_graph_pass as _cgp
 
 from ._graph import INFERENCE_AWARE, InferenceAwareGraphPass, annotation_of, is_collective
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
+from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
 from .remove_resize_copy import remove_resize_copy
 from .recompute_placeholder_views import recompute_placeholder_views
@@ -369,6 +374,9 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
         if isinstance(gm, fx.GraphModule):
             _warn_if_options_lost(graph)
             run_passes(gm)
+            # Always, whatever the configuration: see [Note: CPU all-gathers into
+            # buffers].
+            gather_into_buffers(gm)
         else:
             log.warning("traceable_hsdp passes skipped: the graph has no owning GraphModule")
         for p in _cgp.get_custom_graph_passes(self.user_pass):

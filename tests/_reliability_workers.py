@@ -410,13 +410,21 @@ def _fat_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def _any_all_gather(node: torch.fx.Node) -> bool:
+    from traceable_hsdp.passes import _graph as P
+
+    return P.collective_family(node) == "all_gather"
+
+
 def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _graph as P
     from traceable_hsdp.passes import _rewrite as R
 
     c = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "fsdp_copy", "resize"), 0)
     for n in graph.nodes:
-        for key, pred in (("all_gather", P.is_all_gather), ("reduce_scatter", P.is_reduce_scatter),
+        # An all-gather in either form (on CPU each is issued into a buffer: [Note:
+        # CPU all-gathers into buffers] in passes/gather_into_buffers.py).
+        for key, pred in (("all_gather", _any_all_gather), ("reduce_scatter", P.is_reduce_scatter),
                           ("all_reduce", P.is_all_reduce), ("fsdp_copy", P.is_fsdp_copy),
                           ("resize", P.is_resize)):
             if pred(n):

@@ -44,6 +44,7 @@ from traceable_hsdp.passes import _graph as G
 from traceable_hsdp.passes import bucket_all_gathers
 from traceable_hsdp.passes._graph import (
     ALL_GATHER,
+    ALL_GATHER_OUT,
     ANNOTATION_KEY,
     REDUCE_SCATTER,
     WAIT,
@@ -484,9 +485,12 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     before, after = by_stage["before_passes"], by_stage["after_passes"]
     assert before.counts["all_gather_into_tensor"] == 2
     assert [r.params for r in before.collectives] == [("w0",), ("w1",), ()]
-    assert after.counts["all_gather_into_tensor"] == 1  # bucket_all_gathers
+    # bucket_all_gathers, then the CPU form (gather_into_buffers): [Note: CPU
+    # all-gathers into buffers] in passes/gather_into_buffers.py.
+    assert after.counts["all_gather_into_tensor_out"] == 1
+    assert "all_gather_into_tensor" not in after.counts
     ag, ar = after.collectives
-    assert (ag.op, ag.params, ag.in_bytes) == ("all_gather_into_tensor", ("w0", "w1"), 35 * 4)
+    assert (ag.op, ag.params, ag.in_bytes) == ("all_gather_into_tensor_out", ("w0", "w1"), 35 * 4)
     assert (ar.op, ar.reduce_op, ar.group_name, ar.group_size, ar.unit) == (
         "all_reduce", "avg", group, 1, None
     )
@@ -495,7 +499,7 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     sched = by_stage["scheduled"]
     assert [(c.op, c.params, c.kernels_before_wait) for c in sched.collectives] == [
         # Inductor's own later post-grad passes made the all-reduce in place.
-        ("all_gather_into_tensor", ("w0", "w1"), 0), ("all_reduce_", (), 0)
+        ("all_gather_into_tensor_out", ("w0", "w1"), 0), ("all_reduce_", (), 0)
     ], sched.schedule
     assert sched.schedule_note.endswith("in the order torch logged (inductor_collective_schedule)")
     i = sched.schedule.index("C0")
@@ -503,7 +507,7 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     for r in dump.records:
         assert (tmp_path / r.file).exists()
     assert (tmp_path / "post_grad" / "00_fwd_after_passes.py").read_text().count(
-        f"{ALL_GATHER}("
+        f"{ALL_GATHER_OUT}("
     ) == 1
 
 
@@ -619,15 +623,16 @@ def test_dump_final_schedule_and_overlap_distances(tmp_path: Path, per_unit_buck
                 assert r["schedule"][c["waited_at"]] == f"W{c['index']}"
                 between = r["schedule"][c["issued_at"] + 1 : c["waited_at"]]
                 assert c["kernels_before_wait"] == sum(
-                    1 for e in between if not re.fullmatch(r"[CW]\d+", e)
+                    1 for e in between if not re.fullmatch(r"[CW](\d+|-)", e)
                 )
                 assert c["unit"] is not None and c["params"], c
         fwd, bwd = recs["00_fwd"]["collectives"], recs["01_bwd"]["collectives"]
         # One bucketed all-gather per block (the root holds no parameter). The
         # second is issued before the first block's compute (prefetch): kernels run
         # before its wait. The first has nothing to overlap with.
+        # On CPU each all-gather is issued into a buffer (gather_into_buffers).
         assert [(c["op"], c["unit"]) for c in fwd] == [
-            ("all_gather_into_tensor", "0"), ("all_gather_into_tensor", "1")
+            ("all_gather_into_tensor_out", "0"), ("all_gather_into_tensor_out", "1")
         ], fwd
         assert fwd[0]["kernels_before_wait"] == 0
         assert fwd[1]["kernels_before_wait"] >= 1, recs["00_fwd"]["schedule"]
@@ -640,11 +645,11 @@ def test_dump_final_schedule_and_overlap_distances(tmp_path: Path, per_unit_buck
             ("0.weight",), ("0.bias",), ("2.weight",), ("2.bias",)
         ] * 2, off
         assert all(c["kernels_before_wait"] == 0 for c in off), recs["02_fwd"]["schedule"]
-        assert "overlap: all_gather_into_tensor: 1 of 2 with >=1 kernel" in res["summary"]
+        assert "overlap: all_gather_into_tensor_out: 1 of 2 with >=1 kernel" in res["summary"]
         assert "wait after" in res["summary"]
         # The overlap pass keeps one all-gather in flight (gloo needs that), and
         # Inductor's scheduler does not add one.
-        assert all(r["in_flight"]["all_gather_into_tensor"] == 1 for r in recs.values()), [
+        assert all(r["in_flight"]["all_gather_into_tensor_out"] == 1 for r in recs.values()), [
             r["in_flight"] for r in recs.values()]
     coll = json.loads((tmp_path / "rank0" / "collectives.json").read_text())
     stages = [(g["name"], g["stage"]) for g in coll["graphs"]]

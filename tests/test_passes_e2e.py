@@ -67,7 +67,7 @@ def _overlap_order(graph: torch.fx.Graph) -> dict[str, Any]:
                     found.append(pos[u])
         return min(found)
 
-    ags = [n for n in nodes if P.is_all_gather(n)]
+    ags = [n for n in nodes if P.collective_family(n) == "all_gather"]
     prefetched = []
     for prev, ag in zip(ags, ags[1:]):
         wait = P.single_wait(prev)
@@ -80,7 +80,7 @@ def _overlap_order(graph: torch.fx.Graph) -> dict[str, Any]:
         late.append(wait is not None and bool(mms) and pos[mms[0]] < pos[wait] < pos[nxt])
     in_flight, most = set(), 0
     for n in nodes:
-        if P.is_all_gather(n):
+        if P.collective_family(n) == "all_gather":
             in_flight.add(n)
             most = max(most, len(in_flight))
         elif P.is_wait(n):
@@ -94,11 +94,16 @@ def _code_op(op: Any) -> str:
 
 
 def _code_regexes() -> tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]]:
-    """The issue of an all-gather, of a reduce-scatter, and a wait, in wrapper code."""
-    from traceable_hsdp.passes._graph import ALL_GATHER, REDUCE_SCATTER, WAIT
+    """The issue of an all-gather (either form: ``bufN = all_gather_into_tensor(..)``,
+    or on CPU ``all_gather_into_tensor_out(.., out=bufN)``; see [Note: CPU
+    all-gathers into buffers]), of a reduce-scatter, and a wait, in wrapper code;
+    group 1 or 2 is the buffer the wait names."""
+    from traceable_hsdp.passes._graph import ALL_GATHER, ALL_GATHER_OUT, REDUCE_SCATTER, WAIT
 
     return (
-        re.compile(rf"(buf\d+) = {_code_op(ALL_GATHER)}\("),
+        re.compile(
+            rf"(buf\d+) = {_code_op(ALL_GATHER)}\(|{_code_op(ALL_GATHER_OUT)}\(.*out=(buf\d+)\)"
+        ),
         re.compile(rf"(buf\d+) = {_code_op(REDUCE_SCATTER)}\("),
         re.compile(rf"{_code_op(WAIT)}\((buf\d+)\)"),
     )
@@ -114,7 +119,7 @@ def _code_overlap(code: str) -> dict[str, Any]:
     events: list[tuple[str, str]] = []  # (kind, buffer): "all_gather", "wait", "kernel"
     for line in code[code.index("def call") :].splitlines():
         if m := ag_issue.search(line):
-            events.append(("all_gather_into_tensor", m.group(1)))
+            events.append(("all_gather_into_tensor", m.group(1) or m.group(2)))
         elif m := rs_issue.search(line):
             events.append(("reduce_scatter_tensor", m.group(1)))
         elif m := wait.search(line):
@@ -134,7 +139,19 @@ def _code_overlap(code: str) -> dict[str, Any]:
             what, start = open_.pop(buf)
             between[what].append(sum(1 for k, _ in events[start:i] if k == "kernel"))
             in_flight -= what == "all_gather_into_tensor"
+    # Each CPU all-gather's input stays alive, not deleted or reused, until the
+    # all-gather's wait: gloo reads it until then ([Note: The input lives until the
+    # wait] in passes/gather_into_buffers.py).
+    lines = code[code.index("def call") :].splitlines()
+    ag_out = re.compile(r"all_gather_into_tensor_out\.default\((buf\d+), .*out=(buf\d+)\)")
+    inputs_freed_early = 0
+    for i, line in enumerate(lines):
+        if m := ag_out.search(line):
+            inp, out = m.groups()
+            end = next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({out})" in lines[j])
+            inputs_freed_early += any(re.search(rf"\b{inp}\b", ln) for ln in lines[i + 1 : end])
     return dict(
+        ag_inputs_freed_early=inputs_freed_early,
         ag_kernels=between["all_gather_into_tensor"][1:],
         rs_kernels=between["reduce_scatter_tensor"][:-1],
         ag_in_flight=most,
@@ -145,10 +162,12 @@ def _code_overlap(code: str) -> dict[str, Any]:
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _graph as P
 
-    c = dict.fromkeys(("all_gather", "reduce_scatter", "fsdp_copy", "resize_full", "resize_0"), 0)
+    keys = ("all_gather", "ag_out", "reduce_scatter", "fsdp_copy", "resize_full", "resize_0")
+    c = dict.fromkeys(keys, 0)
     for n in graph.nodes:
-        if P.is_all_gather(n):
+        if P.collective_family(n) == "all_gather":  # either form
             c["all_gather"] += 1
+            c["ag_out"] += n.target is P.ALL_GATHER_OUT
         elif P.is_reduce_scatter(n):
             c["reduce_scatter"] += 1
         elif P.is_fsdp_copy(n):
@@ -258,6 +277,9 @@ def test_passes_in_compiled_fsdp_step(per_unit_buckets: None) -> None:
         # reduce-scatter per unit.
         assert fwd[0]["all_gather"] == N_UNITS, fwd[0]
         assert bwd[0]["all_gather"] == N_LAYERS, bwd[0]
+        # Each into a buffer allocated beforehand: CPU tensors (gloo), see [Note: CPU
+        # all-gathers into buffers] in passes/gather_into_buffers.py.
+        assert f["ag_out"] == N_UNITS and b["ag_out"] == N_LAYERS, (f, b)
         assert bwd[0]["reduce_scatter"] == N_UNITS, bwd[0]
         # Overlap, in the post-grad graph: every all-gather but the first issued
         # before the previous unit's compute (forward, and the backward's
@@ -276,6 +298,7 @@ def test_passes_in_compiled_fsdp_step(per_unit_buckets: None) -> None:
         for c in code.values():
             assert all(c["ag_kernels"]) and all(c["rs_kernels"]), c
             assert c["ag_in_flight"] == 1, c
+            assert c["ag_inputs_freed_early"] == 0, c
         # No placeholder holds storage after a step.
         assert r["bytes_after_step"] == [0] * STEPS
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)

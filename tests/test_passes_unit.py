@@ -765,7 +765,13 @@ def test_install_is_idempotent_and_composes(restore_passes) -> None:
     gm, _ = _forward_like()
     installed(gm.graph, is_inference=False)
     assert user.calls == [0]  # ours ran first (no copies left), then theirs
-    assert _counts(gm)["all_gather"] == 1
+    # One bucketed all-gather, issued into a buffer (CPU values): gather_into_buffers
+    # runs after the configured passes.
+    from traceable_hsdp.passes._graph import ALL_GATHER_OUT
+
+    assert [n.target for n in gm.graph.nodes if n.target in (ALL_GATHER, ALL_GATHER_OUT)] == [
+        ALL_GATHER_OUT
+    ], gm.graph
     passes.uninstall()
     assert ic.post_grad_custom_pre_pass is user
     passes.install(PassConfig(remove_resize_copy=False))
@@ -1204,3 +1210,51 @@ def test_overlapped_graphs_run_with_real_collectives(one_rank_group) -> None:
         assert overlap(gm) >= 2
         for x, y in zip(gm(*inputs[0]), ref):
             assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------- gather_into_buffers
+def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
+    """Each CPU all-gather becomes ``empty`` + ``all_gather_into_tensor_out`` in the
+    same place, with its annotation, and the graph gives bitwise the same results
+    with the real collectives (1 rank); a GPU all-gather (fake CUDA values) and the
+    other collectives are left alone, and a second run changes nothing. See [Note:
+    CPU all-gathers into buffers] in passes/gather_into_buffers.py."""
+    from traceable_hsdp.passes import gather_into_buffers
+    from traceable_hsdp.passes._graph import ALL_GATHER_OUT, collective_family
+
+    b = _Builder()
+    a, c, g = b.input("a", 2, 3), b.input("c", 4), b.input("g", 2, 3)
+    ag_a = b(ALL_GATHER, a, 1, one_rank_group)
+    set_annotation(ag_a, annotation_value("Block", ["w"]))
+    ra = b(WAIT, ag_a)
+    rc = b(WAIT, b(ALL_GATHER, c, 1, one_rank_group))
+    rs = b(WAIT, b(REDUCE_SCATTER, g, "avg", 1, one_rank_group))
+    gm = b.done(b(aten.add.Tensor, ra, 1.0), rc, rs)
+    inputs = [torch.randn(2, 3), torch.randn(4), torch.randn(2, 3)]
+    ref = gm(*inputs)
+
+    assert gather_into_buffers(gm) == 2
+    outs = [n for n in gm.graph.nodes if n.target is ALL_GATHER_OUT]
+    assert len(outs) == 2 and not any(n.target is ALL_GATHER for n in gm.graph.nodes)
+    for n, inp in zip(outs, (a, c)):
+        buf = n.kwargs["out"]
+        assert buf.target is aten.empty.memory_format and buf.next is n, gm.graph
+        assert list(buf.args[0]) == list(n.meta["val"].shape)
+        assert [u.target for u in n.users] == [WAIT] and collective_family(n) == "all_gather"
+        # A second wait, on the input, right after the first: Inductor keeps the
+        # input alive until then ([Note: The input lives until the wait]).
+        (wait,) = n.users
+        assert wait.next.target is WAIT and wait.next.args == (inp,), gm.graph
+    assert annotation_of(outs[0]) == annotation_of(ag_a) is not None
+    assert _counts(gm)["reduce_scatter"] == 1
+    for x, y in zip(gm(*inputs), ref):
+        assert torch.equal(x, y)
+    assert gather_into_buffers(gm) == 0
+
+    gpu = _Builder()
+    with gpu.mode:
+        w = gpu.graph.placeholder("w")
+        w.meta["val"] = torch.empty(4, device="cuda")
+    gpu_gm = gpu.done(gpu(WAIT, gpu(ALL_GATHER, w, 2, "0")))
+    assert gather_into_buffers(gpu_gm) == 0
+    assert [n.target for n in gpu_gm.graph.nodes if n.op == "call_function"] == [ALL_GATHER, WAIT]

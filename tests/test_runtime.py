@@ -96,12 +96,14 @@ def test_reshard_after_forward_int_4_ranks(mode: str) -> None:
             assert r["graph_breaks"] == {}, r["graph_breaks"]
             fwd, bwd = r["post_grad"]
             assert (fwd["kind"], bwd["kind"]) == ("fwd", "bwd")
+            # CPU all-gathers are issued into buffers (the ``_out`` form): [Note: CPU
+            # all-gathers into buffers] in passes/gather_into_buffers.py.
             assert fwd["collectives"] == [
-                ("all_gather_into_tensor", 4, "Llama, layers.0, layers.1")
+                ("all_gather_into_tensor_out", 4, "Llama, layers.0, layers.1")
             ], fwd
             # A compiled-autograd graph carries no unit annotation (torch 2.13).
             assert bwd["collectives"] == [
-                ("all_gather_into_tensor", 2, None),
+                ("all_gather_into_tensor_out", 2, None),
                 ("reduce_scatter_tensor", 4, None),
             ], bwd
             # remove_resize_copy left no placeholder traffic in either graph.
@@ -448,9 +450,11 @@ def test_variable_sequence_lengths_compiled() -> None:
     for rank, r in enumerate(run_ranks(variable_length_worker, 2)):
         assert r["graphs"] == [(1, 1)] + [(1, 2)] * 3 + [(2, 2)], r["graphs"]
         assert r["graph_breaks"] == 0, r
-        one_bucket = {"all_gather_into_tensor": 1, "wait_tensor": 1}
+        # The all-gather in its CPU form, with a second wait that keeps its input
+        # alive: [Note: CPU all-gathers into buffers] in passes/gather_into_buffers.py.
+        one_bucket = {"all_gather_into_tensor_out": 1, "wait_tensor": 2}
         train_fwd = {**one_bucket, "fsdp.copy_": 3, "resize_to_full": 3}
-        both = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "wait_tensor": 2,
+        both = {"all_gather_into_tensor_out": 1, "reduce_scatter_tensor": 1, "wait_tensor": 3,
                 "resize_to_0": 3}
         assert r["counts"] == [("fwd", train_fwd), ("bwd", both), ("bwd", both),
                                ("fwd", one_bucket)], r["counts"]

@@ -19,22 +19,25 @@ _c10d = torch.ops._c10d_functional
 
 
 # [Note: In-flight all-gathers on gloo]
-# On torch 2.13 with gloo, two or more functional ``all_gather_into_tensor`` calls in
-# flight at once (issued, not yet waited) corrupt the heap: ranks die with SIGSEGV or
-# "malloc(): unaligned tcache chunk detected", after a few hundred to a few thousand
-# rounds (reproduced with bare ops, no traceable_hsdp code). In the same test the
-# ``_out`` variant (writing into an output allocated beforehand) ran clean with 40
-# in flight, and so did in-flight reduce-scatters, and one all-gather in flight
-# together with one reduce-scatter (60,000 pairs). So:
+# On torch 2.13 with gloo, the allocating functional ``all_gather_into_tensor`` (gloo's
+# ``allgather_into_tensor_coalesced``) corrupts the heap or hangs when another
+# collective is in flight at the same time: another all-gather, an all-reduce or a
+# reduce-scatter (ranks die with SIGSEGV or "malloc(): unaligned tcache chunk
+# detected" within some thousand rounds; bare ops, no traceable_hsdp code). The
+# ``_out`` variant (writing into an output allocated beforehand; gloo's
+# ``_allgather_base``) ran clean in the same tests, with several in flight and next
+# to in-flight reduce-scatters and all-reduces. The measurements are in [Note: CPU
+# all-gathers into buffers] (``passes/gather_into_buffers.py``). So:
 #
 # - eagerly, all-gathers are issued with ``all_gather_into_tensor_out`` and may stay
 #   in flight (a unit issues all of its gathers, then waits; prefetch issues the next
 #   unit's early);
 # - while tracing, each all-gather is waited for right after it is issued, so a graph
-#   run op by op (``aot_eager``) never has two in flight. Inductor's generated code
-#   calls the allocating op too; our overlap pass (``passes/overlap.py``) moves an
-#   all-gather early only while no other all-gather is in flight, so compiled code
-#   keeps at most one in flight (plus reduce-scatters).
+#   run op by op (``aot_eager``) issues none while another collective is in flight;
+# - Inductor's generated code would call the allocating op, and it overlaps (a
+#   reduce-scatter waited for late is in flight when the next re-gather is issued),
+#   so the last of our post-grad passes issues every CPU all-gather into a buffer
+#   allocated before it (``all_gather_into_tensor_out``).
 
 
 # [Note: Groups of one rank]

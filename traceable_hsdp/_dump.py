@@ -144,6 +144,7 @@ from .passes._graph import (
     collective_table,
     copy_annotations,
     current_compile,
+    family_counts,
     graph_counts,
     is_collective,
     max_in_flight,
@@ -284,8 +285,11 @@ class GraphRecord:
         annotations: where the unit/parameter columns come from: ``"node meta"``,
             or what :func:`copy_annotations` reported.
         schedule: the ``"scheduled"`` stage only: the final order, one entry per
-            collective (``"C3"``: issue of collective 3), wait (``"W3"``) or kernel
-            (its name), see [Note: The final schedule in the dump].
+            collective (``"C3"``: issue of collective 3), wait (``"W3"``; ``"W-"``
+            for a wait on a tensor no collective produced, as the one that keeps a
+            CPU all-gather's input alive: [Note: The input lives until the wait] in
+            ``passes/gather_into_buffers.py``) or kernel (its name), see [Note: The
+            final schedule in the dump].
         schedule_note: the ``"scheduled"`` stage only: whether the order of issues
             and waits agrees with torch's ``inductor_collective_schedule``, or why
             the schedule could not be read.
@@ -462,8 +466,9 @@ class GraphDump:
             schedule = read_schedule(code)
             record.collectives = with_schedule(rows, schedule)
             record.schedule = [
-                ("C" if op.kind == "collective" else "W") + str(op.collective)
-                if op.kind != "kernel" else op.name
+                op.name if op.kind == "kernel"
+                else ("C" if op.kind == "collective" else "W")
+                + ("-" if op.collective is None else str(op.collective))
                 for op in schedule
             ]
             record.in_flight = max_in_flight(schedule)
@@ -542,11 +547,12 @@ class GraphDump:
             rows = [head]
             for r in self.records:
                 c = r.counts
+                fam = family_counts(c)  # an all-gather in either form
                 rows.append((
                     r.name, _STAGE_TITLE[r.stage],
-                    str(c.get("all_gather_into_tensor", 0)),
-                    str(c.get("reduce_scatter_tensor", 0)),
-                    str(c.get("all_reduce", 0)),
+                    str(fam.get("all_gather", 0)),
+                    str(fam.get("reduce_scatter", 0)),
+                    str(fam.get("all_reduce", 0)),
                     str(c.get("fsdp.copy_", 0)),
                     str(c.get("resize_to_0", 0) + c.get("resize_to_full", 0)),
                     r.file,

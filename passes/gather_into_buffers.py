@@ -1,0 +1,144 @@
+"""Issue every CPU all-gather of a compiled graph into a buffer allocated beforehand.
+
+[Note: CPU all-gathers into buffers]
+On torch 2.13 with gloo, the allocating functional all-gather
+(``_c10d_functional.all_gather_into_tensor``, which reaches gloo through
+``allgather_into_tensor_coalesced``) corrupts the heap or hangs when another
+collective is in flight at the same time; the ``_out`` form
+(``all_gather_into_tensor_out``, gloo's ``_allgather_base``) does not. Bare ops on 2
+gloo ranks (2 cores, 20,000 rounds a run, some compute and allocation on the main
+thread while the collectives are in flight; 2026-11-27):
+
+========================================================  ==================
+in flight at once                                          runs that crashed
+========================================================  ==================
+3 allocating all-gathers                                   3 of 6
+3 ``_out`` all-gathers                                     0 of 6
+1 allocating all-gather, alone                             0 of 6
+an all-reduce, then an allocating all-gather               3 of 4 (1 hung)
+a reduce-scatter, then an allocating all-gather            3 of 4 (1 hung)
+an all-reduce, then an ``_out`` all-gather                 0 of 4
+a reduce-scatter, then an ``_out`` all-gather              0 of 4
+an ``_out`` all-gather, then a reduce-scatter              0 of 4
+========================================================  ==================
+
+(crash: ``malloc(): unaligned tcache chunk detected``, ``free(): invalid pointer``
+or SIGSEGV, at an allocation on the main thread; hung: a gloo worker spinning in
+``~UnboundBuffer``.) The overlap pass (``overlap.py``) keeps one all-gather in
+flight, but a reduce-scatter may be in flight when it is issued (late waits), which
+is the fifth row's pattern: the compiled backward of the compute-shape benchmark
+died that way once. So this pass, the last one on every post-grad graph, rewrites
+each all-gather of CPU tensors::
+
+    ag  = all_gather_into_tensor(shard, 2, "0")
+    r   = wait_tensor(ag)
+
+into::
+
+    buf = empty([2 * n], dtype=..., device=cpu)
+    ag  = all_gather_into_tensor_out(shard, 2, "0", out=buf)
+    r   = wait_tensor(ag)
+
+Inductor lowers the ``_out`` op (``comm_lowering.py``) as a collective that writes
+``buf`` in place; the wait and every use read the same values as before. GPU
+all-gathers (NCCL) are left alone. It is a correctness fix, not an optimisation, so
+:class:`PassConfig` does not switch it (``TRACEABLE_HSDP_PASSES=none`` keeps it),
+and it runs on every graph the installed pass sees, a user's own all-gathers
+included: on gloo they are exposed the same way. An all-gather whose output shape
+is symbolic (dynamic shapes) is left allocating, with a log line: a parameter's
+all-gather is always static.
+
+[Note: The input lives until the wait]
+gloo reads an all-gather's input on its worker thread, any time before the wait.
+For an allocating collective Inductor keeps the input alive and unreused until the
+wait (``_WaitKernel.get_volatile_reads``), but not for an ``_out`` one, whose wait
+names only the buffer it writes: the generated code deleted the input right after
+the issue, and Inductor's buffer reuse could hand that memory to a later kernel while
+gloo still reads it. So the pass adds a second ``wait_tensor``, on the input, right
+after the buffer's wait::
+
+    r   = wait_tensor(ag)
+    _   = wait_tensor(shard)    # no collective produced shard: a no-op at run time
+
+Inductor then treats the input as read at that point, as it did before the rewrite
+(``tests/test_passes_e2e.py`` checks the generated code: no input is deleted or
+reused between its all-gather and the wait).
+
+Invariant: each rewritten node computes the same tensor as the node it replaces,
+with the same inputs, group and position in the graph, so collective order and
+values are unchanged. The eager runtime issues ``_out`` all-gathers already (see
+[Note: In-flight all-gathers on gloo] in ``traceable_hsdp/_collectives.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+from ._graph import ALL_GATHER, ALL_GATHER_OUT, WAIT, bound_args, single_wait
+from ._rewrite import tensor_val
+
+__all__ = ["gather_into_buffers"]
+
+log = logging.getLogger(__name__)
+
+
+def gather_into_buffers(gm: fx.GraphModule) -> int:
+    """Rewrites each allocating all-gather of CPU tensors in ``gm`` into an ``empty``
+    buffer and ``all_gather_into_tensor_out`` into it. See [Note: CPU all-gathers
+    into buffers].
+
+    Args:
+        gm: a post-grad graph module (``OpOverload`` targets), changed in place.
+
+    Returns:
+        How many all-gathers were rewritten.
+    """
+    graph = gm.graph
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not ALL_GATHER:
+            continue
+        val = tensor_val(node)
+        if val is None or val.device.type != "cpu":
+            continue
+        shape = list(val.shape)
+        if not all(isinstance(s, int) for s in shape):
+            log.info("gather_into_buffers: %s left allocating: symbolic shape %s", node.name, shape)
+            continue
+        args = bound_args(node)
+        with graph.inserting_before(node):
+            buf = graph.call_function(
+                torch.ops.aten.empty.memory_format,
+                (shape,),
+                {"dtype": val.dtype, "device": val.device, "pin_memory": False},
+            )
+            out = graph.call_function(
+                ALL_GATHER_OUT,
+                (args["input"], args["group_size"], args["group_name"]),
+                {"out": buf},
+            )
+        fake_mode = torch._guards.detect_fake_mode([val])
+        if fake_mode is not None:
+            with fake_mode:
+                buf.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
+        else:
+            buf.meta["val"] = torch.empty(shape, dtype=val.dtype, device="meta")
+        # The annotation, stack trace and the rest carry over; the value is the buffer.
+        out.meta.update({**node.meta, "val": buf.meta["val"]})
+        wait = single_wait(node)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        inp = args["input"]
+        if wait is not None and isinstance(inp, fx.Node):
+            # See [Note: The input lives until the wait].
+            with graph.inserting_after(wait):
+                keep = graph.call_function(WAIT, (inp,))
+            keep.meta["val"] = inp.meta.get("val")
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
