@@ -148,7 +148,9 @@ def _code_overlap(code: str) -> dict[str, Any]:
     for i, line in enumerate(lines):
         if m := ag_out.search(line):
             inp, out = m.groups()
-            end = next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({out})" in lines[j])
+            end = next(
+                j for j in range(i + 1, len(lines)) if f"wait_tensor.default({out})" in lines[j]
+            )
             inputs_freed_early += any(re.search(rf"\b{inp}\b", ln) for ln in lines[i + 1 : end])
     return dict(
         ag_inputs_freed_early=inputs_freed_early,
