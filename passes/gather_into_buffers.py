@@ -48,8 +48,9 @@ all-gathers (NCCL) are left alone. It is a correctness fix, not an optimisation,
 :class:`PassConfig` does not switch it (``TRACEABLE_HSDP_PASSES=none`` keeps it),
 and it runs on every graph the installed pass sees, a user's own all-gathers
 included: on gloo they are exposed the same way. An all-gather whose output shape
-is symbolic (dynamic shapes) is left allocating, with a log line: a parameter's
-all-gather is always static.
+is symbolic (dynamic shapes), or that is not read by exactly one ``wait_tensor``,
+is left allocating, with a log line: a parameter's all-gather is static and waited
+for once.
 
 [Note: The input lives until the wait]
 gloo reads an all-gather's input on its worker thread, any time before the wait.
@@ -112,6 +113,12 @@ def gather_into_buffers(gm: fx.GraphModule) -> int:
             log.info("gather_into_buffers: %s left allocating: symbolic shape %s", node.name, shape)
             continue
         args = bound_args(node)
+        wait, inp = single_wait(node), args.get("input")
+        if wait is None or not isinstance(inp, fx.Node):
+            # Without its one wait the input could not be kept alive as long: see
+            # [Note: The input lives until the wait].
+            log.info("gather_into_buffers: %s left allocating: not one wait_tensor", node.name)
+            continue
         with graph.inserting_before(node):
             buf = graph.call_function(
                 torch.ops.aten.empty.memory_format,
@@ -131,15 +138,12 @@ def gather_into_buffers(gm: fx.GraphModule) -> int:
             buf.meta["val"] = torch.empty(shape, dtype=val.dtype, device="meta")
         # The annotation, stack trace and the rest carry over; the value is the buffer.
         out.meta.update({**node.meta, "val": buf.meta["val"]})
-        wait = single_wait(node)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        inp = args["input"]
-        if wait is not None and isinstance(inp, fx.Node):
-            # See [Note: The input lives until the wait].
-            with graph.inserting_after(wait):
-                keep = graph.call_function(WAIT, (inp,))
-            keep.meta["val"] = inp.meta.get("val")
+        # See [Note: The input lives until the wait].
+        with graph.inserting_after(wait):
+            keep = graph.call_function(WAIT, (inp,))
+        keep.meta["val"] = inp.meta.get("val")
         done += 1
     if done:
         graph.lint()

@@ -1216,8 +1216,9 @@ def test_overlapped_graphs_run_with_real_collectives(one_rank_group) -> None:
 def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
     """Each CPU all-gather becomes ``empty`` + ``all_gather_into_tensor_out`` in the
     same place, with its annotation, and the graph gives bitwise the same results
-    with the real collectives (1 rank); a GPU all-gather (fake CUDA values) and the
-    other collectives are left alone, and a second run changes nothing. See [Note:
+    with the real collectives (1 rank); a GPU all-gather (fake CUDA values), one with
+    no wait, and the other collectives are left alone, and a second run changes
+    nothing. See [Note:
     CPU all-gathers into buffers] in passes/gather_into_buffers.py."""
     from traceable_hsdp.passes import gather_into_buffers
     from traceable_hsdp.passes._graph import ALL_GATHER_OUT, collective_family
@@ -1250,6 +1251,12 @@ def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
     for x, y in zip(gm(*inputs), ref):
         assert torch.equal(x, y)
     assert gather_into_buffers(gm) == 0
+
+    # Not read by exactly one wait: left allocating (its input could not be kept alive).
+    lone = _Builder()
+    x = lone.input("x", 4)
+    lone_gm = lone.done(lone(ALL_GATHER, x, 2, "0"))
+    assert gather_into_buffers(lone_gm) == 0
 
     gpu = _Builder()
     with gpu.mode:
