@@ -1218,8 +1218,8 @@ def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
     same place, with its annotation, and the graph gives bitwise the same results
     with the real collectives (1 rank); a GPU all-gather (fake CUDA values), one with
     no wait, and the other collectives are left alone, and a second run changes
-    nothing. See [Note:
-    CPU all-gathers into buffers] in passes/gather_into_buffers.py."""
+    nothing. See [Note: CPU all-gathers into buffers] in
+    passes/gather_into_buffers.py."""
     from traceable_hsdp.passes import gather_into_buffers
     from traceable_hsdp.passes._graph import ALL_GATHER_OUT, collective_family
 
