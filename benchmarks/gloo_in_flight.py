@@ -28,21 +28,19 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
+from typing import Any
 
 KINDS = ("ag", "ago", "ar", "rs")
 
 
-def _rank(rank: int, world: int, pattern: list[str], rounds: int, numel: int, store: str) -> None:
-    import faulthandler
-
+def _rank(rank: int, placement: Any, *, pattern: list[str], rounds: int, numel: int) -> None:
+    """One rank's loop, under ``_harness.run_spawned_fn`` (gloo, one thread, a native
+    crash prints the Python stack)."""
     import torch
     import torch.distributed as dist
 
-    faulthandler.enable()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    world = placement.world
     c = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
     for r in range(rounds):
@@ -67,7 +65,6 @@ def _rank(rank: int, world: int, pattern: list[str], rounds: int, numel: int, st
                 want = torch.full((numel,), float(sum(k + i for k in range(world))))
             if not torch.equal(got, want):
                 raise AssertionError(f"round {r}, collective {i} ({kind}): wrong values")
-    dist.destroy_process_group()
 
 
 def _one_run(pattern: str, rounds: int, numel: int, timeout: float) -> dict[str, object]:
@@ -90,11 +87,10 @@ def _one_run(pattern: str, rounds: int, numel: int, timeout: float) -> dict[str,
 
 
 def _child(pattern: str, rounds: int, numel: int) -> None:
-    import torch.multiprocessing as mp
+    import _harness as H
 
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_rank, args=(2, pattern.split("+"), rounds, numel, f"{d}/store"),
-                           nprocs=2, start_method="spawn")
+    H.run_spawned_fn(_rank, H.Placement("cpu", 2), pattern=pattern.split("+"), rounds=rounds,
+                     numel=numel)
 
 
 def main(argv: list[str] | None = None) -> int:

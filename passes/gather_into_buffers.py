@@ -127,7 +127,7 @@ def gather_into_buffers(gm: fx.GraphModule) -> int:
             )
             out = graph.call_function(
                 ALL_GATHER_OUT,
-                (args["input"], args["group_size"], args["group_name"]),
+                (inp, args["group_size"], args["group_name"]),
                 {"out": buf},
             )
         fake_mode = torch._guards.detect_fake_mode([val])

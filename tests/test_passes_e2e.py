@@ -116,8 +116,9 @@ def _code_overlap(code: str) -> dict[str, Any]:
     all-gather but the first and each reduce-scatter but the last, how many kernel
     calls run between its issue and its wait; the most all-gathers in flight."""
     ag_issue, rs_issue, wait = _code_regexes()
+    lines = code[code.index("def call") :].splitlines()
     events: list[tuple[str, str]] = []  # (kind, buffer): "all_gather", "wait", "kernel"
-    for line in code[code.index("def call") :].splitlines():
+    for line in lines:
         if m := ag_issue.search(line):
             events.append(("all_gather_into_tensor", m.group(1) or m.group(2)))
         elif m := rs_issue.search(line):
@@ -142,7 +143,6 @@ def _code_overlap(code: str) -> dict[str, Any]:
     # Each CPU all-gather's input stays alive, not deleted or reused, until the
     # all-gather's wait: gloo reads it until then ([Note: The input lives until the
     # wait] in passes/gather_into_buffers.py).
-    lines = code[code.index("def call") :].splitlines()
     ag_out = re.compile(r"all_gather_into_tensor_out\.default\((buf\d+), .*out=(buf\d+)\)")
     inputs_freed_early = 0
     for i, line in enumerate(lines):
