@@ -1,14 +1,18 @@
 #!/usr/bin/env python
 """The time of one all-gather and one reduce-scatter by size: the latency/bandwidth
 trade-off that the passes' default bucket cap is sized from (see [Note: The default
-bucket cap] in ``passes/bucket_collectives.py``).
+bucket cap] in ``passes/bucket_collectives.py``), and what traceable_hsdp's
+reduce-scatter costs (over two gloo ranks an exchange: see [Note: gloo
+reduce-scatters as an exchange] in ``passes/reduce_scatter_by_exchange.py``).
 
     python benchmarks/collective_latency.py --out DIR [--device auto|cpu|cuda]
                                             [--world N] [--iters N] [--max-mib M]
 
 Spawns the ranks as ``step_time.py`` does (2 gloo ranks of one thread each on the
 CPU, one NCCL rank per GPU on CUDA) and times ``all_gather_into_tensor`` and
-``reduce_scatter_tensor`` (average) of float32 tensors from 4 KiB to ``--max-mib``
+``reduce_scatter_tensor`` (average) of float32 tensors, and the same reduction as
+traceable_hsdp issues it (``traceable_hsdp._collectives.reduce_scatter``: torch's
+op, except over two gloo ranks), from 4 KiB to ``--max-mib``
 (default 256) MiB of unsharded size (the gathered output, the reduce-scatter input; what
 ``bucket_cap_mb`` counts). Each size runs ``--iters`` times after 2 untimed ones; a
 time is the slowest rank's, the table shows medians. It reports, per collective, the
@@ -41,7 +45,10 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
 
     device = placement.rank_device(rank)
     ws = placement.world
-    out: dict[str, list[list[float]]] = {"all_gather": [], "reduce_scatter": []}
+    from traceable_hsdp._collectives import reduce_scatter
+
+    group = dist.group.WORLD.group_name
+    out: dict[str, list[list[float]]] = {"all_gather": [], "reduce_scatter": [], "ours": []}
 
     def timed(fn: Any) -> float:
         dist.barrier()
@@ -66,8 +73,10 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
             timed(lambda: dist.reduce_scatter_tensor(reduced, full, op=dist.ReduceOp.AVG))
             for _ in range(iters + 2)
         ]
+        ours = [timed(lambda: reduce_scatter(full, "avg", ws, group)) for _ in range(iters + 2)]
         out["all_gather"].append(ag[2:])
         out["reduce_scatter"].append(rs[2:])
+        out["ours"].append(ours[2:])
     return out
 
 
@@ -113,17 +122,19 @@ def main(argv: list[str] | None = None) -> int:
         "after 2 untimed ones. Size: the unsharded tensor (the all-gather's output, the "
         "reduce-scatter's input).",
         "",
-        "| size | all-gather (ms) | reduce-scatter (ms) |",
-        "|---|---|---|",
+        "| size | all-gather (ms) | reduce-scatter (ms) | traceable_hsdp's reduce-scatter (ms) |",
+        "|---|---|---|---|",
     ]
     for i, kib in enumerate(sizes):
         lines.append(f"| {_size(kib)} | {1e3 * med['all_gather'][i]:.3f} | "
-                     f"{1e3 * med['reduce_scatter'][i]:.3f} |")
+                     f"{1e3 * med['reduce_scatter'][i]:.3f} | {1e3 * med['ours'][i]:.3f} |")
     lines.append("")
-    for k in ("all_gather", "reduce_scatter"):
+    names = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+             "ours": "traceable_hsdp's reduce-scatter"}
+    for k, name in names.items():
         c = _crossing(sizes, med[k])
         lines.append(
-            f"- {k.replace('_', '-')}: latency floor {1e3 * med[k][0]:.3f} ms; twice the floor "
+            f"- {name}: latency floor {1e3 * med[k][0]:.3f} ms; twice the floor "
             f"first at {_size(c) if c else 'no size measured'}."
         )
     text = "\n".join(lines)

@@ -12,13 +12,18 @@ hang. Patterns, each a ``+``-separated list of what is issued:
 - ``ag`` / ``ago``: an allocating all-gather (``all_gather_into_tensor``) / one into
   a buffer allocated beforehand (``all_gather_into_tensor_out``);
 - ``ar``: an all-reduce; ``rs``: a reduce-scatter (both allocating, as the runtime
-  and Inductor issue them).
+  and Inductor issue them);
+- ``ex``: a reduce-scatter issued as an exchange (``all_to_all_single``, then the
+  addition after its wait), as over two gloo ranks traceable_hsdp issues every
+  reduce-scatter ([Note: gloo reduce-scatters as an exchange] in
+  ``passes/reduce_scatter_by_exchange.py``).
 
 Example (the rows of the Note's table)::
 
     python benchmarks/gloo_in_flight.py --pattern rs+ag --runs 4
     python benchmarks/gloo_in_flight.py --pattern rs+ago --runs 4
     python benchmarks/gloo_in_flight.py --pattern ag+ag+ag --runs 6
+    python benchmarks/gloo_in_flight.py --pattern ex+ago --runs 4
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-KINDS = ("ag", "ago", "ar", "rs")
+KINDS = ("ag", "ago", "ar", "rs", "ex")
 
 
 def _rank(rank: int, placement: Any, *, pattern: list[str], rounds: int, numel: int) -> None:
@@ -53,12 +58,17 @@ def _rank(rank: int, placement: Any, *, pattern: list[str], rounds: int, numel: 
                 issued.append(c.all_gather_into_tensor_out(x, world, group, out=x.new_empty(world * numel)))
             elif kind == "ar":
                 issued.append(c.all_reduce(x, "sum", group))
+            elif kind == "ex":
+                issued.append(c.all_to_all_single(
+                    torch.cat([x] * world), [numel] * world, [numel] * world, group))
             else:
                 issued.append(c.reduce_scatter_tensor(torch.cat([x] * world), "sum", world, group))
         junk = [torch.randn(1000) * 2 for _ in range(20)]  # main-thread allocation
         del junk, xs
         for i, (kind, t) in enumerate(zip(pattern, issued)):
             got = c.wait_tensor(t)
+            if kind == "ex":
+                got = got.view(world, numel).sum(0)
             if kind in ("ag", "ago"):
                 want = torch.cat([torch.full((numel,), float(k + i)) for k in range(world)])
             else:

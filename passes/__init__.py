@@ -10,6 +10,8 @@ it in place and does nothing when nothing matches:
   (``DEFAULT_BUCKET_CAP_MB``, 4 MiB, by default).
 - :func:`overlap`: each all-gather is issued one unit early (before the previous
   unit's compute), each reduce-scatter waited for just before the next one.
+- :func:`reduce_scatter_by_exchange`: a reduce-scatter over two gloo ranks is
+  issued as an all-to-all and an addition (gloo's own is an all-reduce).
 
 then, on every post-grad graph and not switchable:
 
@@ -31,7 +33,7 @@ the environment variables ``TRACEABLE_HSDP_PASSES`` and
 What each of them matches (an all-gather, a wait, an ``fsdp.copy_``, a resize, a
 unit's annotation) is the graph vocabulary of ``_graph.py``, which the dump tool, the
 benchmarks and the tests use as well. The package imports only torch.
-``docs/passes.md`` describes all seven, their order, switches and memory cost, and
+``docs/passes.md`` describes all eight, their order, switches and memory cost, and
 what :func:`install` changes in torch's configuration.
 """
 
@@ -54,6 +56,7 @@ from ._graph import UnitPassOptions
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
+from .reduce_scatter_by_exchange import reduce_scatter_by_exchange
 from .recompute_placeholder_views import recompute_placeholder_views
 from .remove_resize_copy import remove_resize_copy
 from .save_checkpoint_outputs import save_checkpoint_outputs
@@ -72,6 +75,7 @@ __all__ = [
     "install",
     "overlap",
     "recompute_placeholder_views",
+    "reduce_scatter_by_exchange",
     "remove_resize_copy",
     "run_passes",
     "save_checkpoint_outputs",

@@ -101,8 +101,11 @@ __all__ = [
     "ALL_GATHER",
     "ALL_GATHER_OUT",
     "ALL_REDUCE",
+    "ALL_TO_ALL",
     "ANNOTATION_KEY",
     "CollectiveRow",
+    "EXCHANGED",
+    "EXCHANGE_COUNT",
     "FSDP_COPY",
     "PostGradRecorder",
     "RESIZE",
@@ -152,6 +155,7 @@ ALL_GATHER = _c10d.all_gather_into_tensor.default
 ALL_GATHER_OUT = _c10d.all_gather_into_tensor_out.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default
+ALL_TO_ALL = _c10d.all_to_all_single.default
 WAIT = _c10d.wait_tensor.default
 FSDP_COPY = torch.ops.fsdp.copy_.default
 RESIZE = torch.ops.inductor.resize_storage_bytes_.default
@@ -161,12 +165,21 @@ _WAIT_NAME = "wait_tensor"
 _FSDP_COPY_NAME = ("fsdp", "copy_")
 _RESIZE_NAME = ("inductor", "resize_storage_bytes_")
 
+# The meta key that marks an ``all_to_all_single`` node as a reduce-scatter issued
+# as an exchange (see [Note: gloo reduce-scatters as an exchange] in
+# ``reduce_scatter_by_exchange.py``): it counts as a reduce-scatter, and
+# :func:`graph_counts` counts it under :data:`EXCHANGE_COUNT`.
+EXCHANGED = "traceable_hsdp_reduce_scatter_exchange"
+EXCHANGE_COUNT = "reduce_scatter_by_exchange"
+
 Family = Literal["all_gather", "reduce_scatter", "all_reduce"]
 # Op-name prefix of each collective family: the plain op and its variants
-# (``_out``, ``_coalesced``, the in-place ``all_reduce_``) count alike.
+# (``_out``, ``_coalesced``, the in-place ``all_reduce_``) count alike, and so does
+# a reduce-scatter issued as an exchange (:data:`EXCHANGE_COUNT`).
 _FAMILIES: tuple[tuple[str, Family], ...] = (
     ("all_gather_into_tensor", "all_gather"),
     ("reduce_scatter_tensor", "reduce_scatter"),
+    (EXCHANGE_COUNT, "reduce_scatter"),
     ("all_reduce", "all_reduce"),
 )
 
@@ -221,9 +234,12 @@ def is_collective(node: fx.Node) -> bool:
 def collective_family(node: fx.Node) -> Family | None:
     """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"`` for a collective of
     that family, its variants included (``all_gather_into_tensor_out``, the
-    ``_coalesced`` ops, the in-place ``all_reduce_``); else ``None``."""
+    ``_coalesced`` ops, the in-place ``all_reduce_``, a reduce-scatter issued as an
+    exchange: an ``all_to_all_single`` marked :data:`EXCHANGED`); else ``None``."""
     if not is_collective(node):
         return None
+    if node.meta.get(EXCHANGED):
+        return "reduce_scatter"
     q = op_name(node)
     assert q is not None
     for prefix, family in _FAMILIES:
@@ -694,16 +710,16 @@ def collective_table(graph: fx.Graph | fx.GraphModule) -> list[CollectiveRow]:
 
 def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
     """Counts of the nodes a fully_shard graph is judged by: each functional c10d op
-    by name (``all_gather_into_tensor``, ``wait_tensor``, ...), ``fsdp.copy_``, and
-    storage resizes (``resize_to_0`` and ``resize_to_full``). Zero counts are left
-    out."""
+    by name (``all_gather_into_tensor``, ``wait_tensor``, ...; a reduce-scatter issued
+    as an exchange as :data:`EXCHANGE_COUNT`), ``fsdp.copy_``, and storage resizes
+    (``resize_to_0`` and ``resize_to_full``). Zero counts are left out."""
     c: Counter[str] = Counter()
     for node in _graph_of(graph).nodes:
         q = op_name(node)
         if q is None:
             continue
         if q[0] in COLLECTIVE_NAMESPACES:
-            c[q[1]] += 1
+            c[EXCHANGE_COUNT if node.meta.get(EXCHANGED) else q[1]] += 1
         elif is_fsdp_copy(node):
             c["fsdp.copy_"] += 1
         elif is_resize(node):

@@ -40,9 +40,10 @@ initial value comes from the environment:
 ``TRACEABLE_HSDP_PASSES``
     Comma-separated pass names to run, the others off: ``remove_resize_copy``,
     ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``bucket`` (both bucketing
-    passes), ``overlap``; or ``all`` (every pass, the default when unset or empty) or
+    passes), ``overlap``, ``reduce_scatter_by_exchange``; or ``all`` (every pass, the default when unset or empty) or
     ``none``. Names are case-insensitive; an unknown one raises ``ValueError``.
-    Example: ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket`` (no overlap).
+    Example: ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket`` (neither
+    ``overlap`` nor ``reduce_scatter_by_exchange``).
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``
     ``bucket_cap_mb``: a number >= 0 (MiB), or ``none`` for one bucket per unit.
     Unset or empty: ``DEFAULT_BUCKET_CAP_MB`` (4). See [Note: Bucket size cap] and
@@ -119,6 +120,7 @@ from ._graph import INFERENCE_AWARE, InferenceAwareGraphPass, annotation_of, is_
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
+from .reduce_scatter_by_exchange import reduce_scatter_by_exchange
 from .remove_resize_copy import remove_resize_copy
 from .recompute_placeholder_views import recompute_placeholder_views
 from .save_checkpoint_outputs import save_checkpoint_outputs
@@ -139,7 +141,13 @@ log = logging.getLogger(__name__)
 
 ENV_PASSES = "TRACEABLE_HSDP_PASSES"
 ENV_BUCKET_CAP_MB = "TRACEABLE_HSDP_BUCKET_CAP_MB"
-_PASS_NAMES = ("remove_resize_copy", "bucket_all_gathers", "bucket_reduce_scatters", "overlap")
+_PASS_NAMES = (
+    "remove_resize_copy",
+    "bucket_all_gathers",
+    "bucket_reduce_scatters",
+    "overlap",
+    "reduce_scatter_by_exchange",
+)
 _ALIASES = {
     "all": _PASS_NAMES,
     "none": (),
@@ -158,6 +166,9 @@ class PassConfig:
         bucket_reduce_scatters: one reduce-scatter per unit (default ``True``).
         overlap: issue each all-gather one unit early and wait for reduce-scatters
             late (default ``True``); see [Note: Overlap] in ``overlap.py``.
+        reduce_scatter_by_exchange: issue each reduce-scatter over two gloo ranks
+            as an all-to-all and an addition, the same numbers for less traffic
+            (default ``True``); see [Note: gloo reduce-scatters as an exchange].
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
             (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
             cap]); ``None`` keeps one bucket per unit.
@@ -171,6 +182,7 @@ class PassConfig:
     bucket_all_gathers: bool = True
     bucket_reduce_scatters: bool = True
     overlap: bool = True
+    reduce_scatter_by_exchange: bool = True
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
 
     def __post_init__(self) -> None:
@@ -247,6 +259,7 @@ class PassConfig:
             bucket_all_gathers="bucket_all_gathers" in on,
             bucket_reduce_scatters="bucket_reduce_scatters" in on,
             overlap="overlap" in on,
+            reduce_scatter_by_exchange="reduce_scatter_by_exchange" in on,
             bucket_cap_mb=cap,
         )
 
@@ -277,7 +290,9 @@ def set_config(config: PassConfig) -> None:
 def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str, int]:
     """Runs the enabled passes on ``gm`` in order: ``remove_resize_copy`` first (see
     [Note: Removing resize/copy regions]), then the two bucketing passes, then
-    ``overlap`` (it moves whole buckets; see [Note: Overlap]).
+    ``overlap`` (it moves whole buckets; see [Note: Overlap]), then
+    ``reduce_scatter_by_exchange`` (it keeps each collective's and each wait's place;
+    see [Note: gloo reduce-scatters as an exchange]).
 
     Args:
         gm: a post-grad graph module, changed in place.
@@ -300,6 +315,8 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
         done["bucket_reduce_scatters"] = n
     if cfg.overlap:
         done["overlap"] = overlap(gm)
+    if cfg.reduce_scatter_by_exchange:
+        done["reduce_scatter_by_exchange"] = reduce_scatter_by_exchange(gm)
     return done
 
 

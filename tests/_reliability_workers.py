@@ -416,6 +416,12 @@ def _any_all_gather(node: torch.fx.Node) -> bool:
     return P.collective_family(node) == "all_gather"
 
 
+def _any_reduce_scatter(node: torch.fx.Node) -> bool:
+    from traceable_hsdp.passes import _graph as P
+
+    return P.collective_family(node) == "reduce_scatter"
+
+
 def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _graph as P
     from traceable_hsdp.passes import _rewrite as R
@@ -423,8 +429,10 @@ def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
     c = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "fsdp_copy", "resize"), 0)
     for n in graph.nodes:
         # An all-gather in either form (on CPU each is issued into a buffer: [Note:
-        # CPU all-gathers into buffers] in passes/gather_into_buffers.py).
-        for key, pred in (("all_gather", _any_all_gather), ("reduce_scatter", P.is_reduce_scatter),
+        # CPU all-gathers into buffers] in passes/gather_into_buffers.py), and a
+        # reduce-scatter (over two gloo ranks an exchange: [Note: gloo
+        # reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py).
+        for key, pred in (("all_gather", _any_all_gather), ("reduce_scatter", _any_reduce_scatter),
                           ("all_reduce", P.is_all_reduce), ("fsdp_copy", P.is_fsdp_copy),
                           ("resize", P.is_resize)):
             if pred(n):

@@ -349,3 +349,57 @@ def variable_length_worker(rank: int, world: int) -> dict[str, Any]:
     return dict(losses=losses, graphs=graphs, eval_logits=eval_logits,
                 graph_breaks=sum(counters["graph_break"].values()),
                 counts=[(g.kind, graph_counts(g.final_graph())) for g in post_grad.graphs])
+
+
+def _reduce_scatter_times_3(op: str, world: int, group: str) -> Any:
+    c10d = torch.ops._c10d_functional
+    return lambda t: c10d.wait_tensor(c10d.reduce_scatter_tensor(t, op, world, group)) * 3
+
+
+def exchange_worker(rank: int, world: int) -> dict[str, Any]:
+    """The reduce-scatter-as-exchange rewrite on 2 gloo ranks (see [Note: gloo
+    reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py): for
+    float32 and bfloat16, "sum" and "avg", a 1-D and a 2-D gradient, a traced graph
+    of one reduce-scatter gives the same bits before and after the pass, and so does
+    the eager runtime's ``reduce_scatter`` against the functional op. Cases the pass
+    must leave alone ("max", no wait, a fake GPU input) are counted. Returns what
+    each check found; the test asserts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from traceable_hsdp._collectives import reduce_scatter
+    from traceable_hsdp.passes import reduce_scatter_by_exchange
+    from traceable_hsdp.passes._graph import EXCHANGE_COUNT, REDUCE_SCATTER
+
+    c10d = torch.ops._c10d_functional
+    group = torch.distributed.group.WORLD.group_name
+    out: dict[str, Any] = {"bitwise": {}, "eager": {}, "counts": {}, "left_alone": {}}
+    gen = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        for op in ("sum", "avg"):
+            for shape in ((10,), (6, 5)):
+                x = torch.randn(shape, generator=gen).to(dtype)
+
+                gm = make_fx(_reduce_scatter_times_3(op, world, group))(x)
+                ref = gm(x)
+                n = reduce_scatter_by_exchange(gm)
+                key = f"{dtype}/{op}/{shape}"
+                out["bitwise"][key] = (n, torch.equal(gm(x), ref))
+                out["counts"][key] = graph_counts(gm)
+                eager = reduce_scatter(x, op, world, group)
+                plain = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, op, world, group))
+                out["eager"][key] = torch.equal(eager, plain) and eager.dtype == plain.dtype
+    x = torch.randn(8)
+    gm = make_fx(lambda t: c10d.wait_tensor(c10d.reduce_scatter_tensor(t, "max", world, group)))(x)
+    out["left_alone"]["max"] = reduce_scatter_by_exchange(gm)
+    gm = make_fx(lambda t: c10d.reduce_scatter_tensor(t, "sum", world, group))(x)
+    out["left_alone"]["no_wait"] = reduce_scatter_by_exchange(gm)
+    gm = make_fx(lambda t: c10d.wait_tensor(c10d.reduce_scatter_tensor(t, "sum", world, group)))(x)
+    with FakeTensorMode():  # the same graph, its input on a GPU (NCCL: a real reduce-scatter)
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                n.meta["val"] = torch.empty(8, device="cuda")
+    out["left_alone"]["gpu"] = reduce_scatter_by_exchange(gm)
+    out["left_alone"]["reduce_scatters"] = sum(n.target is REDUCE_SCATTER for n in gm.graph.nodes)
+    out["exchange_key"] = EXCHANGE_COUNT
+    return out

@@ -521,10 +521,12 @@ def test_collective_latency_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[
     md = (tmp_path / "collective_latency_cpu.md").read_text()
     for size in ("4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB"):
         assert f"| {size} |" in md, md
-    assert "all-gather: latency floor" in md and "reduce-scatter: latency floor" in md
+    assert "all-gather: latency floor" in md and "- reduce-scatter: latency floor" in md
+    assert "traceable_hsdp's reduce-scatter: latency floor" in md
     data = json.loads((tmp_path / "collective_latency_cpu.json").read_text())
     assert data["sizes_kib"] == [4, 16, 64, 256, 1024]
-    assert [len(t) for t in data["times_s"]["all_gather"]] == [1] * 5
+    for k in ("all_gather", "reduce_scatter", "ours"):
+        assert [len(t) for t in data["times_s"][k]] == [1] * 5, k
     # The crossing: the first size at twice the first size's time.
     assert collective_latency._crossing([4, 16, 64], [1.0, 1.5, 2.0]) == 64
     assert collective_latency._crossing([4, 16], [1.0, 1.9]) is None

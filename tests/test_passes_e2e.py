@@ -72,7 +72,7 @@ def _overlap_order(graph: torch.fx.Graph) -> dict[str, Any]:
     for prev, ag in zip(ags, ags[1:]):
         wait = P.single_wait(prev)
         prefetched.append(wait is not None and pos[wait] < pos[ag] < first_compute(wait))
-    rss = [n for n in nodes if P.is_reduce_scatter(n)]
+    rss = [n for n in nodes if P.collective_family(n) == "reduce_scatter"]  # either form
     late = []
     for rs, nxt in zip(rss, rss[1:]):
         wait = P.single_wait(rs)
@@ -96,15 +96,19 @@ def _code_op(op: Any) -> str:
 def _code_regexes() -> tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]]:
     """The issue of an all-gather (either form: ``bufN = all_gather_into_tensor(..)``,
     or on CPU ``all_gather_into_tensor_out(.., out=bufN)``; see [Note: CPU
-    all-gathers into buffers]), of a reduce-scatter, and a wait, in wrapper code;
-    group 1 or 2 is the buffer the wait names."""
-    from traceable_hsdp.passes._graph import ALL_GATHER, ALL_GATHER_OUT, REDUCE_SCATTER, WAIT
+    all-gathers into buffers]), of a reduce-scatter (either form: over two gloo
+    ranks an ``all_to_all_single``; see [Note: gloo reduce-scatters as an
+    exchange]), and a wait, in wrapper code; group 1 or 2 is the buffer the wait
+    names."""
+    from traceable_hsdp.passes._graph import (
+        ALL_GATHER, ALL_GATHER_OUT, ALL_TO_ALL, REDUCE_SCATTER, WAIT,
+    )
 
     return (
         re.compile(
             rf"(buf\d+) = {_code_op(ALL_GATHER)}\(|{_code_op(ALL_GATHER_OUT)}\(.*out=(buf\d+)\)"
         ),
-        re.compile(rf"(buf\d+) = {_code_op(REDUCE_SCATTER)}\("),
+        re.compile(rf"(buf\d+) = (?:{_code_op(REDUCE_SCATTER)}|{_code_op(ALL_TO_ALL)})\("),
         re.compile(rf"{_code_op(WAIT)}\((buf\d+)\)"),
     )
 
@@ -164,14 +168,16 @@ def _code_overlap(code: str) -> dict[str, Any]:
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _graph as P
 
-    keys = ("all_gather", "ag_out", "reduce_scatter", "fsdp_copy", "resize_full", "resize_0")
+    keys = ("all_gather", "ag_out", "reduce_scatter", "rs_exchange", "fsdp_copy",
+            "resize_full", "resize_0")
     c = dict.fromkeys(keys, 0)
     for n in graph.nodes:
         if P.collective_family(n) == "all_gather":  # either form
             c["all_gather"] += 1
             c["ag_out"] += n.target is P.ALL_GATHER_OUT
-        elif P.is_reduce_scatter(n):
+        elif P.collective_family(n) == "reduce_scatter":  # either form
             c["reduce_scatter"] += 1
+            c["rs_exchange"] += n.target is P.ALL_TO_ALL
         elif P.is_fsdp_copy(n):
             c["fsdp_copy"] += 1
         elif P.is_resize(n):
@@ -283,6 +289,9 @@ def test_passes_in_compiled_fsdp_step(per_unit_buckets: None) -> None:
         # all-gathers into buffers] in passes/gather_into_buffers.py.
         assert f["ag_out"] == N_UNITS and b["ag_out"] == N_LAYERS, (f, b)
         assert bwd[0]["reduce_scatter"] == N_UNITS, bwd[0]
+        # Each as an exchange: 2 gloo ranks, see [Note: gloo reduce-scatters as an
+        # exchange] in passes/reduce_scatter_by_exchange.py.
+        assert b["rs_exchange"] == N_UNITS, b
         # Overlap, in the post-grad graph: every all-gather but the first issued
         # before the previous unit's compute (forward, and the backward's
         # re-gathers), never two in flight (gloo); every reduce-scatter but the last

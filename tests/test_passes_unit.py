@@ -625,6 +625,7 @@ def test_all_passes_on_a_forward_like_graph() -> None:
         "bucket_all_gathers": 1,
         "bucket_reduce_scatters": 0,
         "overlap": 0,  # one unit: nothing to prefetch
+        "reduce_scatter_by_exchange": 0,  # no reduce-scatter (and no gloo group here)
     }
     c = _counts(gm)
     assert (c["all_gather"], c["copy"], c["resize"]) == (1, 0, 0)
@@ -676,14 +677,22 @@ def test_config_from_env() -> None:
         bucket_all_gathers=False,
         bucket_reduce_scatters=False,
         overlap=False,
+        reduce_scatter_by_exchange=False,
     )
     assert f({"TRACEABLE_HSDP_PASSES": "none"}) == PassConfig(**off)
     assert f({"TRACEABLE_HSDP_PASSES": "all"}) == PassConfig()
     assert f({"TRACEABLE_HSDP_PASSES": "remove_resize_copy"}) == PassConfig(
         **{**off, "remove_resize_copy": True}
     )
-    assert f({"TRACEABLE_HSDP_PASSES": " Remove_Resize_Copy , bucket , OVERLAP"}) == PassConfig()
-    assert f({"TRACEABLE_HSDP_PASSES": "remove_resize_copy,bucket"}) == PassConfig(overlap=False)
+    assert f({"TRACEABLE_HSDP_PASSES": " Remove_Resize_Copy , bucket , OVERLAP"}) == PassConfig(
+        reduce_scatter_by_exchange=False
+    )
+    assert f({"TRACEABLE_HSDP_PASSES": "remove_resize_copy,bucket,reduce_scatter_by_exchange"}) == (
+        PassConfig(overlap=False)
+    )
+    assert f({"TRACEABLE_HSDP_PASSES": "reduce_scatter_by_exchange"}) == PassConfig(
+        **{**off, "reduce_scatter_by_exchange": True}
+    )
     assert f({"TRACEABLE_HSDP_PASSES": "bucket_reduce_scatters"}) == PassConfig(
         **{**off, "bucket_reduce_scatters": True}
     )
@@ -1265,3 +1274,25 @@ def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
     gpu_gm = gpu.done(gpu(WAIT, gpu(ALL_GATHER, w, 2, "0")))
     assert gather_into_buffers(gpu_gm) == 0
     assert [n.target for n in gpu_gm.graph.nodes if n.op == "call_function"] == [ALL_GATHER, WAIT]
+
+
+# ---------------------------------------------------- reduce_scatter_by_exchange
+def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
+    """On 2 gloo ranks, each reduce-scatter ("sum" and "avg"; float32 and bfloat16; a
+    1-D and a 2-D gradient) becomes one exchange and an addition, and the graph gives
+    bitwise the same result as gloo's own reduce-scatter; so does the eager runtime's
+    ``reduce_scatter``. The exchange counts as a reduce-scatter. A "max", one with no
+    wait and a GPU one are left alone. See [Note: gloo reduce-scatters as an
+    exchange] in passes/reduce_scatter_by_exchange.py."""
+    from _dist import run_ranks
+    from _workers import exchange_worker
+
+    for r in run_ranks(exchange_worker, 2):
+        assert len(r["bitwise"]) == 8, r
+        for key, (n, same) in r["bitwise"].items():
+            assert n == 1 and same, (key, n, same)
+            counts = r["counts"][key]
+            assert counts.get(r["exchange_key"]) == 1 and "reduce_scatter_tensor" not in counts
+            assert passes._graph.family_counts(counts) == {"reduce_scatter": 1}, counts
+        assert all(r["eager"].values()), r["eager"]
+        assert r["left_alone"] == {"max": 0, "no_wait": 0, "gpu": 0, "reduce_scatters": 1}, r

@@ -14,6 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._common import compiling
+from .passes.reduce_scatter_by_exchange import is_gloo_group
 
 _c10d = torch.ops._c10d_functional
 
@@ -110,10 +111,26 @@ def reduce_scatter(
     full: torch.Tensor, op: str, world_size: int, group_name: str
 ) -> torch.Tensor:
     """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
-    rank's 1/world_size of dim 0."""
+    rank's 1/world_size of dim 0. Eagerly, over two gloo ranks, it is one exchange
+    and one addition, the same numbers for less traffic (see [Note: gloo
+    reduce-scatters as an exchange] in ``passes/reduce_scatter_by_exchange.py``; the
+    compiled graphs get the same from that pass)."""
     if world_size == 1:
         return full
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(full.contiguous(), op, world_size, group_name))
+    full = full.contiguous()
+    if (
+        world_size == 2
+        and op in ("sum", "avg")
+        and full.device.type == "cpu"
+        and not compiling()
+        and is_gloo_group(group_name)
+        and not _comm_debug_mode()
+    ):
+        k = full.size(0) // 2
+        got = _c10d.wait_tensor(_c10d.all_to_all_single(full, [k, k], [k, k], group_name))
+        out = torch.add(got[:k], got[k:])
+        return out.div_(2) if op == "avg" else out
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(full, op, world_size, group_name))
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group_name: str, group_size: int) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""Reduce-scatter over two gloo ranks as one exchange and one addition.
+
+[Note: gloo reduce-scatters as an exchange]
+gloo has no reduce-scatter. torch 2.13's ``ProcessGroupGloo`` implements one
+(``reduce_scatter_tensor_coalesced``) as a copy of the whole input, an all-reduce
+of that copy, and, in ``wait()``, a copy of this rank's chunk out of it: every rank
+sends and receives the whole tensor instead of the 1/world_size that a
+reduce-scatter needs, and the caller's thread pays the last copy. An all-to-all
+moves exactly what a reduce-scatter needs: rank ``r`` sends chunk ``j`` of its
+input to rank ``j`` and receives chunk ``r`` from every rank, then adds them. Bare
+ops on 2 gloo ranks (2 cores, one thread each, medians of 30 interleaved rounds,
+2026-11-27; ``benchmarks/gloo_reduce_scatter.py``):
+
+=========  ==========================  ============================
+input      ``reduce_scatter_tensor``   ``all_to_all_single`` + add
+=========  ==========================  ============================
+16 KiB     0.46 ms                     0.29 ms
+256 KiB    1.25 ms                     0.56 ms
+1 MiB      3.66 ms                     1.67 ms
+4 MiB      8.06 ms                     4.33 ms
+16 MiB     29.80 ms                    20.00 ms
+=========  ==========================  ============================
+
+So this pass rewrites each reduce-scatter of CPU tensors over a gloo group of two
+ranks, read by one wait::
+
+    rs = reduce_scatter_tensor(g, "avg", 2, "0")    # g: (2k, ...)
+    r  = wait_tensor(rs)
+
+into::
+
+    ex = all_to_all_single(g, [k, k], [k, k], "0")  # where rs was
+    w  = wait_tensor(ex)                            # where r was
+    r  = div(add(w[:k], w[k:]), 2)                  # "sum": add(w[:k], w[k:])
+
+The numbers are the same bit for bit: over two ranks each element of the result is
+one addition of two values, and floating-point addition is commutative, so the
+order gloo's all-reduce adds them in cannot matter; its average divides that sum by
+2, as here (``tests/test_passes_unit.py`` checks both ops, float32 and bfloat16,
+against gloo's own reduce-scatter). Over more ranks gloo's ring adds the chunks in
+an order of its own (on 4 ranks rank ``r`` gets ``((x[r+2] + x[r+3]) + x[r+1]) +
+x[r]``), which an exchange would have to copy to give the same numbers, so
+reduce-scatters over more than two ranks, ``max``/``min``/``product`` ones, GPU
+ones (NCCL has a real reduce-scatter), symbolic shapes, and those not read by
+exactly one wait are left alone. A 2x2 HSDP mesh's shard groups have two ranks.
+
+The exchange is issued where the reduce-scatter was and waited for where its wait
+was, so ``overlap``'s schedule holds; Inductor keeps an out-of-place collective's
+input alive until its wait (``_WaitKernel.get_volatile_reads``). An all-to-all in
+flight next to ``_out`` all-gathers ran clean in ``benchmarks/gloo_in_flight.py``
+(``--pattern a2a+ago``). The rewritten node keeps the reduce-scatter's annotation
+and is marked (:data:`EXCHANGED`), so the graph vocabulary still counts it as a
+reduce-scatter (:func:`passes._graph.collective_family`). The eager runtime does the
+same (``traceable_hsdp/_collectives.py``, :func:`reduce_scatter`).
+
+Invariant: the rewritten graph computes the same tensors as before, with its
+collectives issued and waited for at the same positions and over the same groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import fx
+
+from ._graph import ALL_TO_ALL, EXCHANGED, REDUCE_SCATTER, WAIT, bound_args, single_wait
+from ._rewrite import tensor_val
+
+__all__ = ["is_gloo_group", "reduce_scatter_by_exchange"]
+
+log = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+
+
+def is_gloo_group(group_name: str) -> bool:
+    """Whether the process group named ``group_name`` reaches CPU tensors through
+    gloo (``False`` for an unknown name, a group with no CPU backend, or another
+    backend). Not cached: a name may be given to another group after its group is
+    destroyed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        backend = _resolve_process_group(group_name)._get_backend(torch.device("cpu"))
+    except Exception:  # an unknown name or no CPU backend: not ours to rewrite
+        return False
+    return isinstance(backend, dist.ProcessGroupGloo)
+
+
+def _call_after(
+    graph: fx.Graph, at: fx.Node, target: Any, args: tuple[Any, ...], like: torch.Tensor | None
+) -> fx.Node:
+    """A new ``target(*args)`` node right after ``at``, its value shaped as ``like``."""
+    with graph.inserting_after(at):
+        node = graph.call_function(target, args)
+    node.meta["val"] = None if like is None else like.new_empty(like.shape)
+    return node
+
+
+def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
+    """Rewrites each reduce-scatter (``"sum"`` or ``"avg"``) of CPU tensors over a
+    gloo group of two ranks into an all-to-all and an addition. See [Note: gloo
+    reduce-scatters as an exchange].
+
+    Args:
+        gm: a post-grad graph module (``OpOverload`` targets), changed in place.
+
+    Returns:
+        How many reduce-scatters were rewritten.
+    """
+    graph = gm.graph
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not REDUCE_SCATTER:
+            continue
+        args = bound_args(node)
+        inp, op, name = args.get("input"), args.get("reduce_op"), args.get("group_name")
+        val = tensor_val(inp)
+        if (
+            val is None
+            or val.device.type != "cpu"
+            or args.get("group_size") != 2
+            or op not in ("sum", "avg")
+            or not isinstance(name, str)
+        ):
+            continue
+        shape = list(val.shape)
+        if not all(isinstance(s, int) for s in shape) or shape[0] % 2:
+            log.info("reduce_scatter_by_exchange: %s left alone: shape %s", node.name, shape)
+            continue
+        wait = single_wait(node)
+        if wait is None:
+            log.info("reduce_scatter_by_exchange: %s left alone: not one wait_tensor", node.name)
+            continue
+        if not is_gloo_group(name):
+            continue
+        k = shape[0] // 2
+        with graph.inserting_before(node):
+            ex = graph.call_function(ALL_TO_ALL, (inp, [k, k], [k, k], name))
+        with graph.inserting_after(wait):
+            got = graph.call_function(WAIT, (ex,))
+        half = tensor_val(wait)
+        lo = _call_after(graph, got, _aten.slice.Tensor, (got, 0, 0, k), half)
+        hi = _call_after(graph, lo, _aten.slice.Tensor, (got, 0, k, 2 * k), half)
+        out = _call_after(graph, hi, _aten.add.Tensor, (lo, hi), half)
+        if op == "avg":
+            out = _call_after(graph, out, _aten.div.Tensor, (out, 2), half)
+        # The annotation, stack trace and the rest carry over to the exchange.
+        ex.meta.update({**node.meta, "val": val.new_empty(shape), EXCHANGED: True})
+        got.meta["val"] = ex.meta["val"]
+        wait.replace_all_uses_with(out)
+        graph.erase_node(wait)
+        graph.erase_node(node)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
