@@ -40,8 +40,8 @@ initial value comes from the environment:
 ``TRACEABLE_HSDP_PASSES``
     Comma-separated pass names to run, the others off: ``remove_resize_copy``,
     ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``bucket`` (both bucketing
-    passes), ``overlap``, ``reduce_scatter_by_exchange``; or ``all`` (every pass, the default when unset or empty) or
-    ``none``. Names are case-insensitive; an unknown one raises ``ValueError``.
+    passes), ``overlap``, ``reduce_scatter_by_exchange``; or ``all`` (every pass,
+    the default when unset or empty) or ``none``. Names are case-insensitive; an unknown one raises ``ValueError``.
     Example: ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket`` (neither
     ``overlap`` nor ``reduce_scatter_by_exchange``).
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``
@@ -168,7 +168,8 @@ class PassConfig:
             late (default ``True``); see [Note: Overlap] in ``overlap.py``.
         reduce_scatter_by_exchange: issue each reduce-scatter over two gloo ranks
             as an all-to-all and an addition, the same numbers for less traffic
-            (default ``True``); see [Note: gloo reduce-scatters as an exchange].
+            (default ``True``), in compiled graphs and eagerly; see [Note: gloo
+            reduce-scatters as an exchange].
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
             (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
             cap]); ``None`` keeps one bucket per unit.

@@ -59,7 +59,8 @@ control, a reduce-scatter then an allocating all-gather, crashed in 2 of 2 runs 
 same minutes ([Note: CPU all-gathers into buffers] in ``gather_into_buffers.py``). The rewritten node keeps the reduce-scatter's annotation
 and is marked (:data:`EXCHANGED`), so the graph vocabulary still counts it as a
 reduce-scatter (:func:`passes._graph.collective_family`). The eager runtime does the
-same (``traceable_hsdp/_collectives.py``, :func:`reduce_scatter`).
+same (``reduce_scatter`` in ``traceable_hsdp/_collectives.py``), and
+``PassConfig(reduce_scatter_by_exchange=False)`` turns both off.
 
 Invariant: the rewritten graph computes the same tensors as before, with its
 collectives issued and waited for at the same positions and over the same groups.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from collections import Counter
@@ -402,4 +403,27 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     out["left_alone"]["gpu"] = reduce_scatter_by_exchange(gm)
     out["left_alone"]["reduce_scatters"] = sum(n.target is REDUCE_SCATTER for n in gm.graph.nodes)
     out["exchange_key"] = EXCHANGE_COUNT
+    # Eagerly the PassConfig switch turns the exchange off too.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from traceable_hsdp import passes
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.namespace == "_c10d_functional":
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    config = passes.get_config()
+    out["eager_ops"] = {}
+    for on in (True, False):
+        passes.set_config(dataclasses.replace(config, reduce_scatter_by_exchange=on))
+        with Ops() as ops:
+            reduce_scatter(torch.randn(8), "avg", world, group)
+        out["eager_ops"][on] = ops.names
+    passes.set_config(config)
     return out

@@ -1281,8 +1281,9 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     """On 2 gloo ranks, each reduce-scatter ("sum" and "avg"; float32 and bfloat16; a
     1-D and a 2-D gradient) becomes one exchange and an addition, and the graph gives
     bitwise the same result as gloo's own reduce-scatter; so does the eager runtime's
-    ``reduce_scatter``. The exchange counts as a reduce-scatter. A "max", one with no
-    wait and a GPU one are left alone. See [Note: gloo reduce-scatters as an
+    ``reduce_scatter``, unless ``PassConfig(reduce_scatter_by_exchange=False)``. The
+    exchange counts as a reduce-scatter. A "max", one with no wait and a GPU one are
+    left alone. See [Note: gloo reduce-scatters as an
     exchange] in passes/reduce_scatter_by_exchange.py."""
     from _dist import run_ranks
     from _workers import exchange_worker
@@ -1296,3 +1297,7 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
             assert passes._graph.family_counts(counts) == {"reduce_scatter": 1}, counts
         assert all(r["eager"].values()), r["eager"]
         assert r["left_alone"] == {"max": 0, "no_wait": 0, "gpu": 0, "reduce_scatters": 1}, r
+        assert r["eager_ops"] == {
+            True: ["all_to_all_single", "wait_tensor"],
+            False: ["reduce_scatter_tensor", "wait_tensor"],
+        }, r["eager_ops"]

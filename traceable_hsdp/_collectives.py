@@ -14,6 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._common import compiling
+from .passes import get_config
 from .passes.reduce_scatter_by_exchange import is_gloo_group
 
 _c10d = torch.ops._c10d_functional
@@ -114,7 +115,8 @@ def reduce_scatter(
     rank's 1/world_size of dim 0. Eagerly, over two gloo ranks, it is one exchange
     and one addition, the same numbers for less traffic (see [Note: gloo
     reduce-scatters as an exchange] in ``passes/reduce_scatter_by_exchange.py``; the
-    compiled graphs get the same from that pass)."""
+    compiled graphs get the same from that pass), unless the pass configuration
+    turns ``reduce_scatter_by_exchange`` off."""
     if world_size == 1:
         return full
     full = full.contiguous()
@@ -123,6 +125,7 @@ def reduce_scatter(
         and op in ("sum", "avg")
         and full.device.type == "cpu"
         and not compiling()
+        and get_config().reduce_scatter_by_exchange
         and is_gloo_group(group_name)
         and not _comm_debug_mode()
     ):
