@@ -125,9 +125,7 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
     """
     graph = gm.graph
     done = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not REDUCE_SCATTER:
-            continue
+    for node in list(graph.find_nodes(op="call_function", target=REDUCE_SCATTER)):
         args = bound_args(node)
         inp, op, name = args.get("input"), args.get("reduce_op"), args.get("group_name")
         val = tensor_val(inp)

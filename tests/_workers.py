@@ -367,7 +367,9 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     each check found; the test asserts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
 
+    from traceable_hsdp import passes
     from traceable_hsdp._collectives import reduce_scatter
     from traceable_hsdp.passes import reduce_scatter_by_exchange
     from traceable_hsdp.passes._graph import EXCHANGE_COUNT, REDUCE_SCATTER
@@ -380,7 +382,6 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
         for op in ("sum", "avg"):
             for shape in ((10,), (6, 5)):
                 x = torch.randn(shape, generator=gen).to(dtype)
-
                 gm = make_fx(_reduce_scatter_times_3(op, world, group))(x)
                 ref = gm(x)
                 n = reduce_scatter_by_exchange(gm)
@@ -403,11 +404,8 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     out["left_alone"]["gpu"] = reduce_scatter_by_exchange(gm)
     out["left_alone"]["reduce_scatters"] = sum(n.target is REDUCE_SCATTER for n in gm.graph.nodes)
     out["exchange_key"] = EXCHANGE_COUNT
+
     # Eagerly the PassConfig switch turns the exchange off too.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from traceable_hsdp import passes
-
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()

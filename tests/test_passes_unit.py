@@ -1283,8 +1283,8 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     bitwise the same result as gloo's own reduce-scatter; so does the eager runtime's
     ``reduce_scatter``, unless ``PassConfig(reduce_scatter_by_exchange=False)``. The
     exchange counts as a reduce-scatter. A "max", one with no wait and a GPU one are
-    left alone. See [Note: gloo reduce-scatters as an
-    exchange] in passes/reduce_scatter_by_exchange.py."""
+    left alone. See
+    [Note: gloo reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py."""
     from _dist import run_ranks
     from _workers import exchange_worker
 
