@@ -43,10 +43,10 @@ SIZES_KIB = [4 * 4**i for i in range(9)]
 def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    device = placement.rank_device(rank)
-    ws = placement.world
     from traceable_hsdp._collectives import reduce_scatter
 
+    device = placement.rank_device(rank)
+    ws = placement.world
     group = dist.group.WORLD.group_name
     out: dict[str, list[list[float]]] = {"all_gather": [], "reduce_scatter": [], "ours": []}
 

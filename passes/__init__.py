@@ -56,8 +56,8 @@ from ._graph import UnitPassOptions
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
-from .reduce_scatter_by_exchange import reduce_scatter_by_exchange
 from .recompute_placeholder_views import recompute_placeholder_views
+from .reduce_scatter_by_exchange import reduce_scatter_by_exchange
 from .remove_resize_copy import remove_resize_copy
 from .save_checkpoint_outputs import save_checkpoint_outputs
 
