@@ -1278,11 +1278,13 @@ def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
 
 # ---------------------------------------------------- reduce_scatter_by_exchange
 def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
-    """On 2 gloo ranks, each reduce-scatter ("sum" and "avg"; float32 and bfloat16; a
-    1-D and a 2-D gradient) becomes one exchange and an addition, and the graph gives
-    bitwise the same result as gloo's own reduce-scatter; so does the eager runtime's
-    ``reduce_scatter``, unless ``PassConfig(reduce_scatter_by_exchange=False)``. The
-    exchange counts as a reduce-scatter. A "max", one with no wait and a GPU one are
+    """On 2 gloo ranks, each float32 reduce-scatter ("sum" and "avg"; a 1-D and a 2-D
+    gradient) becomes one exchange and an addition, and the graph gives bitwise the
+    same result as gloo's own reduce-scatter, run op by op and compiled by Inductor
+    with a reader fused after it; a bfloat16 one is left alone in graphs (see
+    [Note: Low-precision sums and fusion]). The eager runtime's ``reduce_scatter``
+    gives the same bits in both dtypes, as an exchange unless
+    ``PassConfig(reduce_scatter_by_exchange=False)``. The exchange counts as a reduce-scatter. A "max", one with no wait and a GPU one are
     left alone. See
     [Note: gloo reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py."""
     from _dist import run_ranks
@@ -1291,10 +1293,15 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     for r in run_ranks(exchange_worker, 2):
         assert len(r["bitwise"]) == 8, r
         for key, (n, same) in r["bitwise"].items():
-            assert n == 1 and same, (key, n, same)
             counts = r["counts"][key]
-            assert counts.get(r["exchange_key"]) == 1 and "reduce_scatter_tensor" not in counts
+            assert same, key
             assert passes._graph.family_counts(counts) == {"reduce_scatter": 1}, counts
+            if key.startswith("torch.bfloat16"):  # [Note: Low-precision sums and fusion]
+                assert n == 0 and "reduce_scatter_tensor" in counts, (key, counts)
+                continue
+            assert n == 1, (key, n)
+            assert counts.get(r["exchange_key"]) == 1 and "reduce_scatter_tensor" not in counts
+        assert all(r["inductor"].values()), r["inductor"]
         assert all(r["eager"].values()), r["eager"]
         assert r["left_alone"] == {"max": 0, "no_wait": 0, "gpu": 0, "reduce_scatters": 1}, r
         assert r["eager_ops"] == {
