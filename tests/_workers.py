@@ -379,6 +379,8 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"bitwise": {}, "inductor": {}, "eager": {}, "counts": {},
                            "left_alone": {}}
     passes.install()  # as fully_shard does: the pass runs on Inductor's graphs
+    compiled = PostGradRecorder()  # the graphs Inductor compiled, after the passes
+    torch._inductor.config.post_grad_custom_post_pass = compiled
     gen = torch.Generator().manual_seed(rank)
     for dtype in (torch.float32, torch.bfloat16):
         for op in ("sum", "avg"):
@@ -393,7 +395,9 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
                 # ([Note: Low-precision sums and fusion]), float32 gives the same bits.
                 fn = _reduce_scatter_times_3(op, world, group)
                 torch._dynamo.reset()
-                out["inductor"][key] = torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x))
+                same = torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x))
+                final = graph_counts(compiled.graphs[-1].final_graph())
+                out["inductor"][key] = (same, final.get(EXCHANGE_COUNT, 0))
                 out["counts"][key] = graph_counts(gm)
                 eager = reduce_scatter(x, op, world, group)
                 plain = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, op, world, group))
@@ -431,4 +435,5 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
             reduce_scatter(torch.randn(8), "avg", world, group)
         out["eager_ops"][on] = ops.names
     passes.set_config(config)
+    torch._inductor.config.post_grad_custom_post_pass = None
     return out
