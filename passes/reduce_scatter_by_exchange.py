@@ -70,13 +70,12 @@ collectives issued and waited for at the same positions and over the same groups
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import fx
 
 from ._graph import ALL_TO_ALL, EXCHANGED, REDUCE_SCATTER, WAIT, bound_args, single_wait
-from ._rewrite import tensor_val
+from ._rewrite import insert_call, tensor_val
 
 __all__ = ["is_gloo_group", "reduce_scatter_by_exchange"]
 
@@ -112,16 +111,6 @@ def is_gloo_group(group_name: str) -> bool:
     except Exception:  # an unknown name or no CPU backend: not ours to rewrite
         return False
     return isinstance(backend, dist.ProcessGroupGloo)
-
-
-def _call_after(
-    graph: fx.Graph, at: fx.Node, target: Any, args: tuple[Any, ...], like: torch.Tensor | None
-) -> fx.Node:
-    """A new ``target(*args)`` node right after ``at``, its value shaped as ``like``."""
-    with graph.inserting_after(at):
-        node = graph.call_function(target, args)
-    node.meta["val"] = None if like is None else like.new_empty(like.shape)
-    return node
 
 
 def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
@@ -168,15 +157,15 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
             ex = graph.call_function(ALL_TO_ALL, (inp, [k, k], [k, k], name))
         with graph.inserting_after(wait):
             got = graph.call_function(WAIT, (ex,))
-        half = tensor_val(wait)
-        lo = _call_after(graph, got, _aten.slice.Tensor, (got, 0, 0, k), half)
-        hi = _call_after(graph, lo, _aten.slice.Tensor, (got, 0, k, 2 * k), half)
-        out = _call_after(graph, hi, _aten.add.Tensor, (lo, hi), half)
-        if op == "avg":
-            out = _call_after(graph, out, _aten.div.Tensor, (out, 2), half)
         # The annotation, stack trace and the rest carry over to the exchange.
         ex.meta.update({**node.meta, "val": val.new_empty(shape), EXCHANGED: True})
         got.meta["val"] = ex.meta["val"]
+        with graph.inserting_before(got.next):  # each new node after the last
+            lo = insert_call(graph, _aten.slice.Tensor, (got, 0, 0, k), like=node)
+            hi = insert_call(graph, _aten.slice.Tensor, (got, 0, k, 2 * k), like=node)
+            out = insert_call(graph, _aten.add.Tensor, (lo, hi), like=node)
+            if op == "avg":
+                out = insert_call(graph, _aten.div.Tensor, (out, 2), like=node)
         wait.replace_all_uses_with(out)
         graph.erase_node(wait)
         graph.erase_node(node)
