@@ -12,6 +12,8 @@ passes, ``traceable_hsdp.dump_graphs``, the benchmarks and the tests. It owns
   (:func:`read_schedule`, :func:`with_schedule`; see [Note: The final schedule]);
 - the collective annotations' keys, and reading, merging and copying them
   (see [Note: Collective annotations]).
+- resolving a collective's process group by name, and its backend for a device
+  (:func:`resolve_group`, :func:`group_backend`).
 
 It imports only torch.
 
@@ -125,6 +127,7 @@ __all__ = [
     "current_compile",
     "family_counts",
     "graph_counts",
+    "group_backend",
     "has_side_effects",
     "is_all_gather",
     "is_all_reduce",
@@ -137,6 +140,7 @@ __all__ = [
     "max_in_flight",
     "merge_annotations",
     "read_schedule",
+    "resolve_group",
     "scheduled_collective_name",
     "op_name",
     "resize_nbytes",
@@ -416,7 +420,11 @@ def _nbytes(value: Any) -> int | None:
     return total
 
 
-def _group_size(name: str | None) -> int | None:
+def resolve_group(name: str | None) -> Any | None:
+    """The live process group named ``name``, or ``None``: no name, no initialized
+    default group, or a name this process does not know (a graph from another
+    process, a group destroyed since). Not cached: a name may be given to another
+    group after its group is destroyed."""
     import torch.distributed as dist
 
     if name is None or not (dist.is_available() and dist.is_initialized()):
@@ -424,9 +432,28 @@ def _group_size(name: str | None) -> int | None:
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(name).size()
-    except Exception:  # an unknown name (a graph from another process): say nothing
+        return _resolve_process_group(name)
+    except Exception:  # an unknown name: say nothing
         return None
+
+
+def group_backend(name: str | None, device: torch.device) -> Any | None:
+    """The backend that the process group named ``name`` uses for ``device``'s type
+    (a ``ProcessGroupGloo``, ``ProcessGroupNCCL``, ...), or ``None`` where there is no
+    such group (:func:`resolve_group`) or it has no backend for that device type
+    (torch's threaded test group has none)."""
+    group = resolve_group(name)
+    if group is None:
+        return None
+    try:
+        return group._get_backend(device)
+    except RuntimeError:  # no backend registered for this device type
+        return None
+
+
+def _group_size(name: str | None) -> int | None:
+    group = resolve_group(name)
+    return None if group is None else group.size()
 
 
 def _group_name(value: Any) -> str | None:

@@ -74,7 +74,7 @@ import logging
 import torch
 from torch import fx
 
-from ._graph import ALL_TO_ALL, EXCHANGED, REDUCE_SCATTER, WAIT, bound_args, single_wait
+from ._graph import ALL_TO_ALL, EXCHANGED, REDUCE_SCATTER, WAIT, bound_args, group_backend, single_wait
 from ._rewrite import insert_call, tensor_val
 
 __all__ = ["is_gloo_group", "reduce_scatter_by_exchange"]
@@ -98,19 +98,10 @@ _SAME_PRECISION = (torch.float32, torch.float64)
 def is_gloo_group(group_name: str) -> bool:
     """Whether the process group named ``group_name`` reaches CPU tensors through
     gloo (``False`` for an unknown name, a group with no CPU backend, or another
-    backend). Not cached: a name may be given to another group after its group is
-    destroyed."""
+    backend; see :func:`~traceable_hsdp.passes._graph.group_backend`)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        backend = _resolve_process_group(group_name)._get_backend(torch.device("cpu"))
-    except Exception:  # an unknown name or no CPU backend: not ours to rewrite
-        return False
-    return isinstance(backend, dist.ProcessGroupGloo)
+    return isinstance(group_backend(group_name, torch.device("cpu")), dist.ProcessGroupGloo)
 
 
 def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:

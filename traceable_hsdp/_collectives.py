@@ -9,12 +9,12 @@ In a traced graph they are separate nodes, which the passes may move.
 from __future__ import annotations
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._common import compiling
 from .passes import get_config
+from .passes._graph import group_backend
 from .passes.reduce_scatter_by_exchange import is_gloo_group
 
 _c10d = torch.ops._c10d_functional
@@ -92,12 +92,7 @@ def _has_device_backend(group_name: str, device: torch.device) -> bool:
     ``_out`` collectives need. torch's threaded test process group
     (``MultiThreadedTestCase``) has none; the allocating op works there, and is
     waited for at once, as while tracing. See [Note: In-flight all-gathers on gloo]."""
-    group = _resolve_process_group(group_name)
-    try:
-        group._get_backend(device)
-    except RuntimeError:
-        return False
-    return True
+    return group_backend(group_name, device) is not None
 
 
 def wait_all_gather(tensor: torch.Tensor) -> torch.Tensor:
