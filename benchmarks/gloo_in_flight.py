@@ -7,7 +7,8 @@ without waiting, allocate and compute a little on the main thread (as a compiled
 graph does between a collective's issue and its wait), drop the Python references to
 the inputs, wait for every result and check it. A run that exits non-zero is a
 crash (the first line of its error is printed); one that exceeds ``--timeout`` is a
-hang. Patterns, each a ``+``-separated list of what is issued:
+hang; a crash's record keeps the Python stack that faulthandler printed (in the
+loop, or at the rank's exit). Patterns, each a ``+``-separated list of what is issued:
 
 - ``ag`` / ``ago``: an allocating all-gather (``all_gather_into_tensor``) / one into
   a buffer allocated beforehand (``all_gather_into_tensor_out``);
@@ -93,7 +94,9 @@ def _one_run(pattern: str, rounds: int, numel: int, timeout: float) -> dict[str,
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith(" ")]
     first = next((ln for ln in lines if "malloc" in ln or "free(" in ln or "Fatal" in ln
                   or "Error" in ln), lines[-1] if lines else f"exit {proc.returncode}")
-    return {"result": "crash", "seconds": seconds, "error": first}
+    # Where it died: the stack faulthandler printed (the rank's loop, or its exit).
+    stack = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip().startswith("File ")]
+    return {"result": "crash", "seconds": seconds, "error": first, "stack": stack[:12]}
 
 
 def _child(pattern: str, rounds: int, numel: int) -> None:

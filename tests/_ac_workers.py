@@ -31,6 +31,7 @@ from traceable_hsdp.passes._graph import (
     is_resize,
     is_view,
 )
+from _dist import full_tensor
 from _workers import CFG, LR, STEPS, _data, _loss, _mean_over_ranks, compile_for
 
 _WRAPPED = "_checkpoint_wrapped_module."
@@ -155,7 +156,7 @@ def _run(rank: int, world: int, kind: str, mode: str) -> dict[str, Any]:
             th.disable_compiled_autograd()
         torch._dynamo.config.compiled_autograd = False
         torch._dynamo.reset()
-    params = {k.replace(_WRAPPED, ""): v.full_tensor() for k, v in model.state_dict().items()}
+    params = {k.replace(_WRAPPED, ""): full_tensor(v) for k, v in model.state_dict().items()}
     return dict(losses=losses, params=params, graphs=graphs, forward=rec.forward, backward=rec.backward)
 
 

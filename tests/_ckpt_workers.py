@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import traceable_hsdp as th
+from _dist import full_tensor
 from _workers import CFG, LR, GraphRecorder, _data, _loss, _placeholder_bytes, dp_mesh
 from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
 
@@ -36,7 +37,7 @@ def _sharded(cfg: LlamaConfig, seed: int, mesh: DeviceMesh) -> Llama:
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {k: full_tensor(v) for k, v in model.state_dict().items()}
 
 
 def _mean_over_ranks(loss: torch.Tensor) -> float:
@@ -73,7 +74,7 @@ def _train(
         loss = _loss(fwd(x.chunk(world)[rank]), y.chunk(world)[rank])
         loss.backward()
         if first_grad_of is not None and first_grad is None:
-            first_grad = first_grad_of.grad.full_tensor()
+            first_grad = full_tensor(first_grad_of.grad)
         opt.step()
         opt.zero_grad()
         losses.append(_mean_over_ranks(loss))
@@ -129,7 +130,7 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
         m.load_state_dict({**src_sd, "extra.weight": src_sd["norm.weight"]})
     res = m.load_state_dict({**missing, "extra.weight": src_sd["norm.weight"]}, strict=False)
     assert res.missing_keys == ["norm.weight"] and res.unexpected_keys == ["extra.weight"]
-    assert torch.equal(m.output.weight.full_tensor(), plain_sd["output.weight"])
+    assert torch.equal(full_tensor(m.output.weight), plain_sd["output.weight"])
 
     # DTensors (another sharded model's state_dict()), before the first forward.
     m = fresh()
@@ -200,7 +201,7 @@ def load_rules_worker(rank: int, world: int) -> dict[str, Any]:
     m.layers[0].attn.wq.load_state_dict({"weight": plain_sd["layers.0.attn.wq.weight"]})
     wq = m.layers[0].attn.wq.weight
     assert isinstance(wq, DTensor)
-    assert torch.equal(wq.full_tensor(), plain_sd["layers.0.attn.wq.weight"])
+    assert torch.equal(full_tensor(wq), plain_sd["layers.0.attn.wq.weight"])
 
     # Other layouts load the same way: parameters sharded on dim 1
     # (shard_placement_fn) and kept on the CPU (CPUOffloadPolicy), copied or assigned.

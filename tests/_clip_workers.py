@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
+from _dist import full_tensor
 from _workers import (
     CFG,
     LR,
@@ -45,10 +46,6 @@ CLIP_VALUE = 2e-3
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _clip(model: torch.nn.Module) -> dict[str, Any]:
     """Clips ``model``'s gradients, norm then value; reports the gradients' types and
     placements, the norm clip_grad_norm_ returned (value, type, placements), the total
@@ -62,9 +59,9 @@ def _clip(model: torch.nn.Module) -> dict[str, Any]:
             grad_placements[key] = grad_placements.get(key, 0) + 1
     norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
     clipped = torch.nn.utils.get_total_norm([p.grad for p in params])
-    before = max(_whole(p.grad).abs().max().item() for p in params)
+    before = max(full_tensor(p.grad).abs().max().item() for p in params)
     torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)
-    after = max(_whole(p.grad).abs().max().item() for p in params)
+    after = max(full_tensor(p.grad).abs().max().item() for p in params)
     return dict(
         n_grads=len(params),
         grad_types=grad_types,
@@ -104,7 +101,7 @@ def _train(
         clips=clips,
         graphs=graphs,
         bytes_after_bwd=bytes_after_bwd,
-        params={k: _whole(v).detach().clone() for k, v in model.state_dict().items()},
+        params={k: full_tensor(v).detach().clone() for k, v in model.state_dict().items()},
     )
 
 

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import traceable_hsdp as th
+from _dist import full_tensor
 from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
 from traceable_hsdp.models import Llama, RMSNorm
 
@@ -48,9 +49,9 @@ def _full_tensor(v: DTensor) -> torch.Tensor:
     """The full tensor; a float8 one as its bytes (uint8), which gloo can gather and
     assert_close can compare bitwise."""
     if v.dtype != torch.float8_e4m3fn:
-        return v.full_tensor()
+        return full_tensor(v)
     local = v.to_local().view(torch.uint8)
-    return DTensor.from_local(local, v.device_mesh, v.placements, shape=v.shape, stride=v.stride()).full_tensor()
+    return full_tensor(DTensor.from_local(local, v.device_mesh, v.placements, shape=v.shape, stride=v.stride()))
 
 
 def _llama_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
 import traceable_hsdp as th
+from _dist import full_tensor
 from _workers import CFG, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
 from traceable_hsdp.models import Llama
 
@@ -89,7 +90,7 @@ def _train(
 
 def _full(model: Llama) -> dict[str, torch.Tensor]:
     """Every parameter whole: DTensors gathered, plain (ignored) ones as they are."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+    return {k: full_tensor(v) if isinstance(v, DTensor) else v.detach().clone()
             for k, v in model.state_dict().items()}
 
 

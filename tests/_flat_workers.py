@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
+from _dist import full_tensor
 from _workers import CFG, _data, _loss, _placeholder_bytes, dp_mesh
 from traceable_hsdp._annotate import ANNOTATION_KEY
 from traceable_hsdp.models import Llama
@@ -57,7 +58,7 @@ class CollectiveLog(TorchDispatchMode):
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+    return {k: full_tensor(v) if isinstance(v, DTensor) else v.detach().clone()
             for k, v in model.state_dict().items()}
 
 

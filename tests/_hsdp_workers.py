@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
+from _dist import full_tensor
 from _workers import CFG, LR, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
 from traceable_hsdp.models import Llama, shard_llama
 
@@ -38,7 +39,7 @@ def hsdp_worker(rank: int, world: int, shard_size: int, levels: list[str]) -> di
             losses.append(_mean_over_ranks(loss, world))
         out[level] = dict(
             losses=losses,
-            params={k: v.full_tensor() for k, v in model.state_dict().items()},
+            params={k: full_tensor(v) for k, v in model.state_dict().items()},
             placements={k: str(v.placements) for k, v in model.state_dict().items()},
             bytes_after_bwd=bytes_after_bwd,
         )
@@ -56,7 +57,7 @@ def reduce_op_worker(rank: int, world: int) -> dict[str, float]:
         shard_llama(model, th.hsdp, threshold=0, **kwargs)
         x, y = _data(world, 1)[0]
         _loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        grads[name] = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        grads[name] = {k: full_tensor(p.grad) for k, p in model.named_parameters()}
     ratios = {}
     for k, g in grads["mean"].items():
         ratios[k] = (
@@ -111,7 +112,7 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
             backwards(model)
         else:
             run(name, model, backwards)
-        return {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        return {k: full_tensor(p.grad) for k, p in model.named_parameters()}
 
     def _on_units(model: Any, setter: str, value: Any) -> None:
         # These setters apply to one unit, as torch's: set them on every unit.
@@ -170,7 +171,7 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         torch.distributed.all_reduce(p.grad)
         p.grad /= world
     out["embedding_no_unshard"] = max(
-        (a.grad.full_tensor() - b.grad).abs().max().item()
+        (full_tensor(a.grad) - b.grad).abs().max().item()
         for a, b in zip(emb.parameters(), ref.parameters())
     )
     # A unit that reads its weight in backward fails loudly when not re-gathered.
@@ -208,7 +209,7 @@ def ignored_params_worker(rank: int, world: int) -> dict[str, Any]:
             losses.append(loss.item())
         out[lib] = dict(
             losses=losses,
-            params={k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+            params={k: full_tensor(v) if isinstance(v, DTensor) else v.detach().clone()
                     for k, v in model.state_dict().items()},
             norm_type=type(model.norm.weight).__name__,
         )

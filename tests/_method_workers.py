@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import traceable_hsdp as th
+from _dist import full_tensor
 from _workers import (
     CFG,
     LR,
@@ -47,7 +48,7 @@ def _states(model: nn.Module) -> list[Any]:
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {k: full_tensor(v) for k, v in model.state_dict().items()}
 
 
 # ------------------------------------------------------------ models
@@ -172,7 +173,7 @@ def _hook_eager(rank: int, world: int) -> dict[str, Any]:
         shard_llama(model, th.fully_shard)
         setup(model)
         _loss(model(xs), ys).backward()
-        return {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        return {k: full_tensor(p.grad) for k, p in model.named_parameters()}
 
     base = grads(lambda m: None)
     seen: list[tuple[tuple[int, ...], torch.dtype]] = []

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp as th
+from _dist import full_tensor
 
 DIM, ROWS, MICROBATCHES, STEPS, LR = 8, 8, 4, 3, 0.1
 
@@ -73,7 +74,7 @@ def pipelined_fsdp(rank: int, world: int, mode: str) -> dict[str, Any]:
             "graphs": counters["stats"]["unique_graphs"],
             "captures": counters["compiled_autograd"]["captures"],
         })
-        params.append([p.full_tensor().clone() for p in chunk.parameters()])
+        params.append([full_tensor(p).clone() for p in chunk.parameters()])
         losses = [
             _loss(ref(xm), ym)
             for r in range(2)

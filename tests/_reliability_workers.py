@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
+from _dist import full_tensor
 import traceable_hsdp.passes._graph as G
 from traceable_hsdp.models import Llama, LlamaConfig
 
@@ -107,7 +108,7 @@ def prefetch_order_worker(rank: int, world: int) -> dict[str, Any]:
         with bwd:
             loss.backward()
         out[name] = dict(fwd=_compress(fwd.tokens), bwd=_compress(bwd.tokens), loss=loss.item(),
-                         grads=[p.grad.full_tensor() for p in model.parameters()])
+                         grads=[full_tensor(p.grad) for p in model.parameters()])
     graphs: list[tuple[bool, list[str]]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -127,7 +128,7 @@ def prefetch_order_worker(rank: int, world: int) -> dict[str, Any]:
         fwd=[g for is_bwd, g in graphs if not is_bwd],
         bwd=[g for is_bwd, g in graphs if is_bwd],
         loss=loss.item(),
-        grads=[p.grad.full_tensor() for p in model.parameters()],
+        grads=[full_tensor(p.grad) for p in model.parameters()],
     )
     return out
 
@@ -212,7 +213,7 @@ def uneven_worker(rank: int, world: int) -> dict[str, Any]:
             sd = model.state_dict()
             out[f"{mesh_name}_{mode}"] = dict(
                 losses=losses,
-                params={k: v.full_tensor() for k, v in sd.items()},
+                params={k: full_tensor(v) for k, v in sd.items()},
                 local_shapes={k: tuple(v.to_local().shape) for k, v in sd.items()},
                 placements={k: str(v.placements) for k, v in sd.items()},
                 graphs=(len(rec.forward), len(rec.backward)),
@@ -294,7 +295,7 @@ def below_root_worker(rank: int, world: int) -> dict[str, Any]:
             ref_opt.zero_grad()
             ref_losses.append(ref_loss.item())
         sd = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
-        diff = {k: (sd[k].full_tensor() - v).abs().max().item() for k, v in ref.state_dict().items()}
+        diff = {k: (full_tensor(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items()}
         diff.update({f"pre.{k}": (getattr(pre, k) - getattr(ref_pre, k)).abs().max().item()
                      for k in ("weight", "bias")})
         out[case] = dict(losses=losses, ref_losses=ref_losses, diff=diff,
@@ -497,7 +498,7 @@ def fat_worker(rank: int, world: int, mesh_shape: tuple[int, ...], ckpt: str) ->
                 losses.append(step(x, y))
                 graphs_after_step.append(len(graphs))
             out = dict(losses=losses, graphs_after_step=graphs_after_step,
-                       params={k: v.full_tensor() for k, v in model.state_dict().items()})
+                       params={k: full_tensor(v) for k, v in model.state_dict().items()})
             if compiled:
                 # Resume: load the checkpoint into the same model and optimizer (in
                 # place), and run the last step again.
@@ -507,7 +508,7 @@ def fat_worker(rank: int, world: int, mesh_shape: tuple[int, ...], ckpt: str) ->
                 opt.load_state_dict(state["optim"])
                 out["resumed_loss"] = step(*data[-1])
                 out["resumed_graphs"] = len(graphs)
-                out["resumed_params"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+                out["resumed_params"] = {k: full_tensor(v) for k, v in model.state_dict().items()}
             return out
         finally:
             if compiled:
@@ -592,7 +593,7 @@ def _train_region_case(world: int, rank: int, region: bool, compiled: bool = Tru
         for x, y in _data(world, 2):
             loss = _loss(step(x.chunk(world)[rank]), y.chunk(world)[rank])
             loss.backward()
-            grads.append({n: None if p.grad is None else p.grad.full_tensor()
+            grads.append({n: None if p.grad is None else full_tensor(p.grad)
                           for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad()
@@ -621,3 +622,38 @@ def region_block_worker(rank: int, world: int) -> dict[str, Any]:
     except Exception as e:  # the refusal, as dynamo raises it under fullgraph
         out["refused"] = str(e)
     return out
+
+
+# ---------------------------------------------------------- the tests' gathering
+def gather_helper_worker(rank: int, world: int) -> dict[str, Any]:
+    """``_dist.full_tensor`` on a 2-D (2x2) mesh, uneven shards on each dim: its
+    result against torch's ``full_tensor()`` and the unsharded tensor, and the c10d
+    ops each issued (recorded by a dispatch mode below the helper's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    full = torch.randn(7, 5)
+    mesh = init_device_mesh("cpu", (2, 2))
+    out: dict[str, Any] = {}
+    for name, placements in {"replicate_shard0": [Replicate(), Shard(0)], "shard0_shard1": [Shard(0), Shard(1)]}.items():
+        dt = distribute_tensor(full, mesh, placements)
+        ops: dict[str, list[str]] = {}
+        results = {}
+        for how, gather in (("torch", DTensor.full_tensor), ("helper", full_tensor)):
+            with _OpRecorder() as rec:
+                results[how] = gather(dt)
+            ops[how] = sorted({op for op in rec.ops if "c10d" in op})
+        out[name] = dict(ops=ops, torch_equal=torch.equal(results["torch"], full),
+                         helper_equal=torch.equal(results["helper"], full))
+    return out
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 import traceable_hsdp as th
 import traceable_hsdp.passes._graph as G
+from _dist import full_tensor
 from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
 from traceable_hsdp.models import Llama, LlamaConfig
 
@@ -113,7 +114,7 @@ def reference(steps: int, clip: float | None) -> tuple[list[float], dict[str, to
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {k: full_tensor(v) for k, v in model.state_dict().items()}
 
 
 def train(
@@ -131,7 +132,7 @@ def train(
         bytes_after.append(_placeholder_bytes(model) if isinstance(model, th.FSDPModule) else None)
         assert all(isinstance(p.grad, DTensor) for p in model.parameters())
         if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor().item())
+            norms.append(full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)).item())
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()

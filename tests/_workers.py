@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import traceable_hsdp as th
+from _dist import full_tensor
 from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
 from traceable_hsdp.passes._graph import (
     PostGradRecorder,
@@ -233,7 +234,7 @@ def parity_worker(
     if mode == "inductor":
         th.disable_compiled_autograd()
     final = [(g.kind, g.final_graph()) for g in post_grad.graphs]
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    full = {k: full_tensor(v) for k, v in model.state_dict().items()}
     sd_types = {type(v).__name__ for v in model.state_dict().values()}
     result = dict(
         losses=losses,

@@ -28,6 +28,7 @@ from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
 
 import traceable_hsdp.passes as passes
+from _dist import full_tensor
 from traceable_hsdp.passes import save_checkpoint_outputs
 
 aten = torch.ops.aten
@@ -355,7 +356,7 @@ def test_checkpoint_around_a_unit_refused_compiled_without_the_dynamo_flag(one_r
     flag = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
     for what, (model, call) in _around_unit_models(one_rank).items():
         call(model).sum().backward()  # eager trains
-        eager = [p.grad.full_tensor() for p in model.parameters()]
+        eager = [full_tensor(p.grad) for p in model.parameters()]
         model.zero_grad()
         torch._dynamo.reset()
         th.enable_compiled_autograd(backend="aot_eager")
@@ -380,7 +381,7 @@ def test_checkpoint_around_a_unit_refused_compiled_without_the_dynamo_flag(one_r
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
             call(compiled).sum().backward()
             for p, g in zip(model.parameters(), eager, strict=True):
-                torch.testing.assert_close(p.grad.full_tensor(), g, rtol=0, atol=0)
+                torch.testing.assert_close(full_tensor(p.grad), g, rtol=0, atol=0)
         finally:
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = flag
             th.disable_compiled_autograd()

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
-from _dist import run_ranks
+from _dist import full_tensor, run_ranks
 from _method_workers import RecordingEvent, eager_worker, hook_compiled_worker
 from _workers import dp_mesh
 
@@ -355,7 +355,7 @@ def test_held_gradient_of_a_parameter_unused_when_syncing(one_rank) -> None:
         ref(xs[1]).sum().backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert p.grad is not None, (b_unit, name)
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=1e-6,
+            torch.testing.assert_close(full_tensor(p.grad), q.grad, rtol=0, atol=1e-6,
                                        msg=f"{b_unit} {name}")
         assert _managed_grads_held(model) == []
         if b_unit:
@@ -422,11 +422,11 @@ def test_register_fsdp_forward_method(one_rank) -> None:
     for register in (th.register_fsdp_forward_method, torch_fsdp.register_fsdp_forward_method):
         m = th.fully_shard(Sampler(), mesh=one_rank)
         register(m, "sample")
-        w = m.lin.weight.full_tensor().clone()
+        w = full_tensor(m.lin.weight).clone()
         out = m.sample(x)
         torch.testing.assert_close(out, x @ w.T * 2, rtol=0, atol=0)
         out.sum().backward()
-        grad = m.lin.weight.grad.full_tensor()
+        grad = full_tensor(m.lin.weight.grad)
         torch.testing.assert_close(grad, 2 * x.sum(0).expand(4, 4), rtol=0, atol=0)
         assert isinstance(m.lin.weight, DTensor)  # resharded after the method
 

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from _dist import run_ranks
+from _dist import full_tensor, run_ranks
 from _workers import _placeholder_bytes
 
 N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 3, 3, 8, 2, 1e-2
@@ -248,7 +248,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    full = {k: full_tensor(v) for k, v in model.state_dict().items()}
     return dict(
         installed=installed,
         graphs=graphs,

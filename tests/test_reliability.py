@@ -2,9 +2,10 @@
 explicit prefetch, uneven shards at the edges, units compiled below an eager root,
 gradient hooks that compiled autograd runs eagerly (``nested_compile_region``
 blocks), the placeholder ops in the real post-grad graphs before our passes, and a
-rank that dies mid-step (the survivors, and ``traceable-hsdp train``), and the exit of a
-gloo job (its worker threads joined before the interpreter finalizes). Each test states its
-reference and tolerance. The Inductor feature tests are in test_inductor_features.py.
+rank that dies mid-step (the survivors, and ``traceable-hsdp train``), the exit of a
+gloo job (its worker threads joined before the interpreter finalizes), and the tests'
+own gathering (without gloo's allocating all-gather, which crashes rarely). Each test
+states its reference and tolerance. The Inductor feature tests are in test_inductor_features.py.
 """
 
 from __future__ import annotations
@@ -471,3 +472,35 @@ def test_gloo_workers_are_joined_before_the_interpreter_finalizes(tmp_path) -> N
     assert at_exit == 0, (training, at_exit)
     control_training, control_at_exit = extra_threads("control")
     assert control_at_exit == control_training > 0, (control_training, control_at_exit)
+
+
+# ------------------------------------------------------- the tests' own gathering
+# See [Note: The tests gather without gloo's allocating all-gather] in tests/_dist.py.
+
+
+def test_the_gather_helper_matches_torch_without_the_allocating_all_gather() -> None:
+    """Reference: torch's ``full_tensor()`` and the unsharded tensor, bitwise, on a 2x2
+    mesh with uneven shards. torch's own gather issues the allocating all-gather; the
+    helper issues the ``_out`` one into a buffer and never the allocating one."""
+    from _dist import run_ranks
+    from _reliability_workers import gather_helper_worker
+
+    for r in run_ranks(gather_helper_worker, 4):
+        for name, case in r.items():
+            assert case["torch_equal"] and case["helper_equal"], (name, case)
+            ag = "_c10d_functional.all_gather_into_tensor.default"
+            ag_out = "_c10d_functional.all_gather_into_tensor_out.default"
+            assert ag in case["ops"]["torch"], (name, case["ops"])  # else the check is empty
+            assert ag_out in case["ops"]["helper"] and ag not in case["ops"]["helper"], (name, case["ops"])
+
+
+def test_the_tests_gather_through_the_helper() -> None:
+    """No test module gathers a DTensor by calling torch's method itself: every
+    comparison goes through ``_dist.full_tensor``."""
+    import pathlib
+
+    needle = ".full_tensor(" + ")"
+    here = pathlib.Path(__file__).parent
+    calls = [f"{f.name}:{i}" for f in sorted(here.glob("*.py")) if f.name != "_dist.py"
+             for i, line in enumerate(f.read_text().splitlines(), 1) if needle in line.split("#")[0]]
+    assert calls == [], calls

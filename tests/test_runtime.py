@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
-from _dist import run_ranks
+from _dist import full_tensor, run_ranks
 from _workers import CFG, STEPS, parity_worker, reference_run
 
 N_PARAMS = 2 + 9 * CFG.n_layers + 1  # embedding, norm, output + 9 per block
@@ -299,7 +299,7 @@ def test_eager_list_unit_and_default_mesh(one_rank) -> None:
         m(x).pow(2).sum().backward()
         opt_r.step(), opt.step(), opt_r.zero_grad(), opt.zero_grad()
     for (k, v), r in zip(m.state_dict().items(), ref.state_dict().values()):
-        torch.testing.assert_close(v.full_tensor(), r, rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(full_tensor(v), r, rtol=0, atol=0, msg=k)
     state = m[0]._traceable_hsdp_state
     assert all(fp.unsharded_param.untyped_storage().nbytes() == 0 for fp in state.param_group.fsdp_params)
 
@@ -399,7 +399,7 @@ def test_world_size_1_issues_no_collectives(one_rank) -> None:
     assert not any("c10d" in s for s in seen), sorted(set(seen))
     ref(x).sum().backward()
     for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0)
+        torch.testing.assert_close(full_tensor(p.grad), q.grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("raf", [None, False])
