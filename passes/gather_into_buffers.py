@@ -14,7 +14,8 @@ in flight at once                                          runs that crashed
 ========================================================  ==================
 3 allocating all-gathers                                   3 of 6
 3 ``_out`` all-gathers                                     0 of 6
-1 allocating all-gather, alone                             0 of 6
+1 allocating all-gather, alone                             0 of 6 (2 of 8 at 250,000)
+1 ``_out`` all-gather, alone, 250,000 rounds a run          0 of 4
 an all-reduce, then an allocating all-gather               3 of 4 (1 hung)
 a reduce-scatter, then an allocating all-gather            3 of 4 (1 hung)
 an all-reduce, then an ``_out`` all-gather                 0 of 4
@@ -27,10 +28,11 @@ or SIGSEGV, at an allocation on the main thread; hung: a gloo worker spinning in
 ``~UnboundBuffer``.) ``benchmarks/gloo_in_flight.py`` runs that loop; on an
 otherwise idle machine it crashed in 4 of 4 runs with a reduce-scatter then an
 allocating all-gather, and in 0 of 4 with the ``_out`` form (results in
-``docs/passes.md``). The overlap pass (``overlap.py``) keeps one all-gather in
-flight, but a reduce-scatter may be in flight when it is issued (late waits), which
-is the fifth row's pattern: the compiled backward of the compute-shape benchmark
-died that way once. So this pass, the last one on every post-grad graph, rewrites
+``docs/passes.md``). Alone, the allocating form crashes too, about once in a
+million calls (``docs/design.md``). The overlap pass (``overlap.py``) keeps one
+all-gather in flight, but a reduce-scatter may be in flight when it is issued
+(late waits), which is the fifth row's pattern: the compiled backward of the
+compute-shape benchmark died that way once. So this pass, the last one on every post-grad graph, rewrites
 each all-gather of CPU tensors::
 
     ag  = all_gather_into_tensor(shard, 2, "0")

@@ -193,8 +193,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, spawn: bool =
 # torch 2.13's gloo crashes, rarely, in the allocating functional all-gather
 # (``_c10d_functional.all_gather_into_tensor``, which reaches gloo's
 # ``allgather_into_tensor_coalesced``) even with nothing else in flight and waited
-# for at once: a rank died with SIGSEGV once in 1,000,000 bare calls (2 gloo ranks,
-# ``benchmarks/gloo_in_flight.py --pattern ag --runs 4 --rounds 250000``,
+# for at once: a rank died with SIGSEGV twice in 2,000,000 bare calls (2 gloo ranks,
+# ``benchmarks/gloo_in_flight.py --pattern ag --runs 4 --rounds 250000``, twice,
 # 2026-11-27; no traceable_hsdp code runs there). ``DTensor.full_tensor()`` issues
 # that op, the suite calls it thousands of times a run to compare parameters and
 # gradients, and three full runs (2026-11-25 and 2026-11-27) lost a rank inside it
@@ -207,10 +207,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, spawn: bool =
 class _GatherIntoBuffers(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops._c10d_functional.all_gather_into_tensor.default:
+        c10d = torch.ops._c10d_functional
+        if func is c10d.all_gather_into_tensor.default:
             shard, world, group = args
             out = shard.new_empty((world * shard.size(0), *shard.shape[1:]))
-            return torch.ops._c10d_functional.all_gather_into_tensor_out(shard, world, group, out=out)
+            return c10d.all_gather_into_tensor_out(shard, world, group, out=out)
         return func(*args, **kwargs)
 
 

@@ -5,7 +5,8 @@ blocks), the placeholder ops in the real post-grad graphs before our passes, and
 rank that dies mid-step (the survivors, and ``traceable-hsdp train``), the exit of a
 gloo job (its worker threads joined before the interpreter finalizes), and the tests'
 own gathering (without gloo's allocating all-gather, which crashes rarely). Each test
-states its reference and tolerance. The Inductor feature tests are in test_inductor_features.py.
+states its reference and tolerance. The Inductor feature tests are in
+test_inductor_features.py.
 """
 
 from __future__ import annotations
