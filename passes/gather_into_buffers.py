@@ -32,8 +32,8 @@ allocating all-gather, and in 0 of 4 with the ``_out`` form (results in
 million calls (``docs/design.md``). The overlap pass (``overlap.py``) keeps one
 all-gather in flight, but a reduce-scatter may be in flight when it is issued
 (late waits), which is the fifth row's pattern: the compiled backward of the
-compute-shape benchmark died that way once. So this pass, the last one on every post-grad graph, rewrites
-each all-gather of CPU tensors::
+compute-shape benchmark died that way once. So this pass, the last one on every
+post-grad graph, rewrites each all-gather of CPU tensors::
 
     ag  = all_gather_into_tensor(shard, 2, "0")
     r   = wait_tensor(ag)

@@ -44,8 +44,8 @@ one addition of two values, and floating-point addition is commutative, so the
 order gloo's all-reduce adds them in cannot matter; its average divides that sum by
 2, as here (``tests/test_passes_unit.py`` checks both ops against gloo's own
 reduce-scatter). In compiled graphs only float32 and float64 reduce-scatters are
-rewritten: see [Note: Low-precision sums and fusion]. Over more ranks gloo's ring adds the chunks in
-an order of its own (on 4 ranks rank ``r`` gets ``((x[r+2] + x[r+3]) + x[r+1]) +
+rewritten: see [Note: Low-precision sums and fusion]. Over more ranks gloo's ring
+adds the chunks in an order of its own (on 4 ranks rank ``r`` gets ``((x[r+2] + x[r+3]) + x[r+1]) +
 x[r]``), which an exchange would have to copy to give the same numbers, so
 reduce-scatters over more than two ranks, ``max``/``min``/``product`` ones, GPU
 ones (NCCL has a real reduce-scatter), symbolic shapes, and those not read by

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
-from _dist import full_tensor
 import traceable_hsdp.passes._graph as G
+from _dist import full_tensor
 from traceable_hsdp.models import Llama, LlamaConfig
 
 # ------------------------------------------------------------------- prefetch
@@ -627,10 +627,12 @@ def region_block_worker(rank: int, world: int) -> dict[str, Any]:
 # ---------------------------------------------------------- the tests' gathering
 def gather_helper_worker(rank: int, world: int) -> dict[str, Any]:
     """``_dist.full_tensor`` on a 2-D (2x2) mesh, uneven shards on each dim: its
-    result against torch's ``full_tensor()`` and the unsharded tensor, and the c10d
-    ops each issued (recorded by a dispatch mode below the helper's)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    result against torch's ``full_tensor()`` and the unsharded tensor, and the
+    functional collectives each issued (recorded by a dispatch mode below the
+    helper's)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from _workers import FunctionalCollectiveOps
 
     torch.manual_seed(0)
     full = torch.randn(7, 5)
@@ -641,19 +643,9 @@ def gather_helper_worker(rank: int, world: int) -> dict[str, Any]:
         ops: dict[str, list[str]] = {}
         results = {}
         for how, gather in (("torch", DTensor.full_tensor), ("helper", full_tensor)):
-            with _OpRecorder() as rec:
+            with FunctionalCollectiveOps() as rec:
                 results[how] = gather(dt)
-            ops[how] = sorted({op for op in rec.ops if "c10d" in op})
+            ops[how] = sorted(set(rec.names))
         out[name] = dict(ops=ops, torch_equal=torch.equal(results["torch"], full),
                          helper_equal=torch.equal(results["helper"], full))
     return out
-
-
-class _OpRecorder(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))

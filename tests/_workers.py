@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
 from _dist import full_tensor
@@ -95,6 +96,21 @@ def dynamo_counts(graph: torch.fx.Graph) -> dict[str, int]:
         elif is_resize(n):
             counts["resize_storage_bytes_"] += 1
     return dict(counts)
+
+
+class FunctionalCollectiveOps(TorchDispatchMode):
+    """Records, in dispatch order, the name of each ``_c10d_functional`` op run eagerly
+    while active (``all_gather_into_tensor``, ``all_gather_into_tensor_out``,
+    ``wait_tensor``, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "_c10d_functional":
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 class GraphRecorder:
@@ -368,8 +384,6 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     each check found; the test asserts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from traceable_hsdp import passes
     from traceable_hsdp._collectives import reduce_scatter
     from traceable_hsdp.passes import reduce_scatter_by_exchange
@@ -418,21 +432,11 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     out["exchange_key"] = EXCHANGE_COUNT
 
     # Eagerly the PassConfig switch turns the exchange off too.
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func.namespace == "_c10d_functional":
-                self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     config = passes.get_config()
     out["eager_ops"] = {}
     for on in (True, False):
         passes.set_config(dataclasses.replace(config, reduce_scatter_by_exchange=on))
-        with Ops() as ops:
+        with FunctionalCollectiveOps() as ops:
             reduce_scatter(torch.randn(8), "avg", world, group)
         out["eager_ops"][on] = ops.names
     passes.set_config(config)
