@@ -47,6 +47,20 @@ with one setting changed) still differed by 7-10% with the order, the earlier on
 faster in both runs, so an A/B of two of ours is run in both orders and read as the
 geometric mean of the two.
 
+[Note: One model per process]
+A user's process holds one model; the round-robin loop holds every variant's. With
+``--processes N``, ``step_time.py`` instead runs each variant alone in its own
+spawned ranks (:func:`run_isolated`), ``N`` times, the order reversed every other
+time (the variants as given, then backwards, ...), all on one Inductor cache: a
+variant's first process compiles cold and its later ones warm. Within a process the
+variant takes ``rounds`` rounds of its own steps. The medians are over every timed
+step of every process, so machine noise spreads over the variants as the processes
+alternate, in slices of a process (tens of seconds) rather than a step. The compile
+column is the first process's first step; every process's first step is kept in the
+JSON (``first_step_s_per_process``). Each process starts from the same weights and
+batches, so every process of a variant must give the same losses
+(``losses_same_in_every_process``).
+
 [Note: Per-variant settings]
 Some switches are global to the process and read at compile time or run time:
 compiled autograd (on only while an ``ours_compiled*`` variant steps, so torch's
@@ -1035,6 +1049,41 @@ def run_spawned(placement: Placement, **kwargs: Any) -> list[dict[str, Any]]:
     results (rank order) or raises ``RuntimeError`` with every failing rank's
     traceback."""
     return run_spawned_fn(run_rank, placement, **kwargs)
+
+
+def run_isolated(placement: Placement, variants: list[Variant], processes: int,
+                 **kwargs: Any) -> list[dict[str, Any]]:
+    """Each of ``variants`` alone in its own spawned ranks, ``processes`` times, the
+    order reversed every other time; returns per-rank results shaped as
+    :func:`run_spawned`'s, each variant's rounds those of all its processes. See
+    [Note: One model per process]."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {v.name: [] for v in variants}
+    for p in range(processes):
+        for v in (variants if p % 2 == 0 else variants[::-1]):
+            runs[v.name].append(run_spawned(placement, variants=[v], **kwargs))
+    return [_merge_processes(r, runs) for r in range(placement.world)]
+
+
+def _merge_processes(rank: int, runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Rank ``rank``'s results of every variant's processes as one rank result."""
+    first = next(iter(runs.values()))[0][rank]
+    merged: dict[str, Any] = {
+        "rank": rank, "device": first["device"], "variants": {},
+        "peak_rss_mib": max(proc[rank]["peak_rss_mib"] for procs in runs.values() for proc in procs),
+        "order": list(runs), "rounds_done": first["rounds_done"],  # per process
+    }
+    for name, procs in runs.items():
+        vs = [proc[rank]["variants"][name] for proc in procs]
+        m = dict(vs[0])  # the first process's: compile, graph calls, collectives
+        for key in ("timed", "warmup", "peak_mem_mib", "allocated_at_start_mib", "unwaited_works_after"):
+            m[key] = [x for v in vs for x in v[key]]
+        m["compiles_after"] = tuple(sum(v["compiles_after"][i] for v in vs) for i in (0, 1))
+        bad = next((v for v in vs if v["error"]), None)
+        m["error"], m["traceback"] = (bad["error"], bad["traceback"]) if bad else (None, None)
+        m["first_step_s_per_process"] = [v["first_step_s"] for v in vs]
+        m["losses_same_in_every_process"] = all(v["losses"] == vs[0]["losses"] for v in vs)
+        merged["variants"][name] = m
+    return merged
 
 
 def run_spawned_fn(fn: Callable[..., Any], placement: Placement, **kwargs: Any) -> list[Any]:

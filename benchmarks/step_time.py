@@ -3,7 +3,7 @@
 (CPU) or one NCCL rank per GPU (CUDA).
 
     python benchmarks/step_time.py --out DIR [--shape overhead|compute|both] [--steps N]
-                                   [--rounds R] [--smoke] [--backend B]
+                                   [--rounds R] [--processes N] [--smoke] [--backend B]
                                    [--model demo|hf_llama]
                                    [--device auto|cpu|cuda] [--world N]
 
@@ -13,7 +13,8 @@ CUDA; see [Note: Where the ranks run] in ``_harness.py``) and, in one run, times
 variants of the
 same step (forward, cross-entropy, backward, AdamW step, zero_grad) on the same model
 (same seed) and the same batches, alternating round-robin between them (see
-[Note: Round-robin timing] in ``_harness.py``):
+[Note: Round-robin timing] in ``_harness.py``), or, with ``--processes N``, each alone
+in its own ranks, N times (see [Note: One model per process]):
 
 - ``ours_eager``: ``traceable_hsdp.fully_shard`` per block then root, eager;
 - ``ours_compiled``: the same under ``torch.compile(model, fullgraph=True)`` with
@@ -126,6 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=None,
                    help="comma list of variant names to run, in that order within each "
                         "round (default all, in the harness's order)")
+    p.add_argument("--processes", type=int, default=0, metavar="N",
+                   help="run each variant alone in its own spawned ranks, N times, the order "
+                        "reversed every other time, instead of all variants in one set of "
+                        "ranks (a user's process holds one model; see [Note: One model per "
+                        "process] in _harness.py). Default 0: all in one set, round-robin")
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny check of the harness: 2 layers, dim 32, seq 16, 2 steps, 1 round")
@@ -147,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.processes < 0:
+        p.error(f"--processes must be >= 0, got {a.processes}")
     a.placement = H.placement_from_args(p, a)
     return a
 
@@ -236,6 +244,8 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], placement: Any) -> dict[s
             # per rank, the placement's memory metric (summary["memory_metric"])
             peak_mem_mib=[m[0] for m in mem],
             peak_above_block_start_mib=[m[1] for m in mem],
+            first_step_s_per_process=v0.get("first_step_s_per_process"),
+            losses_same_in_every_process=all(v.get("losses_same_in_every_process", True) for v in vs),
             loss_step1=v0["losses"][0],
             losses_rank0=v0["losses"],
             losses_rank1=vs[1]["losses"] if world > 1 else [],
@@ -358,8 +368,12 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         "",
         f"{device_line(meta['device'])}"
         + (f"; CPU {meta['cpu']}" if meta.get("cpu") else "") + "; torch "
-        f"{meta['torch']}; backend `{args.backend}`; {_rounds_phrase(args.rounds, args.steps)} "
-        f"per variant ({_warmup_phrase(args.warmup)}); medians over all "
+        f"{meta['torch']}; backend `{args.backend}`; "
+        + (f"each variant alone in its own ranks, {args.processes} processes of it "
+           f"(the order reversed every other time; one Inductor cache: the first compiles "
+           f"cold), each {_rounds_phrase(args.rounds, args.steps)} "
+           if args.processes else f"{_rounds_phrase(args.rounds, args.steps)} per variant ")
+        + f"({_warmup_phrase(args.warmup)}); medians over all "
         f"{max([r['n_timed'] for r in rows.values()] or [0])} timed steps, rank 0's clock. "
         f"{meta['passes']}.",
         "",
@@ -417,8 +431,19 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
             f"Sharded variants over all their steps vs {R.label(REF_EAGER)}: max |loss diff| "
             f"{worst[1]:.2e} ({R.label(worst[0])})."
         )
+    if args.processes:
+        lines.append(
+            "First step of each process, in run order (s): "
+            + "; ".join(f"{R.label(n)} " + ", ".join(_fmt(t, ".1f") for t in r["first_step_s_per_process"])
+                        for n, r in rows.items())
+            + ". Losses the same in every process of a variant: "
+            + ("**yes**" if all(r["losses_same_in_every_process"] for r in rows.values()) else "**NO**")
+            + "."
+        )
     lines.extend(goal_lines(shape.name, rows))
-    lines.append(f"Memory metric: {metric['label']}: {metric['what']}.")
+    lines.append(f"Memory metric: {metric['label']}: {metric['what']}"
+                 + ("; here every variant ran in its own processes, and the figure is the "
+                    "largest over them." if args.processes else "."))
     above = {
         name: r["peak_above_block_start_mib"][0] for name, r in rows.items()
         if r["peak_above_block_start_mib"][0] is not None
@@ -431,7 +456,8 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         )
     rss_end = ", ".join(f"rank {i} {v:.0f} MiB" for i, v in enumerate(s["peak_rss_mib"]))
     host = " (host)" if meta["device"]["type"] == "cuda" else ""
-    lines.append(f"Peak RSS per process at the end{host}: {rss_end}.")
+    lines.append(f"Peak RSS per process at the end{host}"
+                 f"{' (the largest over all processes of the rank)' if args.processes else ''}: {rss_end}.")
     return "\n".join(lines) + "\n"
 
 
@@ -616,12 +642,15 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
     load_before = os.getloadavg()
     placement = args.placement
-    ranks = H.run_spawned(
-        placement, shape=shape, variants=variants, rounds=args.rounds, steps=args.steps,
-        warmup=args.warmup, backend=args.backend, seed=args.seed,
-        progress=not args.no_progress, count_graphs=not args.no_graph_count,
-        model=args.model,
+    run_args = dict(
+        shape=shape, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+        backend=args.backend, seed=args.seed, progress=not args.no_progress,
+        count_graphs=not args.no_graph_count, model=args.model,
     )
+    if args.processes:
+        ranks = H.run_isolated(placement, variants, args.processes, **run_args)
+    else:
+        ranks = H.run_spawned(placement, variants=variants, **run_args)
     wall = time.time() - t0
     device = dict(
         type=placement.device_type, backend=placement.backend, world=placement.world,

@@ -310,6 +310,43 @@ def test_step_time_goal_lines() -> None:
     assert step_time.goal_lines("smoke", rows(ours_compiled=1.0)) == []
 
 
+def test_processes_alternate_and_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--processes``: every variant alone in its own ranks, the order reversed every
+    other time, and its processes merged into one row: the timed steps of all of them,
+    the compile of the first, every first step kept, and whether their losses agree.
+    ``run_spawned`` is replaced by a fake that says which process it was."""
+    calls: list[str] = []
+
+    def fake_spawned(placement: H.Placement, variants: list[H.Variant], **kw: Any) -> list[dict[str, Any]]:
+        (v,) = variants
+        calls.append(v.name)
+        k = calls.count(v.name)  # this variant's k-th process
+        losses = [2.0, 1.0] if (v.name, k) != ("torch_eager", 3) else [2.0, 1.5]
+        res = H.VariantResult(v.name, first_step_s=30.0 / k, timed=[[0.01 * k, 0.02 * k]],
+                              losses=losses, compiles_after=(0, k), peak_mem_mib=[100.0])
+        return [{"rank": r, "device": {"type": "cpu", "index": None, "name": "cpu"},
+                 "variants": {v.name: dict(vars(res))}, "peak_rss_mib": 100.0 * k + r,
+                 "order": [v.name], "rounds_done": kw["rounds"]} for r in range(placement.world)]
+
+    monkeypatch.setattr(H, "run_spawned", fake_spawned)
+    variants = H.pick_variants(H.all_variants()[0], "ours_eager,torch_eager")
+    placement = H.Placement("cpu", 2)
+    ranks = H.run_isolated(placement, variants, 3, rounds=1)
+    assert calls == ["ours_eager", "torch_eager", "torch_eager", "ours_eager", "ours_eager", "torch_eager"]
+    assert [r["order"] for r in ranks] == [["ours_eager", "torch_eager"]] * 2
+    assert [r["peak_rss_mib"] for r in ranks] == [300.0, 301.0]
+    ours = ranks[0]["variants"]["ours_eager"]
+    assert ours["timed"] == [[0.01, 0.02], [0.02, 0.04], [0.03, 0.06]]
+    assert ours["first_step_s"] == 30.0 and ours["first_step_s_per_process"] == [30.0, 15.0, 10.0]
+    assert ours["compiles_after"] == (0, 6) and ours["peak_mem_mib"] == [100.0] * 3
+    s = step_time.summarize(H.SHAPES["smoke"], ranks, placement)
+    row = s["rows"]["ours_eager"]
+    assert row["n_timed"] == 6 and row["median_s"] == pytest.approx(0.025)
+    assert row["compile_s"] == pytest.approx(30.0 - 0.025)
+    assert row["losses_same_in_every_process"]
+    assert not s["rows"]["torch_eager"]["losses_same_in_every_process"]  # process 3 differs
+
+
 def test_profile_gpu_time_counts_kernels_not_annotations() -> None:
     """The CUDA profile's GPU time: kernels and copies summed per step, NCCL apart, the
     top kernels named, and the record_function ranges that the profiler mirrors onto
