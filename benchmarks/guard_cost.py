@@ -37,6 +37,14 @@ does it. Variants, each in a fresh process:
 The backward's guards come from the compiled-autograd graph, which the filter does
 not reach: its column is the same kind of measure for every variant.
 
+What the guards cost a step, measured as a step rather than from the profiler: after
+the profiled steps, each variant runs ``2 * --steps`` more steps, alternating step by
+step between every guard and ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``
+(torch's switch that evaluates only the guards telling a frame's cached entries
+apart: none here, each frame holds one entry), and reports both medians. One model in
+one process, so the two halves see the same machine within a step of each other.
+Unsafe too (docs/compile.md, "Steps without guards", says when a user may set it).
+
 Writes ``<out>/guard_cost_<shape>.md`` (printed too) and ``.json``.
 """
 
@@ -49,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -120,6 +129,13 @@ def _measure(variant: str, shape_name: str, steps: int, backend: str) -> dict[st
                 with profile() as prof:
                     for _ in range(steps):
                         step()
+                timed: dict[bool, list[float]] = {False: [], True: []}
+                for i in range(2 * steps):
+                    skip = i % 2 == 1
+                    with torch.compiler.set_stance(skip_guard_eval_unsafe=skip):
+                        t0 = time.perf_counter()
+                        step()
+                        timed[skip].append(time.perf_counter() - t0)
             finally:
                 disable_compiled_autograd()
         finally:
@@ -130,6 +146,8 @@ def _measure(variant: str, shape_name: str, steps: int, backend: str) -> dict[st
     return {
         "forward_ms": statistics.median(lookups[0::2]),
         "backward_ms": statistics.median(lookups[1::2]),
+        "step_ms": statistics.median(timed[False]) * 1e3,
+        "step_skipped_ms": statistics.median(timed[True]) * 1e3,
         "forward_guards": dict(kinds.most_common()),
     }
 
@@ -147,8 +165,9 @@ def _markdown(shape_name: str, res: dict[str, Any], args: argparse.Namespace, co
         f"torch {torch.__version__}, {R.cpu_name()}. Dropping guards is unsafe: the "
         "filtered variants only measure what those guards cost.",
         "",
-        "| variant | forward lookup ms | backward lookup ms | step's lookups ms | over the unsharded model | forward guards kept |",
-        "|---|---|---|---|---|---|",
+        "| variant | forward lookup ms | backward lookup ms | step's lookups ms | over the unsharded model "
+        "| forward guards kept | step ms | step ms, guards skipped | saved ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res.items():
         total = r["forward_ms"] + r["backward_ms"]
@@ -156,7 +175,8 @@ def _markdown(shape_name: str, res: dict[str, Any], args: argparse.Namespace, co
         over_cell = "(the floor)" if name == "unsharded" else f"{over:+.2f}"
         lines.append(
             f"| `{name}` | {r['forward_ms']:.2f} | {r['backward_ms']:.2f} | {total:.2f} | "
-            f"{over_cell} | {sum(r['forward_guards'].values())} |"
+            f"{over_cell} | {sum(r['forward_guards'].values())} | {r['step_ms']:.1f} "
+            f"| {r['step_skipped_ms']:.1f} | {r['step_ms'] - r['step_skipped_ms']:.1f} |"
         )
     lines += ["", R.code_line(code) + "."]
     return "\n".join(lines)

@@ -448,7 +448,8 @@ def fat_worker(rank: int, world: int, mesh_shape: tuple[int, ...], ckpt: str) ->
     """Trains the model of ``_fat_build`` eagerly, then compiled with Inductor (every pass
     on, compiled autograd), FAT_STEPS optimizer steps of FAT_MICRO micro-batches (gradient
     sync off on all but the last). Compiled, a DCP checkpoint is saved after step
-    FAT_STEPS-1 and loaded back after step FAT_STEPS, which is then run again."""
+    FAT_STEPS-1 and loaded back after step FAT_STEPS, which is then run again under
+    ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     from _workers import dp_mesh
@@ -501,12 +502,16 @@ def fat_worker(rank: int, world: int, mesh_shape: tuple[int, ...], ckpt: str) ->
                        params={k: full_tensor(v) for k, v in model.state_dict().items()})
             if compiled:
                 # Resume: load the checkpoint into the same model and optimizer (in
-                # place), and run the last step again.
+                # place), and run the last step again, with dynamo's guards skipped
+                # (docs/compile.md, "Steps without guards"): its graphs (the forward,
+                # the backwards with gradient sync off and on) were all compiled in
+                # step 1, so only the guards that tell them apart may pick each one.
                 state = {"model": model.state_dict(), "optim": opt.state_dict()}
                 dcp.load(state, checkpoint_id=ckpt)
                 model.load_state_dict(state["model"])
                 opt.load_state_dict(state["optim"])
-                out["resumed_loss"] = step(*data[-1])
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    out["resumed_loss"] = step(*data[-1])
                 out["resumed_graphs"] = len(graphs)
                 out["resumed_params"] = {k: full_tensor(v) for k, v in model.state_dict().items()}
             return out

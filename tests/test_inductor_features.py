@@ -22,7 +22,12 @@ passes):
   block 1 computes in bf16, where eager rounds every op's output to bf16 and
   Inductor keeps fp32 inside its fused kernels;
 - the resumed step equals the uninterrupted one bitwise (the same compiled code on
-  the same state).
+  the same state), run with dynamo's guards skipped
+  (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, docs/compile.md): only
+  the guards that tell the compiled graphs apart choose between them, and they must
+  still pick the no-sync backward for the first micro-batch and the syncing one for
+  the second (the other way round, the gradients would not be reduced, or reduced
+  twice).
 
 One mesh only. The same body on a 1-D mesh of 2 ranks was a second test (56-63 s
 on 2 cores); HSDP's run takes every path of it (the shard group's collectives, the
