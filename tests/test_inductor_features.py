@@ -26,8 +26,8 @@ passes):
   (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, docs/compile.md): only
   the guards that tell the compiled graphs apart choose between them, and they must
   still pick the no-sync backward for the first micro-batch and the syncing one for
-  the second (the other way round, the gradients would not be reduced, or reduced
-  twice).
+  the second (swapped, the first micro-batch's gradients would be reduced on their
+  own and the second's not at all).
 
 One mesh only. The same body on a 1-D mesh of 2 ranks was a second test (56-63 s
 on 2 cores); HSDP's run takes every path of it (the shard group's collectives, the
