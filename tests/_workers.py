@@ -384,6 +384,7 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     each check found; the test asserts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+
     from traceable_hsdp import passes
     from traceable_hsdp._collectives import reduce_scatter
     from traceable_hsdp.passes import reduce_scatter_by_exchange
