@@ -83,14 +83,16 @@ def _train(
 
 
 def _both(
-    rank: int, world: int, build: Build, step: Step = _llama_step, mesh: Any = None
+    rank: int, world: int, build: Build, step: Step = _llama_step, mesh: Any = None,
+    torch_build: Build | None = None,
 ) -> dict[str, Any]:
     """``build(fully_shard)`` with torch's and with ours (on ``mesh``, default the
-    1-D mesh over every rank), trained alike."""
+    1-D mesh over every rank), trained alike; torch's builds ``torch_build`` instead
+    where given (the same numbers written in a form torch's fully_shard runs)."""
     out: dict[str, Any] = {}
     for lib in ("torch", "ours"):
         torch.manual_seed(0)
-        model = build(_fs(lib, mesh))
+        model = (torch_build if lib == "torch" and torch_build is not None else build)(_fs(lib, mesh))
         out[lib] = _train(model, rank, world, step)
         if lib == "ours":
             out["bytes_after"] = _placeholder_bytes(model)
@@ -112,7 +114,8 @@ class _Sub(nn.Module):
         self.b = nn.Parameter(torch.zeros(h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x @ self.w + self.b)
+        # A view of its result, as HF's OPT decoder layer returns.
+        return torch.tanh(x @ self.w + self.b).view(x.shape)
 
 
 class _Reuse(nn.Module):
@@ -179,7 +182,7 @@ class _PrefixBlock(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, h: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.a(h)) + h + self.b(prefix).mean(0)
+        return (torch.relu(self.a(h)) + h + self.b(prefix).mean(0)).view(h.shape)
 
 
 class _PrefixModel(nn.Module):
@@ -206,10 +209,17 @@ class _Mixed(nn.Module):
     compile where there were three): a frozen unit fed a learnable prefix (a leaf of
     the root), two units passing a dataclass, and a unit called three times (twice
     in a row, then once more after the others). Units: ``pre``, ``blocks.0``,
-    ``blocks.1``, ``sub``, in ``units`` for :func:`_shard_children`."""
+    ``blocks.1``, ``sub``, in ``units`` for :func:`_shard_children`.
 
-    def __init__(self) -> None:
+    ``pre`` and ``sub`` return views. With ``inplace`` the root scales ``pre``'s
+    output in place (``mul_``), which drops the hook that re-gathers ``pre`` for its
+    backward (only its output reaches it); without, out of place, the same numbers
+    (torch's fully_shard then fails: see [Note: An output that is a view] in
+    traceable_hsdp/_state.py)."""
+
+    def __init__(self, inplace: bool = False) -> None:
         super().__init__()
+        self.inplace = inplace
         self.emb = nn.Embedding(CFG.vocab_size, 16)
         self.prefix = nn.Parameter(torch.randn(4, 16))
         self.pre = _PrefixBlock()
@@ -222,7 +232,9 @@ class _Mixed(nn.Module):
         return [self.pre, *self.blocks, self.sub]
 
     def forward(self, tok: torch.Tensor) -> torch.Tensor:
-        h = self.sub(self.sub(self.pre(self.emb(tok), self.prefix)))
+        h = self.pre(self.emb(tok), self.prefix)
+        h = h.mul_(0.5) if self.inplace else h * 0.5
+        h = self.sub(self.sub(h))
         act = _Act(h, h * 0.5)
         for block in self.blocks:
             act = block(act)
@@ -403,6 +415,10 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
     out["dataclass"] = _both(rank, world, lambda fs: _shard_children(_DCModel(), "blocks", fs))
     out["prefix"] = _both(rank, world, lambda fs: _shard_children(_PrefixModel(), "blocks", fs))
     out["mixed"] = _both(rank, world, lambda fs: _shard_children(_Mixed(), "units", fs))
+    out["mixed_inplace"] = _both(
+        rank, world, lambda fs: _shard_children(_Mixed(inplace=True), "units", fs),
+        torch_build=lambda fs: _shard_children(_Mixed(), "units", fs),
+    )
 
     def cast_after(fs: Callable[..., Any]) -> nn.Module:
         model = _shard_llama(Llama(CFG), fs)
@@ -501,7 +517,8 @@ def _freeze_midway(rank: int, world: int) -> dict[str, Any]:
 def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Compiled (``torch.compile(model, fullgraph=True)`` with compiled autograd)
     against the same flow eager: ``_Mixed`` (weight reuse, dataclass activations,
-    prefix tuning: a frozen unit fed a learnable prefix that persists across steps),
+    prefix tuning: a frozen unit fed a learnable prefix that persists across steps;
+    units returning views, one of them changed in place),
     frozen in part after its first compiled step (``blocks.0`` and the head's weight),
     and HF ``MixtralForCausalLM``
     (mixture of experts: 3-D expert weights sharded on the expert dim, the grouped
@@ -532,7 +549,7 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
         return before
 
     cases: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any]]] = {
-        "mixed": (lambda: _shard_children(_Mixed(), "units", th.fully_shard), freeze),
+        "mixed": (lambda: _shard_children(_Mixed(inplace=True), "units", th.fully_shard), freeze),
         "moe": (lambda: _hf_shard(_mixtral(), th.fully_shard), lambda m: None),
         "hf_ac": (hf_ac, lambda m: None),
     }

@@ -13,6 +13,10 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
   step; their backward must not end before the ops that read their frozen weights
   (it ended early from step 2 on, when each step added a hook to the prefix);
 - the three above in one model (``_Mixed``), the model the compiled tests compile;
+  two of its units return views, and with ``inplace`` the root scales one such
+  output in place, which drops the hook that re-gathers that unit for its backward
+  (torch's fully_shard then fails; ours hooks the view's base too): ours in place
+  against torch's on the same model with the op out of place ("mixed_inplace");
 - ``model.to(torch.float64)`` after fully_shard: training follows the new dtype;
 - parameters frozen after fully_shard (before the first forward);
 - activation checkpointing: checkpoint_wrapper then fully_shard (torchtitan's
@@ -45,7 +49,7 @@ from _conformance_workers import (
 )
 from _dist import run_ranks
 
-BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "mixed", "cast_float64", "freeze_after_shard",
+BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "mixed", "mixed_inplace", "cast_float64", "freeze_after_shard",
            "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective", "meta_assign", "float8_frozen",
            "replicate_root"]
 
@@ -119,8 +123,9 @@ MIXED_ROOT, MIXED_CALLS = 4, 3
 def test_conformance_compiled_aot_eager() -> None:
     """Compiled with compiled autograd (aot_eager: the same ops as eager, so bitwise
     equal to the eager run): weight reuse, dataclass activations and prefix tuning in
-    one model (``_Mixed``, whose eager run is bitwise equal to torch's fully_shard in
-    the eager test), frozen in part after the first compiled step (fullgraph=True
+    one model (``_Mixed``, with its in-place op on a unit's output that is a view,
+    whose eager run is bitwise equal to torch's fully_shard in the eager test),
+    frozen in part after the first compiled step (fullgraph=True
     holds: the change is applied before dynamo traces), HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
     whose eager runs are also bitwise equal to torch's fully_shard, and HF Llama with
     its own gradient checkpointing (the checkpoint around each unit's whole call;

@@ -83,7 +83,7 @@ class TorchStateView:
         return self._state._pre_forward(args, kwargs)
 
     def _post_forward(self, module: nn.Module, input: Any, output: Any) -> Any:
-        return self._state._post_forward(output)
+        return self._state._post_forward(output, (input, {}))
 
     @property
     def _state_ctx(self) -> _TorchStateCtxView:

@@ -458,7 +458,7 @@ class FSDPState:
         See [Note: Forward wrapper, not module hooks]."""
         args, kwargs = self._pre_forward(args, kwargs)
         output = orig_forward(*args, **kwargs)
-        return self._post_forward(output)
+        return self._post_forward(output, (args, kwargs))
 
     def _pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -625,7 +625,7 @@ class FSDPState:
     # traced with).
     # What it costs: an evaluation loop re-gathers the root's parameters at each
     # forward. An explicit ``False`` keeps them, as torch's.
-    def _post_forward(self, output: Any) -> Any:
+    def _post_forward(self, output: Any, inputs: Any = ()) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             # See [Note: Forward during the unit's backward].
             return self._cast_output(output)
@@ -648,10 +648,56 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         output = self._cast_output(output)
         if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward)
+            self._register_pre_backward_hooks(output, inputs)
         return output
+
+    # [Note: An output that is a view]
+    # A unit is re-gathered for its backward by a hook on each of its outputs that
+    # requires grad. An in-place op on an output that is a view (``out += y`` after a
+    # unit that returned ``h.view(...)``, as HF's OPT decoder layer and timm's
+    # PatchEmbed do) re-bases the view's autograd history: the node the hook sits on
+    # leaves the graph, the hook never runs, and the unit's backward reads its freed
+    # placeholders ("setStorage: ... out of bounds for storage of size 0"). torch's
+    # fully_shard fails the same way (and since torch 2.13 warns at every forward
+    # that returns a view, in-place op or not).
+    # The view's base keeps its history: the in-place op's node leads on to the
+    # base's own producer. So for an output that is a view of a tensor the unit's
+    # forward made (not a forward input, nor the base of one; not a leaf), the unit
+    # also hooks the base. The base's hook acts only if the view's did not run (the
+    # two share a flag): without an in-place op the view's hook runs first and the
+    # base's does nothing, so a base on no path to a parameter cannot re-gather a
+    # unit whose backward is already over. The numbers are those of the same op
+    # out of place (tests/test_conformance.py: bitwise against torch's fully_shard
+    # on that form). Compiled, dynamo traces both hooks (``is_leaf``, not
+    # ``grad_fn``, which dynamo cannot read) and compiled autograd calls them as
+    # eagerly.
+    def _register_pre_backward_hooks(self, output: Any, inputs: Any) -> None:
+        """See [Note: An output that is a view]."""
+        input_bases: list[torch.Tensor] | None = None
+        for t in _tensors(output):
+            if not t.requires_grad:
+                continue
+            base = t._base
+            if base is None or base.is_leaf:
+                t.register_hook(self._pre_backward)
+                continue
+            if input_bases is None:
+                input_bases = [x if x._base is None else x._base for x in _tensors(inputs)]
+            if any(base is b for b in input_bases):
+                t.register_hook(self._pre_backward)
+                continue
+            ran = [False]
+            t.register_hook(functools.partial(self._view_pre_backward, ran))
+            base.register_hook(functools.partial(self._base_pre_backward, ran))
+
+    def _view_pre_backward(self, ran: list[bool], grad: torch.Tensor) -> torch.Tensor:
+        ran[0] = True
+        return self._pre_backward(grad)
+
+    def _base_pre_backward(self, ran: list[bool], grad: torch.Tensor) -> torch.Tensor:
+        if not ran[0]:  # the view's hook was lost to an in-place op
+            self._pre_backward(grad)
+        return grad
 
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
