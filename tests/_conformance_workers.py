@@ -143,6 +143,10 @@ class _Act:
     hidden: torch.Tensor
     skip: torch.Tensor
     note: str = "kept"
+    # Passed through every block unchanged (a block adds it to its result), as T5's
+    # position bias is: a unit output whose gradient is complete only after every
+    # block's backward.
+    bias: torch.Tensor | None = None
 
 
 class _DCBlock(nn.Module):
@@ -152,7 +156,10 @@ class _DCBlock(nn.Module):
         self.b = nn.Linear(16, 16)
 
     def forward(self, act: _Act) -> _Act:
-        return _Act(torch.relu(self.a(act.hidden)) + act.skip, self.b(act.skip), act.note)
+        hidden = torch.relu(self.a(act.hidden)) + act.skip
+        if act.bias is not None:
+            hidden = hidden + act.bias
+        return _Act(hidden, self.b(act.skip), act.note, act.bias)
 
 
 class _DCModel(nn.Module):
@@ -211,7 +218,9 @@ class _Mixed(nn.Module):
     in a row, then once more after the others). Units: ``pre``, ``blocks.0``,
     ``blocks.1``, ``sub``, in ``units`` for :func:`_shard_children`.
 
-    ``pre`` and ``sub`` return views. With ``inplace`` the root scales ``pre``'s
+    ``blocks`` pass the dataclass's ``bias`` through unchanged (T5's position
+    bias): its gradient is complete only after both blocks' backward. ``pre`` and
+    ``sub`` return views. With ``inplace`` the root scales ``pre``'s
     output in place (``mul_``), which drops the hook that re-gathers ``pre`` for its
     backward (only its output reaches it); without, out of place, the same numbers
     (torch's fully_shard then fails: see [Note: An output that is a view] in
@@ -235,10 +244,10 @@ class _Mixed(nn.Module):
         h = self.pre(self.emb(tok), self.prefix)
         h = h.mul_(0.5) if self.inplace else h * 0.5
         h = self.sub(self.sub(h))
-        act = _Act(h, h * 0.5)
+        act = _Act(h, h * 0.5, bias=self.prefix.mean(0))
         for block in self.blocks:
             act = block(act)
-        return self.head(self.sub(act.hidden + act.skip))
+        return self.head(self.sub(act.hidden + act.skip + act.bias))
 
 
 def _shard_children(model: nn.Module, attr: str, fs: Callable[..., Any]) -> nn.Module:

@@ -8,7 +8,11 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
   forward or not: every use's backward must find the parameters gathered;
 - dataclass activations (a frozen dataclass) passed between units (the
   pre-backward hooks must find the tensors inside them, and the inputs' gradient
-  trigger must rebuild them);
+  trigger must rebuild them); in ``_Mixed`` below, one of its tensors both units
+  pass through unchanged, as T5's blocks pass the position bias (its gradient
+  completes after the units' backward, whose hooks must then not gather them
+  again: the compiled tests count the backward's all-gathers and check every
+  placeholder freed);
 - prefix tuning: frozen units given a learnable prefix (a leaf of the root) every
   step; their backward must not end before the ops that read their frozen weights
   (it ended early from step 2 on, when each step added a hook to the prefix);

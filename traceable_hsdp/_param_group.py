@@ -272,6 +272,9 @@ class FSDPParamGroup:
         # Forward inputs given a gradient hook since the last pre-backward, summed over
         # every call of the unit's forward. See [Note: When a unit's backward is done].
         self.input_grad_hooks = 0
+        # The flags of the forward calls whose output hooks opened this backward, set
+        # when it finishes. See [Note: Output hooks after the unit's backward] (_state.py).
+        self.open_calls: list[list[bool]] = []
 
     def pass_options_key(self) -> str:
         """This unit and its own pass options, for the FX graph cache key; see
@@ -624,6 +627,9 @@ class FSDPParamGroup:
             self.register_sharded()  # the data stays gathered for the next forward
         self.in_backward = False
         self._grads_pending = 0
+        for call in self.open_calls:
+            call[0] = True
+        self.open_calls.clear()
 
     def reset(self) -> None:
         """Back to the state before any forward, after an exception stopped one (see
@@ -645,6 +651,7 @@ class FSDPParamGroup:
         self._grads_ready = 0
         self.input_grad_hooks = 0
         self.backward_syncs = False
+        self.open_calls.clear()
 
 
 HOOK_STREAM_COMPILE_FIX = (

@@ -645,6 +645,7 @@ class FSDPState:
             else:  # an int: keep 1/raf for a smaller re-gather in backward
                 pg.post_forward_reshard()
             pg.in_backward = False  # See [Note: A unit's state and its group's backward].
+            pg.open_calls.clear()  # See [Note: Output hooks after the unit's backward].
         self.training_state = TrainingState.IDLE
         output = self._cast_output(output)
         if torch.is_grad_enabled():
@@ -671,33 +672,64 @@ class FSDPState:
     # on that form). Compiled, dynamo traces both hooks (``is_leaf``, not
     # ``grad_fn``, which dynamo cannot read) and compiled autograd calls them as
     # eagerly.
+    # [Note: Output hooks after the unit's backward]
+    # A unit's backward is over once its trainable gradients are reduced (and, for a
+    # unit with frozen parameters, its inputs' gradients are complete: [Note: When a
+    # unit's backward is done] in _param_group.py). An output on no path to its
+    # parameters can still get its gradient later: one the unit passes through
+    # unchanged, as each T5 block returns the position bias it was given, completes
+    # only after every later block's backward. Its hook then found the unit idle and
+    # gathered it again, for nothing: compiled, HF T5 (2 ranks) re-gathered 65
+    # parameters a backward instead of 44, recompiled its forward at step 2, and
+    # kept 82,560 bytes of placeholders gathered after each backward (eagerly the
+    # root's final callback freed them, after the extra all-gathers). So the hooks of
+    # one forward call share a flag: the first that runs while the flag is down
+    # records it on the group, and the group's finish raises every flag it recorded;
+    # a hook whose flag is up does nothing. A call none of whose hooks ran before the
+    # finish (its outputs all on no path to the parameters) still re-gathers, as
+    # before. Pipelining's forwards of several micro-batches before their backwards
+    # each have their own flag, so a later micro-batch's finish leaves an earlier
+    # one's hooks alone.
     def _register_pre_backward_hooks(self, output: Any, inputs: Any) -> None:
-        """See [Note: An output that is a view]."""
+        """See [Note: An output that is a view] and [Note: Output hooks after the
+        unit's backward]."""
+        call = [False]
         input_bases: list[torch.Tensor] | None = None
         for t in _tensors(output):
             if not t.requires_grad:
                 continue
             base = t._base
+            if base is not None and not base.is_leaf:
+                if input_bases is None:
+                    input_bases = [x if x._base is None else x._base for x in _tensors(inputs)]
+                if any(base is b for b in input_bases):
+                    base = None
             if base is None or base.is_leaf:
-                t.register_hook(self._pre_backward)
-                continue
-            if input_bases is None:
-                input_bases = [x if x._base is None else x._base for x in _tensors(inputs)]
-            if any(base is b for b in input_bases):
-                t.register_hook(self._pre_backward)
+                t.register_hook(functools.partial(self._output_pre_backward, call, None))
                 continue
             ran = [False]
-            t.register_hook(functools.partial(self._view_pre_backward, ran))
-            base.register_hook(functools.partial(self._base_pre_backward, ran))
+            t.register_hook(functools.partial(self._output_pre_backward, call, ran))
+            base.register_hook(functools.partial(self._base_pre_backward, call, ran))
 
-    def _view_pre_backward(self, ran: list[bool], grad: torch.Tensor) -> torch.Tensor:
-        ran[0] = True
-        return self._pre_backward(grad)
+    def _output_pre_backward(
+        self, call: list[bool], ran: list[bool] | None, grad: torch.Tensor
+    ) -> torch.Tensor:
+        if ran is not None:
+            ran[0] = True
+        return self._call_pre_backward(call, grad)
 
-    def _base_pre_backward(self, ran: list[bool], grad: torch.Tensor) -> torch.Tensor:
+    def _base_pre_backward(self, call: list[bool], ran: list[bool], grad: torch.Tensor) -> torch.Tensor:
         if not ran[0]:  # the view's hook was lost to an in-place op
-            self._pre_backward(grad)
+            self._call_pre_backward(call, grad)
         return grad
+
+    def _call_pre_backward(self, call: list[bool], grad: torch.Tensor) -> torch.Tensor:
+        if call[0]:  # this call's backward is over for the unit
+            return grad
+        pg = self.param_group
+        if pg is not None and not any(c is call for c in pg.open_calls):
+            pg.open_calls.append(call)
+        return self._pre_backward(grad)
 
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
