@@ -157,7 +157,7 @@ def _markdown(shape_name: str, res: dict[str, Any], args: argparse.Namespace, co
     import torch
 
     s = H.SHAPES[shape_name]
-    floor = res["unsharded"]
+    floor = res.get("unsharded")  # absent when --variants leaves it out
     lines = [
         f"### Guard cost, shape `{shape_name}` ({s.layers} layers, dim {s.dim}), 1 rank, "
         f"{args.backend}, median of {args.steps} steps",
@@ -171,8 +171,12 @@ def _markdown(shape_name: str, res: dict[str, Any], args: argparse.Namespace, co
     ]
     for name, r in res.items():
         total = r["forward_ms"] + r["backward_ms"]
-        over = total - floor["forward_ms"] - floor["backward_ms"]
-        over_cell = "(the floor)" if name == "unsharded" else f"{over:+.2f}"
+        if name == "unsharded":
+            over_cell = "(the floor)"
+        elif floor is None:
+            over_cell = "(not run)"
+        else:
+            over_cell = f"{total - floor['forward_ms'] - floor['backward_ms']:+.2f}"
         lines.append(
             f"| `{name}` | {r['forward_ms']:.2f} | {r['backward_ms']:.2f} | {total:.2f} | "
             f"{over_cell} | {sum(r['forward_guards'].values())} | {r['step_ms']:.1f} "

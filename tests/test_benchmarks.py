@@ -427,6 +427,21 @@ def test_guard_cost_filters_drop_only_their_kind() -> None:
     assert every - kept("ours_no_state") == {(state, t) for _, t in every}
 
 
+def test_guard_cost_table_without_the_floor() -> None:
+    """guard_cost.py's table with and without the unsharded floor among --variants
+    (without it the run used to end in a KeyError after measuring, losing its
+    numbers)."""
+    row = dict(forward_ms=3.0, backward_ms=4.0, step_ms=50.0, step_skipped_ms=45.0,
+               forward_guards={"TENSOR_MATCH": 5})
+    floor = dict(row, forward_ms=0.5, backward_ms=0.5)
+    args = guard_cost.parse_args(["--out", "/unused", "--shape", "smoke"])
+    code = {"head": "abc1234"}
+    alone = guard_cost._markdown("smoke", {"ours": row}, args, code)
+    assert "| `ours` | 3.00 | 4.00 | 7.00 | (not run) | 5 | 50.0 | 45.0 | 5.0 |" in alone, alone
+    both = guard_cost._markdown("smoke", {"unsharded": floor, "ours": row}, args, code)
+    assert "| `ours` | 3.00 | 4.00 | 7.00 | +6.00 |" in both and "(the floor)" in both, both
+
+
 def test_numbers_names_and_payback() -> None:
     assert R.num(-0.0, ".1f") == "0.0" and R.num(-0.04, ".1f") == "0.0"
     assert R.num(-1.5, ".1f") == "-1.5" and R.num(None, ".1f") == "–"
