@@ -665,13 +665,12 @@ class FSDPState:
     # base's own producer. So for an output that is a view of a tensor the unit's
     # forward made (not a forward input, nor the base of one; not a leaf), the unit
     # also hooks the base. The base's hook acts only if the view's did not run (the
-    # two share a flag): without an in-place op the view's hook runs first and the
-    # base's does nothing, so a base on no path to a parameter cannot re-gather a
-    # unit whose backward is already over. The numbers are those of the same op
-    # out of place (tests/test_conformance.py: bitwise against torch's fully_shard
-    # on that form). Compiled, dynamo traces both hooks (``is_leaf``, not
-    # ``grad_fn``, which dynamo cannot read) and compiled autograd calls them as
-    # eagerly.
+    # two share a flag of their own): without an in-place op the view's hook runs
+    # first and the base's does nothing. The numbers are those of the same op out of
+    # place (tests/test_conformance.py: bitwise against torch's fully_shard on that
+    # form). Compiled, dynamo traces both hooks (``is_leaf``, not ``grad_fn``, which
+    # dynamo cannot read) and compiled autograd calls them as eagerly.
+    #
     # [Note: Output hooks after the unit's backward]
     # A unit's backward is over once its trainable gradients are reduced (and, for a
     # unit with frozen parameters, its inputs' gradients are complete: [Note: When a
@@ -681,15 +680,15 @@ class FSDPState:
     # only after every later block's backward. Its hook then found the unit idle and
     # gathered it again, for nothing: compiled, HF T5 (2 ranks) re-gathered 65
     # parameters a backward instead of 44, recompiled its forward at step 2, and
-    # kept 82,560 bytes of placeholders gathered after each backward (eagerly the
-    # root's final callback freed them, after the extra all-gathers). So the hooks of
-    # one forward call share a flag: the first that runs while the flag is down
-    # records it on the group, and the group's finish raises every flag it recorded;
-    # a hook whose flag is up does nothing. A call none of whose hooks ran before the
-    # finish (its outputs all on no path to the parameters) still re-gathers, as
-    # before. Pipelining's forwards of several micro-batches before their backwards
-    # each have their own flag, so a later micro-batch's finish leaves an earlier
-    # one's hooks alone.
+    # kept 82,560 bytes of placeholders gathered after each backward; eagerly it
+    # issued 6 all-gathers a backward instead of 4 (the root's final callback freed
+    # them). So the hooks of one forward call share a flag: the first that runs
+    # while the flag is down records it on the group, and the group's finish raises
+    # every flag it recorded; a hook whose flag is up does nothing. A call none of
+    # whose hooks ran before the finish (its outputs all on no path to the
+    # parameters) still re-gathers, as before. Pipelining's forwards of several
+    # micro-batches before their backwards each have their own flag, so a later
+    # micro-batch's finish leaves an earlier one's hooks alone.
     def _register_pre_backward_hooks(self, output: Any, inputs: Any) -> None:
         """See [Note: An output that is a view] and [Note: Output hooks after the
         unit's backward]."""
@@ -702,14 +701,12 @@ class FSDPState:
             if base is not None and not base.is_leaf:
                 if input_bases is None:
                     input_bases = [x if x._base is None else x._base for x in _tensors(inputs)]
-                if any(base is b for b in input_bases):
-                    base = None
-            if base is None or base.is_leaf:
-                t.register_hook(functools.partial(self._output_pre_backward, call, None))
-                continue
-            ran = [False]
-            t.register_hook(functools.partial(self._output_pre_backward, call, ran))
-            base.register_hook(functools.partial(self._base_pre_backward, call, ran))
+                if not any(base is b for b in input_bases):  # a tensor the unit made
+                    ran = [False]
+                    t.register_hook(functools.partial(self._output_pre_backward, call, ran))
+                    base.register_hook(functools.partial(self._base_pre_backward, call, ran))
+                    continue
+            t.register_hook(functools.partial(self._output_pre_backward, call, None))
 
     def _output_pre_backward(
         self, call: list[bool], ran: list[bool] | None, grad: torch.Tensor
