@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import traceable_hsdp as th
 from _dist import full_tensor
-from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
+from _workers import CFG, LR, FunctionalCollectiveOps, _data, _loss, _managed, _placeholder_bytes
 from traceable_hsdp.models import Llama, RMSNorm
 
 STEPS = 3
@@ -683,6 +683,17 @@ def conformance_hf(rank: int, world: int) -> dict[str, Any]:
 
     out["hf_ac"] = _both(rank, world, with_ac, _hf_step)
     out["t5"] = _both(rank, world, _t5, _t5_step)
+    # Ours again, one step with its all-gathers counted: each T5 block returns the
+    # position bias it was given, whose gradient completes after the blocks' own
+    # backward (see [Note: Output hooks after the unit's backward] in _state.py).
+    torch.manual_seed(0)
+    model = _t5(_fs("ours"))
+    x, y = next(iter(_data(world, 1)))
+    ops = FunctionalCollectiveOps()
+    with ops:
+        _t5_step(model, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    out["t5_all_gathers"] = ops.names.count("all_gather_into_tensor_out")
+    out["t5_units"] = sum(1 for m in model.modules() if isinstance(m, th.FSDPModule))
     for lib in ("torch", "ours"):
         with torch.device("meta"):
             model = LlamaForCausalLM(_hf_config())

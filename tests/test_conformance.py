@@ -108,11 +108,17 @@ def test_conformance_hf_llama_vs_torch_fully_shard() -> None:
     meta-device flow loading a full state dict; and T5ForConditionalGeneration, whose
     encoder output every decoder block reads (its gradient is summed over the units
     in the order of their nodes: equal only with torch's node per unit, see [Note:
-    When a unit's backward is done] in traceable_hsdp/_param_group.py). Bitwise
-    against torch's fully_shard."""
+    When a unit's backward is done] in traceable_hsdp/_param_group.py), and whose
+    blocks pass the position bias through (its all-gathers counted for one eager
+    step). Bitwise against torch's fully_shard."""
     for r in run_ranks(conformance_hf, 2):
         _same(r["t5"]["ours"], r["t5"]["torch"], "t5")
         assert r["t5"]["bytes_after"] == 0
+        # One flat all-gather per unit forward (4 blocks and the root) and one per
+        # block backward; the position bias each block passes through gathered no
+        # block again after its backward (6 in the backward before 2026-11-28).
+        assert r["t5_units"] == 5, r["t5_units"]
+        assert r["t5_all_gathers"] == 5 + 4, r["t5_all_gathers"]
         _same(r["hf_ac"]["ours"], r["hf_ac"]["torch"], "hf_ac")
         assert r["hf_ac"]["bytes_after"] == 0
         _same(r["hf_meta_ours"], r["hf_meta_torch"], "hf_meta")
