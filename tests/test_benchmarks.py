@@ -33,6 +33,7 @@ import _report as R  # noqa: E402
 import collective_latency  # noqa: E402
 import compile_time  # noqa: E402
 import guard_cost  # noqa: E402
+import hf_models  # noqa: E402
 import profile_step  # noqa: E402
 import step_time  # noqa: E402
 
@@ -397,7 +398,7 @@ def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
 def test_out_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     """Results go where the user says: no default into the committed results."""
     for parse in (step_time.parse_args, profile_step.parse_args, compile_time.parse_args,
-                  guard_cost.parse_args):
+                  guard_cost.parse_args, hf_models.parse_args):
         with pytest.raises(SystemExit):
             parse([])
         assert "the following arguments are required: --out" in capsys.readouterr().err
