@@ -253,7 +253,8 @@ def _markdown(res: dict[str, Any], args: argparse.Namespace, code: dict[str, Any
         "|---|---|---|---|---|---|",
     ]
     for name, r in res.items():
-        eager = r.get("torch_error") and f"torch refuses: {r['torch_error']}" or _cell(r.get("eager_vs_torch"))
+        eager = (f"torch refuses: {r['torch_error']}" if "torch_error" in r
+                 else _cell(r.get("eager_vs_torch")))
         compiled = r.get("ours_error") or r.get("ours_compiled_error") or _cell(r.get("compiled_vs_eager"))
         graphs = r.get("graphs")
         lines.append(
