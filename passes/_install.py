@@ -72,10 +72,12 @@ first changed it:
   placeholder].
 
 Each :func:`install` sets them again (a ``fully_shard`` after the user changed one
-changes it back), but remembers only the values from before the first change. The one
-other process-wide change, a ``copyreg`` reducer for ``DeviceMesh`` made on import,
-has its own undo (``traceable_hsdp/_cache.py``). Nothing else (not ``hsdp()``, not a
-unit's options) writes process-wide configuration.
+changes it back), but remembers only the values from before the first change. The
+two other process-wide changes are the runtime's, for the FX graph cache's key, each
+with its own undo in ``traceable_hsdp/_cache.py``: a ``copyreg`` reducer for
+``DeviceMesh`` made on import, and ``FxGraphCache.prepare_key`` wrapped by
+``fully_shard`` to key the forward's ``BackwardState`` input as ``None``. Nothing else
+(not ``hsdp()``, not a unit's options) writes process-wide configuration.
 
 [Note: Saved views of the placeholder]
 AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward

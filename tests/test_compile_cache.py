@@ -1,22 +1,26 @@
 """Compile caches across processes. See [Note: FX graph cache keys across processes]
-in ``traceable_hsdp/_cache.py``.
+and [Note: The forward's BackwardState and the FX graph cache key] in
+``traceable_hsdp/_cache.py``.
 
 Fast (no compile): the ``DeviceMesh`` reducer's pickle keeps everything but the
 cached ``_hash``, round-trips, and gives the same bytes in two fresh processes; with
 ``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` two fresh processes give different bytes (what
 made the compiled-autograd backward miss the FX graph cache), so the check can fail.
+Torch's ``FxGraphCache.prepare_key`` bypasses a graph with a ``BackwardState`` input;
+with ours installed it gives the key of the same graph with ``None`` there, and a
+changed input still changes the key.
 
 Slow (Inductor compiles of a 2-linear model in fresh spawned processes, each with its
 own ``TORCHINDUCTOR_CACHE_DIR``): Mega-Cache (``torch.compiler.save_cache_artifacts``
 in one process, ``load_cache_artifacts`` in a fresh one whose FX graph cache is empty)
-gives an FX graph cache hit, and no hit with the reducer off; and a changed pass
-configuration (``TRACEABLE_HSDP_PASSES``, ``TRACEABLE_HSDP_BUCKET_CAP_MB``), world
-size or mesh shape (1-D against 1x2 HSDP) misses where an unchanged compile hits.
-What the graph itself shows (the model's shape, a ``fully_shard`` option that drops
-the backward's re-gather) is in the key through the graph, torch's part, and is not
-compiled here. Counts come from
-``torch._dynamo.utils.counters``. The forward's bypass (its ``BackwardState`` input)
-is expected in every compile.
+gives FX graph cache hits for both graphs, and no hit for the backward with the
+reducer off; and a changed pass configuration (``TRACEABLE_HSDP_PASSES``,
+``TRACEABLE_HSDP_BUCKET_CAP_MB``), world size or mesh shape (1-D against 1x2 HSDP)
+misses both graphs where an unchanged compile hits both, and the forward is bypassed
+again with ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0`` (so the forward's hit is the
+switch's). What the graph itself shows (the model's shape, a ``fully_shard`` option
+that drops the backward's re-gather) is in the key through the graph, torch's part,
+and is not compiled here. Counts come from ``torch._dynamo.utils.counters``.
 """
 
 from __future__ import annotations
@@ -114,6 +118,69 @@ def test_install_is_idempotent_and_env_switch(one_rank: DeviceMesh) -> None:
         _cache.install_stable_mesh_key()
 
 
+def test_forward_key_keys_backward_state_as_none() -> None:
+    """Torch's prepare_key bypasses; ours keys the graph as with ``None`` in that
+    place, and the key still follows the other inputs."""
+    import torch
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.codecache import FxGraphCache
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental._backward_state import BackwardState
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    graph = torch.fx.Graph()  # (x, bw_state) -> (x * 2,), bw_state unused as in ours
+    x_node, _ = graph.placeholder("x"), graph.placeholder("bw_state")
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (x_node, 2)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def key(*inputs: object) -> str | None:
+        key_info, info = FxGraphCache.prepare_key(gm, list(inputs), {}, [], False)
+        return None if key_info is None else key_info[0]
+
+    assert _cache.install_forward_cache_key()  # as fully_shard does
+    with tracing(TracingContext(mode)):
+        x, y = mode.from_tensor(torch.randn(4)), mode.from_tensor(torch.randn(8))
+        try:
+            assert key(x, BackwardState()) == key(x, None) is not None
+            assert key(y, BackwardState()) not in (None, key(x, None))
+            _cache.uninstall_forward_cache_key()
+            assert not _cache.forward_cache_key_installed()
+            assert key(x, BackwardState()) is None  # torch's: "Reduce unsupported"
+            assert key(x, None) is not None
+        finally:
+            _cache.install_forward_cache_key()
+
+
+def test_forward_key_install_is_idempotent_and_env_switch() -> None:
+    from torch._inductor.codecache import FxGraphCache
+
+    assert _cache.install_forward_cache_key() and _cache.install_forward_cache_key()
+    torch_fn = _cache._torch_prepare_key
+    assert torch_fn is not None and FxGraphCache.prepare_key is not torch_fn
+    try:
+        _cache.uninstall_forward_cache_key()
+        assert FxGraphCache.prepare_key is torch_fn and _cache._torch_prepare_key is None
+        _cache.uninstall_forward_cache_key()  # nothing to undo
+        assert FxGraphCache.prepare_key is torch_fn
+        _cache.install_forward_cache_key_from_env({_cache.ENV_FORWARD_CACHE_KEY: "0"})
+        assert not _cache.forward_cache_key_installed()
+        _cache.install_forward_cache_key_from_env({})
+        assert _cache.forward_cache_key_installed()
+        with pytest.raises(ValueError, match="TRACEABLE_HSDP_FORWARD_CACHE_KEY='maybe'"):
+            _cache.install_forward_cache_key_from_env({_cache.ENV_FORWARD_CACHE_KEY: "maybe"})
+        # Someone else's prepare_key over ours: left alone by both calls.
+        theirs = staticmethod(lambda *args, **kwargs: (None, {}))
+        FxGraphCache.prepare_key = theirs
+        assert not _cache.install_forward_cache_key()
+        _cache.uninstall_forward_cache_key()
+        assert FxGraphCache.__dict__["prepare_key"] is theirs
+        FxGraphCache.prepare_key = staticmethod(_cache._prepare_key_with_backward_state_as_none)
+        assert _cache.forward_cache_key_installed()
+    finally:
+        _cache.install_forward_cache_key()
+
+
 def test_counts_and_times_subtract() -> None:
     a = _cache.CacheCounts(fx_hit=3, fx_miss=1, aot_bypass=2)
     b = _cache.CacheCounts(fx_hit=1, aot_bypass=2)
@@ -169,16 +236,19 @@ def test_mega_cache_second_process_hits(fresh_cache: Path, monkeypatch: pytest.M
 
     saved = dict(zip(runs, gather([start(name, W.mega_cache_save) for name in runs])))
     for name, (counts,) in saved.items():
-        assert counts["fx_miss"] == 1 and counts["fx_hit"] == 0, (name, counts)
+        assert counts["fx_miss"] == 2 and counts["fx_hit"] == 0, (name, counts)
         # A fresh process, and the FX graph cache emptied: only the artifacts can carry
         # the entry. (The C++ kernel files stay, to save their compile: on the CPU the
         # artifacts do not carry them; see docs/compile.md, Mega-Cache.)
         shutil.rmtree(dirs[name] / "inductor" / "fxgraph")
     loaded = dict(zip(runs, gather([start(name, W.mega_cache_load) for name in runs])))
     for name, (counts,) in loaded.items():
-        assert counts["fx_bypass"] == 1, (name, counts)  # the forward: BackwardState, in torch
-    assert loaded["reducer"][0]["fx_hit"] == 1 and loaded["reducer"][0]["fx_miss"] == 0, loaded
-    assert loaded["no_reducer"][0]["fx_hit"] == 0 and loaded["no_reducer"][0]["fx_miss"] == 1, loaded
+        assert counts["fx_bypass"] == 0, (name, counts)  # the forward keyed too (_cache.py)
+    # Both graphs from the artifacts; without the reducer the backward (whose inputs
+    # hold the mesh) misses, the forward (whose inputs do not) still hits.
+    assert loaded["reducer"][0]["fx_hit"] == 2 and loaded["reducer"][0]["fx_miss"] == 0, loaded
+    no_reducer = loaded["no_reducer"][0]
+    assert no_reducer["fx_hit"] == 1 and no_reducer["fx_miss"] == 1, loaded
 
 
 @pytest.mark.slow
@@ -199,27 +269,33 @@ def test_changed_configuration_shape_or_world_misses(
     def fork(world: int = 1, *args: Any) -> Ranks:
         return _start(monkeypatch, W.compile_step, world, *args, spawn=False)
 
+    # Two graphs a compile: the forward and the compiled-autograd backward.
     def all_miss(runs: list[dict[str, int]]) -> bool:
-        return all(c["fx_hit"] == 0 and c["fx_miss"] == 1 for c in runs)
+        return all(c["fx_hit"] == 0 and c["fx_miss"] == 2 for c in runs)
 
     def all_hit(runs: list[dict[str, int]]) -> bool:
-        return all(c["fx_hit"] == 1 and c["fx_miss"] == 0 for c in runs)
+        return all(c["fx_hit"] == 2 and c["fx_miss"] == 0 for c in runs)
 
     # Forked where a compile must miss or writes what a spawned one then hits; the
     # compiles that must hit are spawned (their own hash seed: see _start).
     ((first,),) = gather([fork()])
-    assert first["fx_miss"] == 1 and first["fx_bypass"] == 1, first
-    again, config, world = gather([
-        start(),  # nothing changed: the backward hits (the check can see a hit)
+    assert first["fx_miss"] == 2 and first["fx_bypass"] == 0, first
+    again, config, world, torch_key = gather([
+        start(),  # nothing changed: both graphs hit (the check can see a hit)
         # The pass configuration: overlap off and another bucket cap, one change.
         start(TRACEABLE_HSDP_PASSES="remove_resize_copy,bucket", TRACEABLE_HSDP_BUCKET_CAP_MB="1"),
         fork(2),  # two ranks: the world size changed
+        # torch's own key for the forward: bypassed, as before the switch; the backward hits.
+        start(**{_cache.ENV_FORWARD_CACHE_KEY: "0"}),
     ])
     assert all_hit(again), again
+    assert torch_key == [dict(torch_key[0], fx_hit=1, fx_miss=0, fx_bypass=1)], torch_key
     assert all_miss(config), config
     assert all_miss(world), world
     # Two ranks again: the same (each rank hits its own entry), then the same world
-    # with another mesh shape (HSDP 1x2): misses.
+    # with another mesh shape (HSDP 1x2): its backward misses.
     same, mesh = gather([start(2), fork(2, (1, 2))])
     assert all_hit(same), "2 ranks, unchanged"
-    assert all_miss(mesh), mesh
+    # The forward of the 1x2 mesh is the 1-D mesh's graph (the replicate dim has one
+    # rank; the all-gathers run on the same group), so it hits; the backward misses.
+    assert all(c["fx_hit"] == 1 and c["fx_miss"] == 1 for c in mesh), mesh

@@ -6,7 +6,7 @@ backward that compiled autograd captures. On torch 2.13, measured with
 ``torch._dynamo.utils.counters`` and the ``torch._inductor.codecache`` debug log
 (``benchmarks/compile_time.py``; docs/compile.md, "Compile time and caches"):
 
-- **Forward: the FX graph cache is bypassed ("Reduce unsupported").** With compiled
+- **Forward: the FX graph cache was bypassed ("Reduce unsupported").** With compiled
   autograd on, dynamo defers the tensor hook on each unit's output to the backward
   through a ``BackwardState`` graph input (``torch/_dynamo/variables/tensor.py``,
   ``_method_register_hook``: ``tx.output.add_backward_state_hook(hook)`` and the
@@ -15,7 +15,7 @@ backward that compiled autograd captures. On torch 2.13, measured with
   for ``torch.fx.experimental._backward_state.BackwardState``, and
   ``FxGraphCachePickler`` maps the type to ``_reduce_unsupported``. The hook is how
   the re-gather gets into the backward graph ([Note: Why compiled autograd],
-  ``_compile.py``), so the forward is recompiled by Inductor in every process.
+  ``_compile.py``), so the forward was lowered again by Inductor in every process.
 - **Both graphs: the AOTAutograd cache is bypassed.** Its node allowlist
   (``torch/_functorch/_aot_autograd/autograd_cache.py``, ``check_node_safe``) refuses
   ``_register_hook_trampoline`` in the forward and
@@ -33,7 +33,7 @@ backward that compiled autograd captures. On torch 2.13, measured with
   code, our pass's ``uuid()`` and every other component were byte-identical).
   Across ranks the mesh's ``_rank`` differs too, so each rank has its own entry.
 
-The last cause is fixed here without touching torch: :func:`install_stable_mesh_key`
+The backward's miss is fixed here without touching torch: :func:`install_stable_mesh_key`
 registers a reducer for ``DeviceMesh`` in Python's ``copyreg`` registry, which
 pickle (and ``FxGraphCachePickler``, whose ``dispatch_table`` starts as a copy of
 ``copyreg.dispatch_table``) consults before the object's own ``__reduce_ex__``. The
@@ -44,8 +44,31 @@ names, process-group names, this rank) stays in the pickle and in the key. It is
 by default (``traceable_hsdp`` installs it on import); ``TRACEABLE_HSDP_STABLE_MESH_KEY=0``
 in the environment leaves it off, and :func:`uninstall_stable_mesh_key` removes it.
 
-The forward's bypass and both AOTAutograd bypasses are decided inside torch by type
-and by function name; nothing on our side can change them short of patching torch.
+Both AOTAutograd bypasses are decided inside torch by function name, and are left
+alone: the forward's ``_register_hook_trampoline`` is a closure over the hook's name,
+which its key would not hold, and the backward's list of compiled-autograd ops would
+differ for each model (docs/compile.md).
+
+[Note: The forward's BackwardState and the FX graph cache key]
+Inductor never reads the ``BackwardState`` input: ``GraphLowering.placeholder``
+(``torch/_inductor/graph.py``) returns ``None`` for it ("Ignored arg, must be
+unused"), exactly as for an input whose example value is ``None``, and AOTAutograd's
+runtime, not the compiled graph, hands the state to the backward
+(``ctx._compiled_autograd_backward_state``). So two graphs that differ only in a
+``BackwardState`` where the other has ``None`` compile to the same code, and keying
+the input as ``None`` cannot make a wrong hit. :func:`install_forward_cache_key`
+wraps ``FxGraphCache.prepare_key`` (the one place Inductor's ``compile_fx_inner``
+computes the key, and checks what may be keyed) so that it sees ``None`` in the
+place of each ``BackwardState`` example input; the lookup, the save and the compile
+get the inputs unchanged. Then a restart's forward hits like its backward: on the
+demo Llama with 4 layers and 1 rank, a warm first step's Inductor time fell from
+4.3 s to 1.7 s (docs/compile.md, "Compile time and caches"). The rest of the key
+(the graph's code, the other inputs, the configuration and our passes' ``uuid()``)
+is computed by torch as before. This is the one place traceable_hsdp patches a torch function
+rather than setting a switch torch offers: torch 2.13 has no switch for it.
+``fully_shard`` installs it (it needs Inductor, which ``import traceable_hsdp`` does
+not load: [Note: Lazy public names]); ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0`` leaves it
+off, and :func:`uninstall_forward_cache_key` puts torch's function back.
 """
 
 from __future__ import annotations
@@ -64,9 +87,13 @@ __all__ = [
     "install_stable_mesh_key",
     "uninstall_stable_mesh_key",
     "stable_mesh_key_installed",
+    "install_forward_cache_key",
+    "uninstall_forward_cache_key",
+    "forward_cache_key_installed",
 ]
 
 ENV_STABLE_MESH_KEY = "TRACEABLE_HSDP_STABLE_MESH_KEY"
+ENV_FORWARD_CACHE_KEY = "TRACEABLE_HSDP_FORWARD_CACHE_KEY"
 
 
 def _device_mesh_type() -> type | None:
@@ -119,6 +146,22 @@ def stable_mesh_key_installed() -> bool:
     return mesh_type is not None and copyreg.dispatch_table.get(mesh_type) is _reduce_device_mesh
 
 
+def _env_switch(name: str, environ: Mapping[str, str] | None, what: str) -> bool:
+    """Whether the switch ``name`` is on: off for ``0``/``false``/``off``/``no``, on
+    when unset or ``1``/``true``/``on``/``yes``/empty.
+
+    Raises:
+        ValueError: any other value.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(name, "").strip().lower()
+    if raw in ("0", "false", "off", "no"):
+        return False
+    if raw not in ("", "1", "true", "on", "yes"):
+        raise ValueError(f"{name}={env[name]!r}: expected 1 (the default: {what}) or 0 (off).")
+    return True
+
+
 def _install_from_env(environ: Mapping[str, str] | None = None) -> None:
     """On import: installs the reducer unless ``TRACEABLE_HSDP_STABLE_MESH_KEY`` is
     ``0`` (or ``false``/``off``/``no``).
@@ -126,16 +169,84 @@ def _install_from_env(environ: Mapping[str, str] | None = None) -> None:
     Raises:
         ValueError: any other value than those and ``1``/``true``/``on``/``yes``/empty.
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_STABLE_MESH_KEY, "").strip().lower()
-    if raw in ("0", "false", "off", "no"):
-        return
-    if raw not in ("", "1", "true", "on", "yes"):
-        raise ValueError(
-            f"{ENV_STABLE_MESH_KEY}={env[ENV_STABLE_MESH_KEY]!r}: expected 1 (the default: "
-            "stable FX graph cache keys) or 0 (off)."
-        )
-    install_stable_mesh_key()
+    if _env_switch(ENV_STABLE_MESH_KEY, environ, "stable FX graph cache keys"):
+        install_stable_mesh_key()
+
+
+# ------------------------------------------------------------------ the forward's key
+
+
+def _fx_graph_cache() -> Any:
+    from torch._inductor.codecache import FxGraphCache
+
+    return FxGraphCache
+
+
+def _backward_state_type() -> type:
+    from torch.fx.experimental._backward_state import BackwardState
+
+    return BackwardState
+
+
+def _prepare_key_with_backward_state_as_none(
+    gm: Any, example_inputs: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``FxGraphCache.prepare_key`` with ``None`` in the place of each ``BackwardState``
+    example input. See [Note: The forward's BackwardState and the FX graph cache key]."""
+    bw_state = _backward_state_type()
+    if any(isinstance(x, bw_state) for x in example_inputs):
+        example_inputs = [None if isinstance(x, bw_state) else x for x in example_inputs]
+    return _torch_prepare_key(gm, example_inputs, *args, **kwargs)
+
+
+# torch's FxGraphCache.prepare_key, kept while ours replaces it.
+_torch_prepare_key: Any = None
+
+
+def install_forward_cache_key() -> bool:
+    """Lets the FX graph cache key a forward graph whose inputs include a
+    ``BackwardState``. Idempotent. See [Note: The forward's BackwardState and the FX
+    graph cache key].
+
+    Returns:
+        Whether it is installed now (``False`` when ``FxGraphCache.prepare_key`` was
+        replaced by someone else since: theirs is left alone).
+    """
+    global _torch_prepare_key
+    if forward_cache_key_installed():
+        return True
+    if _torch_prepare_key is not None:  # ours was installed, then replaced: not ours to touch
+        return False
+    cache = _fx_graph_cache()
+    _torch_prepare_key = cache.prepare_key
+    cache.prepare_key = staticmethod(_prepare_key_with_backward_state_as_none)
+    return True
+
+
+def uninstall_forward_cache_key() -> None:
+    """Puts torch's ``FxGraphCache.prepare_key`` back, if ours is there."""
+    global _torch_prepare_key
+    if forward_cache_key_installed():
+        _fx_graph_cache().prepare_key = staticmethod(_torch_prepare_key)
+        _torch_prepare_key = None
+
+
+def forward_cache_key_installed() -> bool:
+    """Whether :func:`install_forward_cache_key`'s ``prepare_key`` is in place."""
+    current = _fx_graph_cache().__dict__["prepare_key"]
+    ours = _prepare_key_with_backward_state_as_none
+    return isinstance(current, staticmethod) and current.__func__ is ours
+
+
+def install_forward_cache_key_from_env(environ: Mapping[str, str] | None = None) -> None:
+    """``fully_shard``'s call: :func:`install_forward_cache_key` unless
+    ``TRACEABLE_HSDP_FORWARD_CACHE_KEY`` is ``0`` (or ``false``/``off``/``no``).
+
+    Raises:
+        ValueError: any other value than those and ``1``/``true``/``on``/``yes``/empty.
+    """
+    if _env_switch(ENV_FORWARD_CACHE_KEY, environ, "the forward keyed in the FX graph cache"):
+        install_forward_cache_key()
 
 
 # ------------------------------------------------------------------ reporting

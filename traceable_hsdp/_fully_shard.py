@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._cache import install_forward_cache_key_from_env
 from ._exit import install_exit_hook
 from ._init import (
     CollectedParams,
@@ -765,6 +766,9 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     # Inductor's post-grad passes and the other switches of [Note: Global switches]
     # (passes/_install.py), each undone by traceable_hsdp.passes.uninstall().
     _install_passes()
+    # The forward's FX graph cache key; see [Note: The forward's BackwardState and the
+    # FX graph cache key] (_cache.py). TRACEABLE_HSDP_FORWARD_CACHE_KEY=0 leaves it off.
+    install_forward_cache_key_from_env()
     install_exit_hook()  # See [Note: Exiting with gloo worker threads] (_exit.py).
     from ._dump_env import start_from_env
 

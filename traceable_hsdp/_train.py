@@ -36,9 +36,9 @@ cache and the AOTAutograd cache (``torch._dynamo.utils.counters``); see
 :class:`~traceable_hsdp._cache.CompileTimes` and
 :class:`~traceable_hsdp._cache.CacheCounts`. A first run on an empty
 ``TORCHINDUCTOR_CACHE_DIR`` shows misses; a rerun on the same directory should show
-the compiled-autograd backward as a hit, and the forward as a bypass (torch refuses its
-``BackwardState`` input; [Note: FX graph cache keys across processes] in
-``_cache.py``). Kernel seconds count only compiles in the rank's own process
+both graphs, the forward and the compiled-autograd backward, as hits ([Note: FX graph
+cache keys across processes] and [Note: The forward's BackwardState and the FX graph
+cache key] in ``_cache.py``). Kernel seconds count only compiles in the rank's own process
 (``TORCHINDUCTOR_COMPILE_THREADS=1``); with a worker pool the wait for them is in the
 Inductor figure.
 """
