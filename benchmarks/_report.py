@@ -42,6 +42,8 @@ _LABELS = {
                              "bucket_cap_mb=16",
     "ours_compiled_nofix": "traceable_hsdp fully_shard, torch.compile(model), "
                            "TRACEABLE_HSDP_STABLE_MESH_KEY=0",
+    "ours_compiled_torch_fwd_key": "traceable_hsdp fully_shard, torch.compile(model), "
+                                   "TRACEABLE_HSDP_FORWARD_CACHE_KEY=0",
     "ours_compiled_local_adamw": "traceable_hsdp fully_shard, torch.compile(model), "
                                  "traceable_hsdp.optim.AdamW",
     "ours_compiled_reshard_root": "traceable_hsdp fully_shard, torch.compile(model), "

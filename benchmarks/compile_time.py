@@ -26,7 +26,11 @@ decoder layer):
   ``torch.compile(model, fullgraph=True)`` with ``enable_compiled_autograd()``;
 - ``ours_compiled_nofix``: the same with ``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` (the
   ``DeviceMesh`` reducer off; see [Note: FX graph cache keys across processes] in
-  ``traceable_hsdp/_cache.py``).
+  ``traceable_hsdp/_cache.py``);
+- ``ours_compiled_torch_fwd_key``: ``ours_compiled`` with
+  ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0`` (torch's own key for the forward, which
+  bypasses the FX graph cache; see [Note: The forward's BackwardState and the FX
+  graph cache key] in ``traceable_hsdp/_cache.py``).
 
 Each time is broken down with torch's own timers (``compilation_time_metrics``, read
 through :class:`traceable_hsdp._cache.CompileTimes`: dynamo tracing, AOTAutograd,
@@ -93,9 +97,14 @@ VARIANTS = (
     CompileVariant("plain_whole", "unsharded", "whole", compiled_autograd=True),
     CompileVariant("torch_block_compiled", "torch", "blocks", compiled_autograd=False),
     CompileVariant("ours_compiled", "ours", "whole", compiled_autograd=True,
-                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "1"),)),
+                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "1"),
+                        ("TRACEABLE_HSDP_FORWARD_CACHE_KEY", "1"))),
     CompileVariant("ours_compiled_nofix", "ours", "whole", compiled_autograd=True,
-                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "0"),)),
+                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "0"),
+                        ("TRACEABLE_HSDP_FORWARD_CACHE_KEY", "1"))),
+    CompileVariant("ours_compiled_torch_fwd_key", "ours", "whole", compiled_autograd=True,
+                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "1"),
+                        ("TRACEABLE_HSDP_FORWARD_CACHE_KEY", "0"))),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 REF = "plain_whole"
@@ -292,7 +301,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             mine, base = row[phase]["median_s"], ref[phase]["median_s"] if ref else None
             row[phase]["vs_plain"] = mine / base if mine is not None and base else None
     goals = {}
-    for name in ("ours_compiled", "ours_compiled_nofix"):
+    for name in ("ours_compiled", "ours_compiled_nofix", "ours_compiled_torch_fwd_key"):
         row = rows.get(f"{GOAL_LAYERS}/{name}")
         if row is None or row["warm"]["vs_plain"] is None or row["cold"]["vs_plain"] is None:
             continue
@@ -393,7 +402,8 @@ def plot(s: dict[str, Any], path: str, title: str) -> str | None:
     layers = sorted({r["layers"] for r in rows.values()})
     names = sorted({r["variant"] for r in rows.values()}, key=_order)
     colors = {"plain_whole": "tab:gray", "torch_block_compiled": "tab:orange",
-              "ours_compiled": "tab:blue", "ours_compiled_nofix": "tab:cyan"}  # by key
+              "ours_compiled": "tab:blue", "ours_compiled_nofix": "tab:cyan",
+              "ours_compiled_torch_fwd_key": "tab:purple"}  # by key
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     width = 0.8 / max(1, len(names))
     for ax, phase in zip(axes, ("cold", "warm")):
