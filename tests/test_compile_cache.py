@@ -15,8 +15,9 @@ own ``TORCHINDUCTOR_CACHE_DIR``): Mega-Cache (``torch.compiler.save_cache_artifa
 in one process, ``load_cache_artifacts`` in a fresh one whose FX graph cache is empty)
 gives FX graph cache hits for both graphs, and no hit for the backward with the
 reducer off; and a changed pass configuration (``TRACEABLE_HSDP_PASSES``,
-``TRACEABLE_HSDP_BUCKET_CAP_MB``), world size or mesh shape (1-D against 1x2 HSDP)
-misses both graphs where an unchanged compile hits both, and the forward is bypassed
+``TRACEABLE_HSDP_BUCKET_CAP_MB``) or world size misses both graphs where an unchanged
+compile hits both, a changed mesh shape (1-D against 1x2 HSDP) misses the backward
+(the forward, with one replica, is the same graph and hits), and the forward is bypassed
 again with ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0`` (so the forward's hit is the
 switch's). What the graph itself shows (the model's shape, a ``fully_shard`` option
 that drops the backward's re-gather) is in the key through the graph, torch's part,
