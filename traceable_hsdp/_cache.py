@@ -64,8 +64,8 @@ get the inputs unchanged. Then a restart's forward hits like its backward: on th
 demo Llama with 4 layers and 1 rank, a warm first step's Inductor time fell from
 4.3 s to 1.7 s (docs/compile.md, "Compile time and caches"). The rest of the key
 (the graph's code, the other inputs, the configuration and our passes' ``uuid()``)
-is computed by torch as before. This is the one place traceable_hsdp patches a torch function
-rather than setting a switch torch offers: torch 2.13 has no switch for it.
+is computed by torch as before. This is the one place traceable_hsdp patches a torch
+function rather than setting a switch torch offers: torch 2.13 has no switch for it.
 ``fully_shard`` installs it (it needs Inductor, which ``import traceable_hsdp`` does
 not load: [Note: Lazy public names]); ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0`` leaves it
 off, and :func:`uninstall_forward_cache_key` puts torch's function back.

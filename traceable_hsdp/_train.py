@@ -38,9 +38,9 @@ cache and the AOTAutograd cache (``torch._dynamo.utils.counters``); see
 ``TORCHINDUCTOR_CACHE_DIR`` shows misses; a rerun on the same directory should show
 both graphs, the forward and the compiled-autograd backward, as hits ([Note: FX graph
 cache keys across processes] and [Note: The forward's BackwardState and the FX graph
-cache key] in ``_cache.py``). Kernel seconds count only compiles in the rank's own process
-(``TORCHINDUCTOR_COMPILE_THREADS=1``); with a worker pool the wait for them is in the
-Inductor figure.
+cache key] in ``_cache.py``). Kernel seconds count only compiles in the rank's own
+process (``TORCHINDUCTOR_COMPILE_THREADS=1``); with a worker pool the wait for them is
+in the Inductor figure.
 """
 
 from __future__ import annotations
