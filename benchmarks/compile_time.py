@@ -301,7 +301,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             mine, base = row[phase]["median_s"], ref[phase]["median_s"] if ref else None
             row[phase]["vs_plain"] = mine / base if mine is not None and base else None
     goals = {}
-    for name in ("ours_compiled", "ours_compiled_nofix", "ours_compiled_torch_fwd_key"):
+    for name in (v.name for v in VARIANTS if v.impl == "ours"):
         row = rows.get(f"{GOAL_LAYERS}/{name}")
         if row is None or row["warm"]["vs_plain"] is None or row["cold"]["vs_plain"] is None:
             continue

@@ -193,7 +193,9 @@ def _train(name: str, lib: str, mesh: Any, rank: int, world: int, steps: int, ba
 
 def _placeholders(unit: Any) -> list[torch.Tensor]:
     """The unit's own unsharded placeholders (its state's parameter group)."""
-    state = unit.__dict__.get("_traceable_hsdp_state")
+    from traceable_hsdp._state import state_of
+
+    state = state_of(unit)
     pg = None if state is None else state.param_group
     return [] if pg is None else [fp.unsharded_param for fp in pg.fsdp_params]
 
