@@ -44,6 +44,8 @@ _LABELS = {
                            "TRACEABLE_HSDP_STABLE_MESH_KEY=0",
     "ours_compiled_torch_fwd_key": "traceable_hsdp fully_shard, torch.compile(model), "
                                    "TRACEABLE_HSDP_FORWARD_CACHE_KEY=0",
+    "ours_compiled_side_effect_info": "traceable_hsdp fully_shard, torch.compile(model), "
+                                      "TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0",
     "ours_compiled_local_adamw": "traceable_hsdp fully_shard, torch.compile(model), "
                                  "traceable_hsdp.optim.AdamW",
     "ours_compiled_reshard_root": "traceable_hsdp fully_shard, torch.compile(model), "

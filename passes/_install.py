@@ -73,11 +73,13 @@ first changed it:
 
 Each :func:`install` sets them again (a ``fully_shard`` after the user changed one
 changes it back), but remembers only the values from before the first change. The
-two other process-wide changes are the runtime's, for the FX graph cache's key, each
-with its own undo in ``traceable_hsdp/_cache.py``: a ``copyreg`` reducer for
-``DeviceMesh`` made on import, and ``FxGraphCache.prepare_key`` wrapped by
-``fully_shard`` to key the forward's ``BackwardState`` input as ``None``. Nothing else
-(not ``hsdp()``, not a unit's options) writes process-wide configuration.
+three other process-wide changes are the runtime's, each with its own undo. Two are
+for the FX graph cache's key, in ``traceable_hsdp/_cache.py``: a ``copyreg`` reducer
+for ``DeviceMesh`` made on import, and ``FxGraphCache.prepare_key`` wrapped by
+``fully_shard`` to key the forward's ``BackwardState`` input as ``None``. The third is
+dynamo's ``side_effect_replay_policy``, set to ``"silent"`` by ``fully_shard`` while
+nothing reads its messages (``traceable_hsdp/_compile.py``). Nothing else (not
+``hsdp()``, not a unit's options) writes process-wide configuration.
 
 [Note: Saved views of the placeholder]
 AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward

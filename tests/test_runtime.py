@@ -254,6 +254,80 @@ def test_error_compiled_without_compiled_autograd(one_rank) -> None:
     torch._dynamo.reset()
 
 
+def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
+    """fully_shard turns dynamo's side-effect messages off while nothing reads them
+    (see [Note: Dynamo's side-effect messages] in traceable_hsdp/_compile.py): with
+    torch's "info", compiling a function that changes an object formats a message for
+    it; after fully_shard, none, and the change is still made. A policy the user chose,
+    a reader (TORCH_LOGS=side_effects) and TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 each
+    leave the policy alone; the undo puts "info" back."""
+    from torch._dynamo.side_effects import SideEffects
+
+    from traceable_hsdp import _compile
+
+    config = torch._dynamo.config
+    formatted = []
+    real_format = SideEffects._format_side_effect_message
+
+    def counting_format(self, var):
+        formatted.append(var)
+        return real_format(self, var)
+
+    monkeypatch.setattr(SideEffects, "_format_side_effect_message", counting_format)
+
+    class Box:
+        n = 0
+
+    def bump(box: Box, x: torch.Tensor) -> torch.Tensor:
+        box.n += 1
+        return x + 1
+
+    def compile_bump() -> int:
+        torch._dynamo.reset()
+        box = Box()
+        torch.compile(bump, backend="eager", fullgraph=True)(box, torch.zeros(2))
+        assert box.n == 1  # the side effect is replayed either way
+        return len(formatted)
+
+    _compile.restore_side_effect_messages()
+    try:
+        assert config.side_effect_replay_policy == "info"  # torch 2.13's default
+        assert compile_bump() == 1  # formatted, though nothing reads it
+        formatted.clear()
+        th.fully_shard(nn.Linear(4, 4), mesh=one_rank)
+        assert config.side_effect_replay_policy == "silent"
+        assert compile_bump() == 0
+        assert _compile.quiet_side_effect_messages()  # idempotent
+        _compile.restore_side_effect_messages()
+        assert config.side_effect_replay_policy == "info"
+        _compile.quiet_side_effect_messages_from_env({_compile.ENV_QUIET_SIDE_EFFECTS: "0"})
+        assert config.side_effect_replay_policy == "info"
+        with pytest.raises(ValueError, match="TRACEABLE_HSDP_QUIET_SIDE_EFFECTS='maybe'"):
+            _compile.quiet_side_effect_messages_from_env({_compile.ENV_QUIET_SIDE_EFFECTS: "maybe"})
+        torch._logging.set_logs(side_effects=True)  # a reader
+        try:
+            assert _compile.side_effect_messages_read()
+            assert not _compile.quiet_side_effect_messages()
+            assert config.side_effect_replay_policy == "info"
+        finally:
+            torch._logging.set_logs()
+        assert not _compile.side_effect_messages_read()
+        # A policy the user chose, before or after ours, stays.
+        monkeypatch.setattr(config, "side_effect_replay_policy", "warn")
+        assert not _compile.quiet_side_effect_messages()
+        assert config.side_effect_replay_policy == "warn"
+        monkeypatch.setattr(config, "side_effect_replay_policy", "info")
+        assert _compile.quiet_side_effect_messages()
+        config.side_effect_replay_policy = "error"
+        _compile.restore_side_effect_messages()
+        assert config.side_effect_replay_policy == "error"
+        assert not _compile.quiet_side_effect_messages()
+    finally:
+        config.side_effect_replay_policy = "info"
+        _compile.quiet_side_effect_messages()  # as fully_shard left it for later tests
+        torch._dynamo.reset()
+
+
 def test_eager_single_rank_unshard_reshard(one_rank) -> None:
     """FSDPModule.unshard()/reshard() swap the registered parameters and storage."""
     torch.manual_seed(0)

@@ -146,8 +146,9 @@ def stable_mesh_key_installed() -> bool:
     return mesh_type is not None and copyreg.dispatch_table.get(mesh_type) is _reduce_device_mesh
 
 
-def _env_switch(name: str, environ: Mapping[str, str] | None, what: str) -> bool:
-    """Whether the switch ``name`` is on: off for ``0``/``false``/``off``/``no``, on
+def env_switch(name: str, environ: Mapping[str, str] | None, what: str) -> bool:
+    """Whether the environment switch ``name`` is on (this module's two, and
+    ``_compile.py``'s): off for ``0``/``false``/``off``/``no``, on
     when unset or ``1``/``true``/``on``/``yes``/empty.
 
     Raises:
@@ -169,7 +170,7 @@ def _install_from_env(environ: Mapping[str, str] | None = None) -> None:
     Raises:
         ValueError: any other value than those and ``1``/``true``/``on``/``yes``/empty.
     """
-    if _env_switch(ENV_STABLE_MESH_KEY, environ, "stable FX graph cache keys"):
+    if env_switch(ENV_STABLE_MESH_KEY, environ, "stable FX graph cache keys"):
         install_stable_mesh_key()
 
 
@@ -245,7 +246,7 @@ def install_forward_cache_key_from_env(environ: Mapping[str, str] | None = None)
     Raises:
         ValueError: any other value than those and ``1``/``true``/``on``/``yes``/empty.
     """
-    if _env_switch(ENV_FORWARD_CACHE_KEY, environ, "the forward keyed in the FX graph cache"):
+    if env_switch(ENV_FORWARD_CACHE_KEY, environ, "the forward keyed in the FX graph cache"):
         install_forward_cache_key()
 
 

@@ -1,4 +1,6 @@
-"""Turning compiled autograd on for a compiled fully_shard model.
+"""Compiling a fully_shard model: turning compiled autograd on, and the one dynamo
+setting fully_shard changes (its side-effect messages; see [Note: Dynamo's
+side-effect messages] below).
 
 [Note: Why compiled autograd]
 traceable_hsdp's backward collectives live in hooks (the re-gather in a tensor hook on
@@ -18,12 +20,16 @@ may move the re-gather into the forward: wrong numbers, no error). Two ways in:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import os
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch._dynamo import compiled_autograd as _ca
+
+from ._cache import env_switch
 
 _enabled: list[AbstractContextManager[None]] = []  # the context we entered, if any
 
@@ -67,3 +73,89 @@ def compiled_autograd(backend: str | Any = "inductor", **compile_kwargs: Any) ->
     """
     with _ca._enable(torch.compile(backend=backend, **compile_kwargs)):
         yield
+
+
+# [Note: Dynamo's side-effect messages]
+# The runtime's traced Python changes Python state (each parameter's sharded state,
+# its gradients, which tensor a module holds), and dynamo replays every object
+# changed in a graph after the graph runs. With torch 2.13's default
+# ``torch._dynamo.config.side_effect_replay_policy = "info"``, dynamo also records
+# the user stack of every change while it traces, and when it emits a graph it
+# formats a message for each changed object, walking the Python stack above
+# dynamo each time. It does so whether or not anything reads the messages, whose
+# only readers are the ``side_effects`` logging artifact (``TORCH_LOGS=side_effects``)
+# and the structured trace (``TORCH_TRACE``, tlparse). A fully_shard model changes
+# many objects (191 in the two graphs of the demo Llama with 4 layers), so on that
+# model the messages took 1.8 s of a first step's 20 s of dynamo time (cProfile, 1
+# rank, aot_eager, 2026-11-28), growing with the parameters and the stack's depth.
+#
+# So ``fully_shard`` sets the policy to ``"silent"`` when it is torch's default and
+# neither reader is on: the policy decides only the messages (the side effects are
+# replayed the same), so no graph and no number changes. It leaves a policy the user
+# chose (``"warn"``, ``"error"``), and leaves ``"info"`` when either reader is on as
+# ``fully_shard`` runs. A reader turned on later (``torch._logging.set_logs(
+# side_effects=True)``) gets no messages until :func:`restore_side_effect_messages`
+# puts ``"info"`` back; ``TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0`` leaves torch's
+# default alone. Dynamo reads the policy while it compiles, so it is set before
+# compiling starts, never during (fully_shard is not traced).
+
+ENV_QUIET_SIDE_EFFECTS = "TRACEABLE_HSDP_QUIET_SIDE_EFFECTS"
+
+_quieted: list[bool] = []  # [True] while "silent" is ours to undo
+
+
+def side_effect_messages_read() -> bool:
+    """Whether anything would read dynamo's side-effect messages now: the
+    ``side_effects`` logging artifact is on, or the structured trace writes somewhere.
+    See [Note: Dynamo's side-effect messages]."""
+    from torch._dynamo.side_effects import side_effects_log
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    if side_effects_log.isEnabledFor(logging.DEBUG):
+        return True
+    for handler in trace_log.handlers:
+        # torch's default handler, with no directory, writes nothing outside
+        # Meta's jobs (LazyTraceHandler.emit): no reader.
+        if not (isinstance(handler, LazyTraceHandler) and handler.root_dir is None):
+            return True
+    return bool(os.environ.get("MAST_HPC_JOB_NAME"))
+
+
+def quiet_side_effect_messages() -> bool:
+    """Sets ``torch._dynamo.config.side_effect_replay_policy`` to ``"silent"`` when
+    it is torch's default (``"info"``) and nothing reads the messages. Idempotent. See
+    [Note: Dynamo's side-effect messages].
+
+    Returns:
+        Whether the policy is ``"silent"`` by this call or an earlier one.
+    """
+    config = torch._dynamo.config
+    if _quieted:
+        if config.side_effect_replay_policy == "silent":
+            return True
+        _quieted.clear()  # the user set another policy since: theirs stays
+    if config.side_effect_replay_policy != "info" or side_effect_messages_read():
+        return False
+    config.side_effect_replay_policy = "silent"
+    _quieted.append(True)
+    return True
+
+
+def restore_side_effect_messages() -> None:
+    """Puts torch's ``"info"`` back if :func:`quiet_side_effect_messages` set
+    ``"silent"`` and nobody changed it since."""
+    if _quieted:
+        _quieted.clear()
+        if torch._dynamo.config.side_effect_replay_policy == "silent":
+            torch._dynamo.config.side_effect_replay_policy = "info"
+
+
+def quiet_side_effect_messages_from_env(environ: Mapping[str, str] | None = None) -> None:
+    """:func:`quiet_side_effect_messages` unless ``TRACEABLE_HSDP_QUIET_SIDE_EFFECTS``
+    is ``0`` (or ``false``/``off``/``no``).
+
+    Raises:
+        ValueError: any other value than those and ``1``/``true``/``on``/``yes``/empty.
+    """
+    if env_switch(ENV_QUIET_SIDE_EFFECTS, environ, "dynamo's unread side-effect messages off"):
+        quiet_side_effect_messages()

@@ -23,6 +23,7 @@ from torch.distributed.tensor import Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._cache import install_forward_cache_key_from_env
+from ._compile import quiet_side_effect_messages_from_env
 from ._exit import install_exit_hook
 from ._init import (
     CollectedParams,
@@ -769,6 +770,9 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     # The forward's FX graph cache key; see [Note: The forward's BackwardState and the
     # FX graph cache key] (_cache.py). TRACEABLE_HSDP_FORWARD_CACHE_KEY=0 leaves it off.
     install_forward_cache_key_from_env()
+    # Dynamo's unread side-effect messages; see [Note: Dynamo's side-effect messages]
+    # (_compile.py). TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 leaves torch's default.
+    quiet_side_effect_messages_from_env()
     install_exit_hook()  # See [Note: Exiting with gloo worker threads] (_exit.py).
     from ._dump_env import start_from_env
 
