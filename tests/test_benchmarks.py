@@ -435,11 +435,13 @@ def test_side_effect_messages_order_and_table() -> None:
     assert side_effect_messages._order(3) == ["info", "silent", "silent", "info", "info", "silent"]
     args = side_effect_messages.parse_args(["--out", "/unused", "--layers", "2", "--rounds", "3"])
     assert args.layer_list == [2]
-    res = {2: {"info": {"wall_s": [10.0, 12.0, 11.0], "cpu_s": [9.0, 9.5, 9.2], "messages": [50, 50, 50]},
-               "silent": {"wall_s": [8.0, 9.9, 8.8], "cpu_s": [8.0, 8.1, 8.2], "messages": [0, 0, 0]}}}
+    res = {2: {"info": {"wall_s": [10.0, 12.0, 11.0], "cpu_s": [9.0, 9.5, 9.2], "messages": [50, 50, 50],
+                        "emit_s": [1.0, 1.2, 1.1]},
+               "silent": {"wall_s": [8.0, 9.9, 8.8], "cpu_s": [8.0, 8.1, 8.2], "messages": [0, 0, 0],
+                          "emit_s": [0.1, 0.1, 0.2]}}}
     text = side_effect_messages._markdown(res, args, {"head": "abc1234"})
-    assert "| 2 | `info` | 11.00 | 9.20 | 50 | 1.00x |" in text, text
-    assert "| 2 | `silent` | 8.80 | 8.10 | 0 | 0.80x |" in text, text
+    assert "| 2 | `info` | 11.00 | 9.20 | 50 | 1.10 | 1.00x |" in text, text
+    assert "| 2 | `silent` | 8.80 | 8.10 | 0 | 0.10 | 0.80x |" in text, text
     with pytest.raises(SystemExit):
         side_effect_messages.parse_args(["--out", "/unused", "--layers", "two"])
 
