@@ -259,8 +259,9 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
     (see [Note: Dynamo's side-effect messages] in traceable_hsdp/_compile.py): with
     torch's "info", compiling a function that changes an object formats a message for
     it; after fully_shard, none, and the change is still made. A policy the user chose,
-    a reader (TORCH_LOGS=side_effects) and TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 each
-    leave the policy alone; the undo puts "info" back."""
+    a reader (TORCH_LOGS=side_effects, TORCH_TRACE's handler) and
+    TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 each leave the policy alone; the undo puts
+    "info" back."""
     from torch._dynamo.side_effects import SideEffects
 
     from traceable_hsdp import _compile
@@ -311,6 +312,16 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
             assert config.side_effect_replay_policy == "info"
         finally:
             torch._logging.set_logs()
+        assert not _compile.side_effect_messages_read()
+        # TORCH_TRACE's handler (a directory to write to) is a reader too.
+        from torch._logging._internal import LazyTraceHandler, trace_log
+
+        handler = LazyTraceHandler("/nonexistent-trace-dir")  # writes only on a record
+        trace_log.addHandler(handler)
+        try:
+            assert _compile.side_effect_messages_read()
+        finally:
+            trace_log.removeHandler(handler)
         assert not _compile.side_effect_messages_read()
         # A policy the user chose, before or after ours, stays.
         monkeypatch.setattr(config, "side_effect_replay_policy", "warn")

@@ -115,11 +115,12 @@ def side_effect_messages_read() -> bool:
     if side_effects_log.isEnabledFor(logging.DEBUG):
         return True
     for handler in trace_log.handlers:
-        # torch's default handler, with no directory, writes nothing outside
-        # Meta's jobs (LazyTraceHandler.emit): no reader.
-        if not (isinstance(handler, LazyTraceHandler) and handler.root_dir is None):
+        # torch's default handler, with no directory (no TORCH_TRACE), writes nothing
+        # outside Meta's jobs (LazyTraceHandler.emit, MAST_HPC_JOB_NAME): no reader.
+        default = isinstance(handler, LazyTraceHandler) and handler.root_dir is None
+        if not default or os.environ.get("MAST_HPC_JOB_NAME"):
             return True
-    return bool(os.environ.get("MAST_HPC_JOB_NAME"))
+    return False
 
 
 def quiet_side_effect_messages() -> bool:
