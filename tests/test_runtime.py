@@ -15,6 +15,8 @@ one-process reference.
 from __future__ import annotations
 
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -261,7 +263,7 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
     it; after fully_shard, none, and the change is still made. A policy the user chose,
     a reader (TORCH_LOGS=side_effects, TORCH_TRACE's handler) and
     TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 each leave the policy alone; the undo puts
-    "info" back."""
+    "info" back, as dump_graphs(trace=True) does for its block."""
     from torch._dynamo.side_effects import SideEffects
 
     from traceable_hsdp import _compile
@@ -299,6 +301,12 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         assert config.side_effect_replay_policy == "silent"
         assert compile_bump() == 0
         assert _compile.quiet_side_effect_messages()  # idempotent
+        # dump_graphs(trace=True)'s structured trace has them on for its block.
+        from traceable_hsdp import _dump
+
+        with tempfile.TemporaryDirectory() as d, _dump._structured_trace(Path(d)):
+            assert config.side_effect_replay_policy == "info"
+        assert config.side_effect_replay_policy == "silent"
         _compile.restore_side_effect_messages()
         assert config.side_effect_replay_policy == "info"
         _compile.quiet_side_effect_messages_from_env({_compile.ENV_QUIET_SIDE_EFFECTS: "0"})

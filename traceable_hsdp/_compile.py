@@ -97,7 +97,8 @@ def compiled_autograd(backend: str | Any = "inductor", **compile_kwargs: Any) ->
 # ``fully_shard`` runs. A reader turned on later (``torch._logging.set_logs(
 # side_effects=True)``) gets no messages until :func:`restore_side_effect_messages`
 # puts ``"info"`` back; ``TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0`` leaves torch's
-# default alone. Dynamo reads the policy while it compiles, so it is set before
+# default alone. ``dump_graphs(trace=True)``, which adds its structured-trace reader
+# for its block, has ``"info"`` inside the block (:func:`side_effect_messages_on`). Dynamo reads the policy while it compiles, so it is set before
 # compiling starts, never during (fully_shard is not traced).
 
 ENV_QUIET_SIDE_EFFECTS = "TRACEABLE_HSDP_QUIET_SIDE_EFFECTS"
@@ -150,6 +151,21 @@ def restore_side_effect_messages() -> None:
         _quieted.clear()
         if torch._dynamo.config.side_effect_replay_policy == "silent":
             torch._dynamo.config.side_effect_replay_policy = "info"
+
+
+@contextmanager
+def side_effect_messages_on() -> Iterator[None]:
+    """Torch's ``"info"`` policy inside the block if :func:`quiet_side_effect_messages`
+    had set ``"silent"`` (quieted again after): for a reader added for the block, such
+    as the structured trace of ``dump_graphs(trace=True)``."""
+    ours = bool(_quieted) and torch._dynamo.config.side_effect_replay_policy == "silent"
+    if ours:
+        restore_side_effect_messages()
+    try:
+        yield
+    finally:
+        if ours:
+            quiet_side_effect_messages()
 
 
 def quiet_side_effect_messages_from_env(environ: Mapping[str, str] | None = None) -> None:

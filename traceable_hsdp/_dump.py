@@ -685,24 +685,30 @@ def _structured_trace(trace_dir: Path) -> Iterator[list[Path]]:
     """A ``TORCH_TRACE=trace_dir`` structured log for the block: the handler that
     ``TORCH_TRACE`` would install at import (``LazyTraceHandler``, which opens its
     file at the first record) is added to torch's trace logger and removed after.
-    Yields a list that holds the log file once the block exits."""
+    Yields a list that holds the log file once the block exits. Dynamo's side-effect
+    messages are on inside (see [Note: Dynamo's side-effect messages] in
+    ``_compile.py``), so the log holds them as ``TORCH_TRACE``'s would."""
     from torch._logging import _internal as tl
+
+    from ._compile import side_effect_messages_on
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     handler = tl.LazyTraceHandler(str(trace_dir))
     handler.setFormatter(tl.TorchLogsFormatter(trace=True))
     logger = tl.trace_log
     old_level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
     files: list[Path] = []
-    try:
-        yield files
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-        handler.close()
-        files.extend(sorted(trace_dir.glob("*.log")))
+    # Outside the handler's add and remove: it is quieted again once it is gone.
+    with side_effect_messages_on():
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(handler)
+        try:
+            yield files
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+            handler.close()
+            files.extend(sorted(trace_dir.glob("*.log")))
 
 
 def _run_tlparse(log_files: list[Path], out: Path) -> str:
