@@ -98,8 +98,9 @@ def compiled_autograd(backend: str | Any = "inductor", **compile_kwargs: Any) ->
 # side_effects=True)``) gets no messages until :func:`restore_side_effect_messages`
 # puts ``"info"`` back; ``TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0`` leaves torch's
 # default alone. ``dump_graphs(trace=True)``, which adds its structured-trace reader
-# for its block, has ``"info"`` inside the block (:func:`side_effect_messages_on`). Dynamo reads the policy while it compiles, so it is set before
-# compiling starts, never during (fully_shard is not traced).
+# for its block, has ``"info"`` inside the block (:func:`side_effect_messages_on`).
+# Dynamo reads the policy while it compiles, so it is set before compiling starts,
+# never during (fully_shard is not traced).
 
 ENV_QUIET_SIDE_EFFECTS = "TRACEABLE_HSDP_QUIET_SIDE_EFFECTS"
 
