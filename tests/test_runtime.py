@@ -263,7 +263,8 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
     it; after fully_shard, none, and the change is still made. A policy the user chose,
     a reader (TORCH_LOGS=side_effects, TORCH_TRACE's handler) and
     TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 each leave the policy alone; the undo puts
-    "info" back, as dump_graphs(trace=True) does for its block."""
+    "info" back, as dump_graphs(trace=True) does for its block. Starts from torch's
+    logging defaults (a reader an earlier test left on would keep "info", rightly)."""
     from torch._dynamo.side_effects import SideEffects
 
     from traceable_hsdp import _compile
@@ -292,8 +293,20 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         assert box.n == 1  # the side effect is replayed either way
         return len(formatted)
 
+    # From torch's logging defaults: a reader left on by an earlier in-process test
+    # rightly keeps "info" (it did once in the full suite), and would hide the quieting.
+    from torch._dynamo.side_effects import side_effects_log
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    left_on = [h for h in trace_log.handlers
+               if not (isinstance(h, LazyTraceHandler) and h.root_dir is None)]
+    for h in left_on:
+        trace_log.removeHandler(h)
+    torch._logging.set_logs()
     _compile.restore_side_effect_messages()
     try:
+        assert not _compile.side_effect_messages_read(), (
+            side_effects_log.getEffectiveLevel(), trace_log.handlers)
         assert config.side_effect_replay_policy == "info"  # torch 2.13's default
         assert compile_bump() == 1  # formatted, though nothing reads it
         formatted.clear()
@@ -342,8 +355,10 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         assert config.side_effect_replay_policy == "error"
         assert not _compile.quiet_side_effect_messages()
     finally:
+        for h in left_on:
+            trace_log.addHandler(h)
         config.side_effect_replay_policy = "info"
-        _compile.quiet_side_effect_messages()  # as fully_shard left it for later tests
+        _compile.quiet_side_effect_messages()  # as fully_shard leaves it for later tests
         torch._dynamo.reset()
 
 
