@@ -293,16 +293,14 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         assert box.n == 1  # the side effect is replayed either way
         return len(formatted)
 
-    # From torch's logging defaults: a reader left on by an earlier in-process test
-    # rightly keeps "info" (it did once in the full suite), and would hide the quieting.
+    # No reader, without touching torch's logging state (later tests rely on it): a
+    # reader an earlier in-process test left on rightly keeps "info".
     from torch._dynamo.side_effects import side_effects_log
     from torch._logging._internal import LazyTraceHandler, trace_log
 
-    left_on = [h for h in trace_log.handlers
-               if not (isinstance(h, LazyTraceHandler) and h.root_dir is None)]
-    for h in left_on:
-        trace_log.removeHandler(h)
-    torch._logging.set_logs()
+    monkeypatch.setattr(trace_log, "handlers", [
+        h for h in trace_log.handlers if isinstance(h, LazyTraceHandler) and h.root_dir is None])
+    monkeypatch.setattr(side_effects_log, "isEnabledFor", lambda level: False)
     _compile.restore_side_effect_messages()
     try:
         assert not _compile.side_effect_messages_read(), (
@@ -326,13 +324,11 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         assert config.side_effect_replay_policy == "info"
         with pytest.raises(ValueError, match="TRACEABLE_HSDP_QUIET_SIDE_EFFECTS='maybe'"):
             _compile.quiet_side_effect_messages_from_env({_compile.ENV_QUIET_SIDE_EFFECTS: "maybe"})
-        torch._logging.set_logs(side_effects=True)  # a reader
-        try:
-            assert _compile.side_effect_messages_read()
-            assert not _compile.quiet_side_effect_messages()
-            assert config.side_effect_replay_policy == "info"
-        finally:
-            torch._logging.set_logs()
+        monkeypatch.setattr(side_effects_log, "isEnabledFor", lambda level: True)  # TORCH_LOGS
+        assert _compile.side_effect_messages_read()
+        assert not _compile.quiet_side_effect_messages()
+        assert config.side_effect_replay_policy == "info"
+        monkeypatch.setattr(side_effects_log, "isEnabledFor", lambda level: False)
         assert not _compile.side_effect_messages_read()
         # TORCH_TRACE's handler (a directory to write to) is a reader too.
         from torch._logging._internal import LazyTraceHandler, trace_log
@@ -355,8 +351,6 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         assert config.side_effect_replay_policy == "error"
         assert not _compile.quiet_side_effect_messages()
     finally:
-        for h in left_on:
-            trace_log.addHandler(h)
         config.side_effect_replay_policy = "info"
         _compile.quiet_side_effect_messages()  # as fully_shard leaves it for later tests
         torch._dynamo.reset()
