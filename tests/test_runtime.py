@@ -341,10 +341,10 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
             trace_log.removeHandler(handler)
         assert not _compile.side_effect_messages_read()
         # A policy the user chose, before or after ours, stays.
-        monkeypatch.setattr(config, "side_effect_replay_policy", "warn")
+        config.side_effect_replay_policy = "warn"  # not monkeypatch: its undo deletes config entries
         assert not _compile.quiet_side_effect_messages()
         assert config.side_effect_replay_policy == "warn"
-        monkeypatch.setattr(config, "side_effect_replay_policy", "info")
+        config.side_effect_replay_policy = "info"
         assert _compile.quiet_side_effect_messages()
         config.side_effect_replay_policy = "error"
         _compile.restore_side_effect_messages()
