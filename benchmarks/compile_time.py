@@ -97,25 +97,25 @@ class CompileVariant:
         return H.Variant(self.name, self.impl, self.compile)  # type: ignore[arg-type]
 
 
+# The library's three switches that change compile time; every variant of ours sets
+# each of them, on ("1") unless the variant turns it off.
+_SWITCHES = ("TRACEABLE_HSDP_STABLE_MESH_KEY", "TRACEABLE_HSDP_FORWARD_CACHE_KEY",
+             "TRACEABLE_HSDP_QUIET_SIDE_EFFECTS")
+
+
+def _ours(name: str, off: str | None = None) -> CompileVariant:
+    """Our whole-model compile with every switch of ``_SWITCHES`` on but ``off``."""
+    env = tuple((k, "0" if k == off else "1") for k in _SWITCHES)
+    return CompileVariant(name, "ours", "whole", compiled_autograd=True, env=env)
+
+
 VARIANTS = (
     CompileVariant("plain_whole", "unsharded", "whole", compiled_autograd=True),
     CompileVariant("torch_block_compiled", "torch", "blocks", compiled_autograd=False),
-    CompileVariant("ours_compiled", "ours", "whole", compiled_autograd=True,
-                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "1"),
-                        ("TRACEABLE_HSDP_FORWARD_CACHE_KEY", "1"),
-                        ("TRACEABLE_HSDP_QUIET_SIDE_EFFECTS", "1"))),
-    CompileVariant("ours_compiled_nofix", "ours", "whole", compiled_autograd=True,
-                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "0"),
-                        ("TRACEABLE_HSDP_FORWARD_CACHE_KEY", "1"),
-                        ("TRACEABLE_HSDP_QUIET_SIDE_EFFECTS", "1"))),
-    CompileVariant("ours_compiled_torch_fwd_key", "ours", "whole", compiled_autograd=True,
-                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "1"),
-                        ("TRACEABLE_HSDP_FORWARD_CACHE_KEY", "0"),
-                        ("TRACEABLE_HSDP_QUIET_SIDE_EFFECTS", "1"))),
-    CompileVariant("ours_compiled_side_effect_info", "ours", "whole", compiled_autograd=True,
-                   env=(("TRACEABLE_HSDP_STABLE_MESH_KEY", "1"),
-                        ("TRACEABLE_HSDP_FORWARD_CACHE_KEY", "1"),
-                        ("TRACEABLE_HSDP_QUIET_SIDE_EFFECTS", "0"))),
+    _ours("ours_compiled"),
+    _ours("ours_compiled_nofix", off="TRACEABLE_HSDP_STABLE_MESH_KEY"),
+    _ours("ours_compiled_torch_fwd_key", off="TRACEABLE_HSDP_FORWARD_CACHE_KEY"),
+    _ours("ours_compiled_side_effect_info", off="TRACEABLE_HSDP_QUIET_SIDE_EFFECTS"),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 REF = "plain_whole"
