@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import traceable_hsdp as th
 from _dist import full_tensor
-from _workers import CFG, LR, FunctionalCollectiveOps, _data, _loss, _managed, _placeholder_bytes
+from _workers import CFG, CFG1, LR, FunctionalCollectiveOps, _data, _loss, _managed, _placeholder_bytes
 from traceable_hsdp.models import Llama, RMSNorm
 
 STEPS = 3
@@ -264,12 +264,12 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _ac_llama(fs: Callable[..., Any], form: str) -> Llama:
-    """Our Llama with activation checkpointing on every block: ``wrap_then_shard``
-    (torchtitan's order: checkpoint_wrapper, then fully_shard on the wrapper),
-    ``shard_then_wrap`` (checkpoint_wrapper around the fully_shard block),
-    ``selective`` (torchtitan's order, a policy that saves the matmuls)."""
-    model = Llama(CFG)
+def _ac_llama(fs: Callable[..., Any], form: str, cfg: Any = CFG) -> Llama:
+    """Our Llama (``cfg``) with activation checkpointing on every block:
+    ``wrap_then_shard`` (torchtitan's order: checkpoint_wrapper, then fully_shard on
+    the wrapper), ``shard_then_wrap`` (checkpoint_wrapper around the fully_shard
+    block), ``selective`` (torchtitan's order, a policy that saves the matmuls)."""
+    model = Llama(cfg)
     for i, layer in enumerate(model.layers):
         if form == "shard_then_wrap":
             model.layers[i] = checkpoint_wrapper(fs(layer))
@@ -459,7 +459,8 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
 def conformance_2x2(rank: int, world: int) -> dict[str, Any]:
     """On a 2x2 (replicate, shard) mesh: the meta-device flow and the three AC forms,
     eager, torch's fully_shard and ours; and ours built on meta with checkpoint_wrapper
-    on every block, compiled (aot_eager, plain loop) against the same eager."""
+    on its block (one: ``CFG1``, for the compile's sake), compiled (aot_eager, plain
+    loop) against the same eager."""
     from _workers import compile_for, dp_mesh
 
     mesh = dp_mesh((2, 2))
@@ -470,9 +471,9 @@ def conformance_2x2(rank: int, world: int) -> dict[str, Any]:
         out[f"meta_{lib}"] = _meta_flow(rank, world, lib, mesh)
     for how in ("", "loop"):
         torch.manual_seed(0)
-        full_sd = Llama(CFG).state_dict()
+        full_sd = Llama(CFG1).state_dict()
         with torch.device("meta"):
-            model = _ac_llama(_fs("ours", mesh), "wrap_then_shard")
+            model = _ac_llama(_fs("ours", mesh), "wrap_then_shard", CFG1)
         model.to_empty(device="cpu")
         model.reset_buffers()
         set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True))
@@ -620,13 +621,16 @@ def _hf_config(layers: int = 2) -> Any:
     )
 
 
+MOE_LAYERS = 1  # one decoder layer and the root: two units, the layer re-gathered
+
+
 def _mixtral() -> nn.Module:
-    """HF ``MixtralForCausalLM``, 2 layers of 4 experts, top 2 (its default experts
-    implementation: ``grouped_mm``)."""
+    """HF ``MixtralForCausalLM``, ``MOE_LAYERS`` layers of 4 experts, top 2 (its default
+    experts implementation: ``grouped_mm``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     return MixtralForCausalLM(MixtralConfig(
-        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=MOE_LAYERS,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
     ))
