@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
 from _dist import full_tensor
-from _workers import CFG, LR, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
+from _workers import CFG, CFG1, LR, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
 from traceable_hsdp.models import Llama, shard_llama
 
 STEPS = 3
@@ -67,11 +67,16 @@ def reduce_op_worker(rank: int, world: int) -> dict[str, float]:
     return ratios
 
 
+# comm_options_worker's Llama: one block (the options apply per unit; a second block
+# adds compile time and no path).
+COMM_CFG = CFG1
+
+
 def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     """FSDPModule's communication options on a 2x2 HSDP mesh, eager or compiled
     (aot_eager, compiled autograd): each run is compared with a plain eager run of the
-    same model and data (gradients after two backwards). Compiled, it also reports the
-    collectives of every graph each run compiled."""
+    same model (``COMM_CFG``) and data (gradients after two backwards). Compiled, it
+    also reports the collectives of every graph each run compiled."""
     from torch import nn
 
     compiled = mode == "compiled"
@@ -98,7 +103,7 @@ def comm_options_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         name: str, setup: Any, per_backward: Any = None, eager: bool = False
     ) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
-        model = Llama(CFG)
+        model = Llama(COMM_CFG)
         shard_llama(model, th.fully_shard, mesh=mesh)
         setup(model)
 

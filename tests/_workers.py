@@ -31,6 +31,9 @@ from traceable_hsdp.passes._graph import (
 
 # vocab 65: the embedding and output head have an uneven first dim (padded shards).
 CFG = LlamaConfig(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
+# One block: for compiled checks that two blocks do not add to (every block costs
+# compile time; see [Note: The suite's time is compile time] in conftest.py).
+CFG1 = dataclasses.replace(CFG, n_layers=1)
 SEQ, BATCH_PER_RANK, STEPS, LR = 8, 2, 5, 1e-2
 # The root unit's parameters (embedding, final norm, output head). The default
 # reshard_after_forward (None, as torch's) keeps them gathered from a training
@@ -59,10 +62,12 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def reference_run(world: int, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    world: int, steps: int = STEPS, cfg: LlamaConfig = CFG
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training on the global batch: the ground truth."""
     torch.manual_seed(0)
-    model = Llama(CFG)
+    model = Llama(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for x, y in _data(world, steps):
