@@ -73,7 +73,8 @@ def test_docstrings_give_the_launch_command() -> None:
 
 @pytest.mark.slow
 def test_train_llama_compiled() -> None:
-    out = _torchrun("train_llama.py", 2, "--backend", "aot_eager")
+    # One block: the script's path is the same, and every block costs compile time.
+    out = _torchrun("train_llama.py", 2, "--backend", "aot_eager", "--layers", "1")
     _assert_trains(_losses(out), 5, out)
     norms = [float(m[3]) for m in _STEP.findall(out)]
     assert all(math.isfinite(n) and n > 0 for n in norms), out
@@ -82,7 +83,7 @@ def test_train_llama_compiled() -> None:
 @pytest.mark.slow
 def test_hf_causal_lm_meta_init_and_activation_checkpointing_compiled() -> None:
     pytest.importorskip("transformers")
-    out = _torchrun("hf_causal_lm.py", 2, "--check-init", "--compile", "aot_eager")
+    out = _torchrun("hf_causal_lm.py", 2, "--check-init", "--compile", "aot_eager", "--layers", "1")
     assert "check-init: every rank's shards equal those of the model built whole" in out, out
     _assert_trains(_losses(out), 5, out)
 
