@@ -426,6 +426,48 @@ def test_dump_graphs_without_depyf(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert "depyf source: not written: depyf is not installed" in summary, summary
 
 
+def test_dump_graphs_of_a_whole_step_compiled_with_compiled_autograd(tmp_path: Path) -> None:
+    """Forward, loss and backward() in one compiled function under
+    torch._dynamo.config.compiled_autograd, dumped with depyf on: the step runs as
+    without the dump (loss and gradients bitwise, eager backend), depyf writes its
+    files, and dynamo's skipped directories are as before after the block. It failed
+    inside the dump with a RecursionError before (dynamo compiled depyf's own graph
+    formatter; see [Note: dynamo must not compile depyf's own functions] in
+    traceable_hsdp/_dump.py)."""
+    pytest.importorskip("depyf")
+    from torch._dynamo import trace_rules
+
+    def run(backend: Any) -> tuple[float, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().sum()
+            loss.backward()
+            return loss.detach()
+
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            loss = torch.compile(step, backend=backend)(torch.arange(16.0).view(2, 8))
+        return loss.item(), [p.grad for p in model.parameters()]
+
+    skipped = list(trace_rules.SKIP_DIRS)
+    torch._dynamo.reset()
+    want = run("eager")
+    torch._dynamo.reset()
+    with _dump.dump_graphs(tmp_path, print_summary=False) as dump:
+        got = run(dump.backend("eager"))
+    torch._dynamo.reset()
+    assert got[0] == want[0]
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert trace_rules.SKIP_DIRS == skipped
+    assert any(p.name.startswith("full_code_for_step") for p in (tmp_path / "depyf").iterdir())
+    # The step's forward graph, compiled autograd's backward graph and the graph
+    # after the backward() break all reached the dump.
+    names = [g["name"] for g in json.loads((tmp_path / "collectives.json").read_text())["graphs"]]
+    assert names == ["00_fwd", "01_bwd", "02_fwd"], names
+
+
 def test_dump_graphs_restores_the_inductor_hook(tmp_path: Path) -> None:
     import torch._inductor.config as ic
 

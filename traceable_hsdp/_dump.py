@@ -100,6 +100,24 @@ first remembers dynamo's code for the frame, the last hands it back. depyf still
 writes every file (its ``__transformed_code_*`` files are its decompilation of
 dynamo's bytecode: a reading aid, not what ran).
 
+[Note: dynamo must not compile depyf's own functions]
+``depyf.prepare_debug`` swaps three torch functions for its own while the block
+runs: it points the code of ``torch._dynamo.utils.lazy_format_graph_code`` at its
+``patched_lazy_format_graph_code``, and replaces ``torch.fx.graph_module.
+_exec_with_source`` and Inductor's ``PyCodeCache.load_by_key_path``. Dynamo skips
+torch's own files by their path; depyf's code lives in depyf's files, which no skip
+list names. In a whole step compiled under ``torch._dynamo.config.compiled_autograd``
+(forward, loss and ``backward()`` in one ``torch.compile``d function), the backward
+runs inside that function's frame, where dynamo's frame callback is live: compiled
+autograd formats its graph for the log there, through depyf's function, and dynamo
+compiled that function as if it were the user's. depyf's bytecode hook then
+decompiled it and recursed without end (``RecursionError``, torch 2.13, depyf 0.20:
+the step failed inside the dump only). The plain loop (``enable_compiled_autograd``
+and a compiled model) calls the backward outside any compiled frame and never met
+this. ``dump_graphs`` therefore adds depyf's package to dynamo's skipped directories
+(``torch._dynamo.trace_rules.add``, torch's function for it) while depyf is on, and
+takes it out again after the block (``_dynamo_skips_depyf``).
+
 [Note: Entering before the first compile]
 depyf and the recorders see only compiles that happen inside the block; a function
 compiled before keeps running its cached code, which is not dumped. ``dump_graphs``
@@ -901,6 +919,8 @@ def dump_graphs(
             stack.enter_context(
                 _bytecode_hook(lambda code, new: dynamo_code.__setitem__(code, new))
             )
+            # See [Note: dynamo must not compile depyf's own functions].
+            stack.enter_context(_dynamo_skips_depyf())
             with warnings.catch_warnings():
                 # depyf warns on every entry that the code must run several times.
                 warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`")
@@ -927,6 +947,25 @@ def dump_graphs(
             _write_results(dump)
             if print_summary:
                 print(dump.summary(), file=sys.stdout if file is None else file, flush=True)
+
+
+@contextlib.contextmanager
+def _dynamo_skips_depyf() -> Iterator[None]:
+    """Dynamo skips every frame of depyf's files while the block runs, and only the
+    frames it skipped before after it. See [Note: dynamo must not compile depyf's own
+    functions]."""
+    from torch._dynamo import trace_rules
+
+    before = len(trace_rules.SKIP_DIRS)
+    trace_rules.add("depyf")
+    added = trace_rules.SKIP_DIRS[before:]
+    try:
+        yield
+    finally:
+        for d in added:
+            trace_rules.SKIP_DIRS.remove(d)
+        if added:
+            trace_rules._recompile_re()
 
 
 @contextlib.contextmanager
