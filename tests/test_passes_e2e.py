@@ -1,6 +1,6 @@
 """Tier 2: the passes inside a real compiled training step.
 
-Two gloo ranks, a 3-block Llama (width 32) with nested fully_shard (4 units: 3
+Two gloo ranks, a 2-block Llama (width 32) with nested fully_shard (3 units: 2
 blocks and the root), reshard after forward, the whole step (forward, loss,
 backward) compiled by Inductor with compiled autograd, with one bucket per unit
 (``bucket_cap_mb=None``: the default 4 MiB cap would merge these small units into one
@@ -8,7 +8,11 @@ bucket and leave nothing to overlap). ``fully_shard`` installed
 the passes as Inductor's post-grad pre-pass; a recording pass set as the post-grad
 *post*-pass sees each graph after them and counts what is left, and checks the
 order the overlap pass gave it (each all-gather issued before the previous unit's
-compute, each reduce-scatter waited for after the next unit's compute).
+compute, each reduce-scatter waited for after the next unit's compute). Two blocks
+show every case: in forward the root's all-gather is first, layers.0's is prefetched
+and prefetches layers.1's; in backward layers.0's re-gather is prefetched during
+layers.1's compute, and two reduce-scatters (layers.1's, layers.0's) wait for the next
+unit's compute.
 
 The generated code of step 1 is checked too: the overlap must survive Inductor's
 scheduler into the wrapper code that runs. It does only with
@@ -18,18 +22,39 @@ least estimated peak memory and so moves every wait back next to its issue (see
 [Note: Overlap and Inductor's scheduler] in ``passes/overlap.py``). So the parity
 checks below also cover collectives really in flight during compute on gloo.
 
+The steps run inside ``traceable_hsdp.dump_graphs``, compiled through its recording
+backend (``dump.backend("inductor")``, also compiled autograd's, which reuses the
+step's backend), so the same Inductor compile checks the dump's final schedule too.
+The dump's recorders bracket our passes inside the post-grad *pre*-pass ([Note:
+Hooking Inductor] in ``traceable_hsdp/_dump.py``); the recording *post*-pass above
+runs after Inductor's own post-grad passes, so the two compose. The generated code
+checked above is the dump's copy (``scheduled/``) of each graph's code. For every
+Inductor graph with collectives: the order of issues and waits read from that code
+agrees with torch's ``inductor_collective_schedule``; each collective keeps its unit
+and parameters (in the backward copied from dynamo's graph); its place in the order
+and its overlap distance (kernels between issue and wait) agree with the order; at
+most one all-gather is in flight; both ranks' dumps agree. After the steps, the
+forward of a tiny two-block model alone, under ``no_grad``, with every pass off and
+Inductor's default ``reorder_for_peak_memory``, shows the distances without the
+passes: one all-gather per parameter, each waited for right after its issue.
+
 Parity: losses against a single-process AdamW reference on the same global batch,
 rtol 1e-5; final full parameters atol 1e-4. Not bitwise: the sharded run averages
 gradients with reduce-scatters (another summation order), Inductor fuses and
 reorders float math, and AdamW turns ~1e-7 gradient differences into larger
-parameter ones. The passes themselves only move data (see test_passes_unit.py,
-where their effect is checked bitwise).
+parameter ones. Before any update, each rank's step-1 loss is within 1e-6 (relative)
+of the reference model's eager loss on that rank's batch: the same weights, only
+Inductor's fp32 reorderings (the dump must not change what runs). The passes
+themselves only move data (see test_passes_unit.py, where their effect is checked
+bitwise).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,8 +62,9 @@ import torch
 
 from _dist import full_tensor, run_ranks
 from _workers import _placeholder_bytes
+from traceable_hsdp._dump import compare_dumps
 
-N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 3, 3, 8, 2, 1e-2
+N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 2, 3, 8, 2, 1e-2
 N_UNITS = N_LAYERS + 1
 
 def _overlap_order(graph: torch.fx.Graph) -> dict[str, Any]:
@@ -185,15 +211,39 @@ def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     return c
 
 
-def _worker(rank: int, world: int) -> dict[str, Any]:
+def _tiny_model() -> torch.nn.Module:
+    """Two blocks of two linear layers, each a fully_shard unit, under a root that
+    holds no parameter: the passes-off forward the dump reads (one all-gather per
+    parameter: 0.weight, 0.bias, 2.weight, 2.bias of each block)."""
+    from torch import nn
+
+    import traceable_hsdp as th
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU()),
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU()),
+    )
+    for block in model:
+        th.fully_shard(block)
+    th.fully_shard(model)
+    return model
+
+
+def _worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """The training steps inside ``dump_graphs(out_dir/rank<r>)``, then the tiny
+    model's forward with every pass off (see the module docstring)."""
+    import sys
+    from dataclasses import asdict
+    from unittest import mock
+
     import torch.nn.functional as F
 
     import traceable_hsdp as th
+    from traceable_hsdp import dump_graphs, passes
     from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
     from traceable_hsdp.passes import TraceableHSDPPass
     from traceable_hsdp.passes._graph import PostGradRecorder
-
-    from torch._inductor.utils import run_and_get_code
 
     graphs: list[dict[str, Any]] = []
     # Its uuid() is None: never served from the FX cache, every graph is seen.
@@ -223,36 +273,69 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         loss.backward()
         return loss.detach()
 
-    compiled_step = torch.compile(step)
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses, graphs_after_step, bytes_after_step = [], [], [], []
-    codes: list[dict[str, Any]] = []
-    for i in range(STEPS):
-        tok = torch.randint(0, cfg.vocab_size, (world * BATCH_PER_RANK, SEQ + 1), generator=gen)
-        x, y = tok[:, :-1], tok[:, 1:]
-        if i == 0:  # every graph compiles here: keep the generated code
-            loss, sources = run_and_get_code(
-                compiled_step, x.chunk(world)[rank], y.chunk(world)[rank]
-            )
-            codes = [_code_overlap(c) for c in sources if "def call" in c]
-        else:
-            loss = compiled_step(x.chunk(world)[rank], y.chunk(world)[rank])
-        graphs_after_step.append(len(graphs))
-        bytes_after_step.append(_placeholder_bytes(model))
-        opt.step()
-        opt.zero_grad()
-        torch.distributed.all_reduce(loss)
-        losses.append(loss.item() / world)
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
+    # Without depyf (optional: the dump writes every other file, and nothing here
+    # reads depyf's): its decompilation of every frame and graph added 22 s to this
+    # test (95 s against 73 s, 2026-11-28). A whole step dumped with depyf on is
+    # test_dump.py's test_dump_graphs_of_a_whole_step_compiled_with_compiled_autograd.
+    with mock.patch.dict(sys.modules, {"depyf": None}), dump_graphs(
+        f"{out_dir}/rank{rank}", print_summary=False
+    ) as dump:
+        # Compiled autograd compiles the backward with the step's backend.
+        backend = dump.backend("inductor")
+        compiled_step = torch.compile(step, backend=backend)
+        for i in range(STEPS):
+            tok = torch.randint(0, cfg.vocab_size, (world * BATCH_PER_RANK, SEQ + 1), generator=gen)
+            x, y = tok[:, :-1], tok[:, 1:]
+            xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
+            if i == 0:  # the same weights, eager, in one process
+                with torch.no_grad():
+                    first_eager = loss_fn(ref(xr), yr).item()
+            loss = compiled_step(xr, yr)
+            if i == 0:
+                first_compiled = loss.item()
+            graphs_after_step.append(len(graphs))
+            bytes_after_step.append(_placeholder_bytes(model))
+            opt.step()
+            opt.zero_grad()
+            torch.distributed.all_reduce(loss)
+            losses.append(loss.item() / world)
+            ref_loss = loss_fn(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(ref_loss.item())
+        # Every graph of the step compiled in step 1: the generated code that ran.
+        codes = [
+            _code_overlap((dump.out_dir / r.file).read_text())
+            for r in dump.records if r.stage == "scheduled"
+        ]
+        step_graphs = dump.graph_names()
+        # The tiny model's forward, every pass off, Inductor's default scheduler; the
+        # post-pass recorder above counts the step's graphs only.
+        torch._inductor.config.post_grad_custom_post_pass = None
+        saved = passes.get_config()
+        passes.set_config(passes.PassConfig(False, False, False, False))
+        try:
+            with torch.no_grad(), torch._inductor.config.patch(reorder_for_peak_memory=True):
+                tiny_x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+                torch.compile(_tiny_model(), backend=backend)(tiny_x)
+        finally:
+            passes.set_config(saved)
     full = {k: full_tensor(v) for k, v in model.state_dict().items()}
     return dict(
         installed=installed,
         graphs=graphs,
         codes=codes,
+        first_loss=(first_compiled, first_eager),
+        step_graphs=step_graphs,
+        passes_off_graphs=[n for n in dump.graph_names() if n not in step_graphs],
+        scheduled=[
+            {**asdict(r), "collectives": [asdict(c) for c in r.collectives]}
+            for r in dump.records if r.stage == "scheduled"
+        ],
+        summary=dump.summary(),
         graphs_after_step=graphs_after_step,
         bytes_after_step=bytes_after_step,
         losses=losses,
@@ -262,9 +345,11 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_passes_in_compiled_fsdp_step(per_unit_buckets: None) -> None:
-    results = run_ranks(_worker, 2, spawn=True)
-    for r in results:
+def test_passes_in_compiled_fsdp_step(tmp_path: Path, per_unit_buckets: None) -> None:
+    """The passes in a compiled training step, and the dump's final schedule of the
+    same compile: see the module docstring."""
+    results = run_ranks(_worker, 2, str(tmp_path), spawn=True)
+    for rank, r in enumerate(results):
         assert r["installed"]
         # One forward and one backward graph with collectives (plus the empty graph
         # after the backward() graph break), all compiled in step 1: no recompile.
@@ -315,6 +400,76 @@ def test_passes_in_compiled_fsdp_step(per_unit_buckets: None) -> None:
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)
         worst = max(r["param_diff"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-4, worst
+        compiled, eager = r["first_loss"]
+        assert abs(compiled - eager) <= 1e-6 * abs(eager), r["first_loss"]  # fp32 reorderings
+        _check_final_schedule(tmp_path / f"rank{rank}", r)
+    coll = json.loads((tmp_path / "rank0" / "collectives.json").read_text())
+    stages = [(g["name"], g["stage"]) for g in coll["graphs"]]
+    assert {("00_fwd", "scheduled"), ("01_bwd", "scheduled"), ("03_fwd", "scheduled")} <= set(
+        stages), stages
+    assert compare_dumps([tmp_path / "rank0", tmp_path / "rank1"]).startswith("ranks agree")
+
+
+def _check_final_schedule(dump_dir: Path, r: dict[str, Any]) -> None:
+    """The dump's final schedule of one rank's Inductor graphs (``r["scheduled"]``):
+    the step's forward (00_fwd) and backward (01_bwd), and the tiny model's
+    passes-off forward (03_fwd)."""
+    recs = {rec["name"]: rec for rec in r["scheduled"]}
+    assert r["step_graphs"] == ["00_fwd", "01_bwd", "02_fwd"], r["step_graphs"]
+    assert r["passes_off_graphs"] == ["03_fwd"], r["passes_off_graphs"]
+    # 02_fwd, the step's rest after the backward() graph break (``loss.detach()``),
+    # is dynamo's graph only: nothing in it for Inductor to lower or schedule.
+    assert sorted(recs) == ["00_fwd", "01_bwd", "03_fwd"], sorted(recs)
+    for rec in recs.values():
+        assert (dump_dir / rec["file"]).read_text().count("def call(") == 1
+        assert rec["schedule_note"].endswith(
+            "are in the order torch logged (inductor_collective_schedule)"
+        ), rec["schedule_note"]
+        rows = rec["collectives"]
+        # The final order: issues in graph order, each wait after its issue, every
+        # collective waited for in its graph.
+        issued = [c["issued_at"] for c in rows]
+        assert issued == sorted(issued)
+        assert all(c["waited_at"] > c["issued_at"] for c in rows), rows
+        for c in rows:
+            assert rec["schedule"][c["issued_at"]] == f"C{c['index']}"
+            assert rec["schedule"][c["waited_at"]] == f"W{c['index']}"
+            between = rec["schedule"][c["issued_at"] + 1 : c["waited_at"]]
+            assert c["kernels_before_wait"] == sum(
+                1 for e in between if not re.fullmatch(r"[CW](\d+|-)", e)
+            )
+            assert c["unit"] is not None and c["params"], c
+    fwd, bwd = recs["00_fwd"]["collectives"], recs["01_bwd"]["collectives"]
+    # One bucketed all-gather per unit: the root (labelled by its class) first, then
+    # the blocks (by their path). Each but the first is issued before the previous
+    # unit's compute (prefetch): kernels run before its wait. The first has nothing
+    # to overlap with. On CPU each all-gather is issued into a buffer
+    # (gather_into_buffers).
+    assert [(c["op"], c["unit"]) for c in fwd] == [("all_gather_into_tensor_out", "Llama")] + [
+        ("all_gather_into_tensor_out", f"layers.{i}") for i in range(N_LAYERS)
+    ], fwd
+    assert fwd[0]["kernels_before_wait"] == 0
+    assert all(c["kernels_before_wait"] >= 1 for c in fwd[1:]), recs["00_fwd"]["schedule"]
+    # Over two gloo ranks each reduce-scatter is an exchange (see [Note: gloo
+    # reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py).
+    rs = [c for c in bwd if c["op"] == "all_to_all_single"]
+    assert rs and any(c["kernels_before_wait"] >= 1 for c in rs), recs["01_bwd"]["schedule"]
+    # Passes off: one all-gather per parameter, each waited for right after it is
+    # issued (the runtime's order; Inductor's scheduler keeps it).
+    off = recs["03_fwd"]["collectives"]
+    assert [c["params"] for c in off] == [
+        ("0.weight",), ("0.bias",), ("2.weight",), ("2.bias",)
+    ] * 2, off
+    assert all(c["kernels_before_wait"] == 0 for c in off), recs["03_fwd"]["schedule"]
+    assert (
+        f"overlap: all_gather_into_tensor_out: {N_UNITS - 1} of {N_UNITS} with >=1 kernel"
+        in r["summary"]
+    ), r["summary"]
+    assert "wait after" in r["summary"]
+    # The overlap pass keeps one all-gather in flight (gloo needs that), and
+    # Inductor's scheduler does not add one.
+    assert all(rec["in_flight"]["all_gather_into_tensor_out"] == 1 for rec in recs.values()), [
+        rec["in_flight"] for rec in recs.values()]
 
 
 def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
