@@ -26,7 +26,16 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import traceable_hsdp as th
 from _dist import full_tensor
-from _workers import CFG, CFG1, LR, FunctionalCollectiveOps, _data, _loss, _managed, _placeholder_bytes
+from _workers import (
+    CFG,
+    CFG1,
+    LR,
+    FunctionalCollectiveOps,
+    _data,
+    _loss,
+    _managed,
+    _placeholder_bytes,
+)
 from traceable_hsdp.models import Llama, RMSNorm
 
 STEPS = 3
@@ -630,9 +639,10 @@ def _mixtral() -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     return MixtralForCausalLM(MixtralConfig(
-        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=MOE_LAYERS,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=MOE_LAYERS, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False,
     ))
 
 

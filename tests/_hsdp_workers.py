@@ -9,7 +9,17 @@ from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
 from _dist import full_tensor
-from _workers import CFG, CFG1, LR, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
+from _workers import (
+    CFG,
+    CFG1,
+    LR,
+    GraphRecorder,
+    _data,
+    _loss,
+    _mean_over_ranks,
+    _placeholder_bytes,
+    dp_mesh,
+)
 from traceable_hsdp.models import Llama, shard_llama
 
 STEPS = 3
