@@ -79,7 +79,11 @@ for ``DeviceMesh`` made on import, and ``FxGraphCache.prepare_key`` wrapped by
 ``fully_shard`` to key the forward's ``BackwardState`` input as ``None``. The third is
 dynamo's ``side_effect_replay_policy``, set to ``"silent"`` by ``fully_shard`` while
 nothing reads its messages (``traceable_hsdp/_compile.py``). Nothing else (not
-``hsdp()``, not a unit's options) writes process-wide configuration.
+``hsdp()``, not a unit's options) writes process-wide configuration, but for the
+debugging tool ``dump_graphs``, and only for the length of its block: its recorders
+around our pass (which bypass Inductor's FX graph cache), depyf's patches, and
+dynamo skipping depyf's files, each undone when the block exits
+(``traceable_hsdp/_dump.py``).
 
 [Note: Saved views of the placeholder]
 AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward
