@@ -265,9 +265,11 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
     it; after fully_shard, none, and the change is still made. A policy the user chose,
     a reader (TORCH_LOGS=side_effects, TORCH_TRACE's handler) and
     TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 each leave the policy alone; the undo puts
-    "info" back, as dump_graphs(trace=True) does for its block. Starts from torch's
-    logging defaults (a reader an earlier test left on would keep "info", rightly)."""
-    from torch._dynamo.side_effects import SideEffects
+    "info" back, as dump_graphs(trace=True) does for its block. Starts with no reader,
+    stood in by monkeypatch (a reader an earlier test left on would keep "info",
+    rightly)."""
+    from torch._dynamo.side_effects import SideEffects, side_effects_log
+    from torch._logging._internal import LazyTraceHandler, trace_log
 
     from traceable_hsdp import _compile
 
@@ -297,9 +299,6 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
 
     # No reader, without touching torch's logging state (later tests rely on it): a
     # reader an earlier in-process test left on rightly keeps "info".
-    from torch._dynamo.side_effects import side_effects_log
-    from torch._logging._internal import LazyTraceHandler, trace_log
-
     monkeypatch.setattr(trace_log, "handlers", [
         h for h in trace_log.handlers if isinstance(h, LazyTraceHandler) and h.root_dir is None])
     monkeypatch.setattr(side_effects_log, "isEnabledFor", lambda level: False)
@@ -333,8 +332,6 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         monkeypatch.setattr(side_effects_log, "isEnabledFor", lambda level: False)
         assert not _compile.side_effect_messages_read()
         # TORCH_TRACE's handler (a directory to write to) is a reader too.
-        from torch._logging._internal import LazyTraceHandler, trace_log
-
         handler = LazyTraceHandler("/nonexistent-trace-dir")  # writes only on a record
         trace_log.addHandler(handler)
         try:
