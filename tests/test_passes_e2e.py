@@ -230,6 +230,11 @@ def _tiny_model() -> torch.nn.Module:
     return model
 
 
+def _scheduled(dump: Any) -> list[Any]:
+    """The dump's records of Inductor's final schedule, one per Inductor graph."""
+    return [r for r in dump.records if r.stage == "scheduled"]
+
+
 def _worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     """The training steps inside ``dump_graphs(out_dir/rank<r>)``, then the tiny
     model's forward with every pass off (see the module docstring)."""
@@ -307,10 +312,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
             ref_opt.zero_grad()
             ref_losses.append(ref_loss.item())
         # Every graph of the step compiled in step 1: the generated code that ran.
-        codes = [
-            _code_overlap((dump.out_dir / r.file).read_text())
-            for r in dump.records if r.stage == "scheduled"
-        ]
+        codes = [_code_overlap((dump.out_dir / r.file).read_text()) for r in _scheduled(dump)]
         step_graphs = dump.graph_names()
         # The tiny model's forward, every pass off, Inductor's default scheduler; the
         # post-pass recorder above counts the step's graphs only.
@@ -333,7 +335,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         passes_off_graphs=[n for n in dump.graph_names() if n not in step_graphs],
         scheduled=[
             {**asdict(r), "collectives": [asdict(c) for c in r.collectives]}
-            for r in dump.records if r.stage == "scheduled"
+            for r in _scheduled(dump)
         ],
         summary=dump.summary(),
         graphs_after_step=graphs_after_step,
