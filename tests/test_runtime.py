@@ -169,9 +169,22 @@ def test_error_plain_tensor_assigned_after_fully_shard(one_rank) -> None:
 
 
 def test_error_applied_twice_and_bad_options(one_rank) -> None:
+    """Applied twice, applied over torch's own fully_shard (the unit itself or one
+    inside it: the two runtimes do not compose, and the error names the module rather
+    than taking torch's DTensor parameters for tensor-parallel ones), bad options."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     m = th.fully_shard(nn.Linear(2, 2), mesh=one_rank)
     with pytest.raises(ValueError, match="already applied"):
         th.fully_shard(m, mesh=one_rank)
+    torch_unit = torch_fully_shard(nn.Linear(2, 2), mesh=one_rank)
+    with pytest.raises(ValueError, match=r"^FSDPLinear was already sharded by torch\.distributed"
+                       r"\.fsdp\.fully_shard.*import fully_shard from traceable_hsdp"):
+        th.fully_shard(torch_unit, mesh=one_rank)
+    inner = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+    torch_fully_shard(inner[1][1], mesh=one_rank)
+    with pytest.raises(ValueError, match=r"^Sequential\.1\.1 was already sharded by torch"):
+        th.fully_shard(inner, mesh=one_rank)
     with pytest.raises(TypeError, match="reshard_after_forward"):
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank, reshard_after_forward="yes")
     with pytest.raises(ValueError, match=r"reshard_after_forward=2 must divide the shard group's size 1"):

@@ -379,6 +379,24 @@ def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.
         yield from _own_modules(child, f"{prefix}.{name}" if prefix else name)
 
 
+def _check_no_torch_units(module: nn.Module) -> None:
+    """Refuses ``module`` when it, or a module inside it, was sharded by torch's own
+    ``fully_shard``: the two runtimes do not compose (each would own the other's
+    parameters), and the DTensor parameters torch's leaves behind would otherwise be
+    taken for tensor-parallel ones and refused with a message about meshes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for path, sub in _own_modules(module):
+        if isinstance(sub, FSDPModule) and state_of(sub) is None:
+            where = f"{type(module).__name__}.{path}" if path else type(module).__name__
+            raise ValueError(
+                f"{where} was already sharded by torch.distributed.fsdp.fully_shard; "
+                "traceable_hsdp's fully_shard does not compose with torch's. Shard every "
+                "unit of the model with one of them: import fully_shard from traceable_hsdp "
+                "for each call (and apply it to the unsharded model)."
+            )
+
+
 def check_modules(module: Any) -> list[nn.Module]:
     mods = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in mods:
@@ -391,6 +409,7 @@ def check_modules(module: Any) -> list[nn.Module]:
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once "
                 "per module."
             )
+        _check_no_torch_units(m)
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             # Its parameters would be sharded, but no forward of its own would ever
             # gather them: its children would compute with the shards. torch's
