@@ -195,6 +195,82 @@ def test_error_applied_twice_and_bad_options(one_rank) -> None:
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank, ignored_params=[torch.ones(1)])
 
 
+def _root_gathered_model(mesh: DeviceMesh) -> nn.Module:
+    """Two Linears: the first a unit, the second in the root unit, which stays gathered
+    from its forward to its backward (the default reshard_after_forward)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    th.fully_shard(m[0], mesh=mesh)
+    return th.fully_shard(m, mesh=mesh)
+
+
+def test_changes_while_the_root_is_gathered(one_rank) -> None:
+    """After a forward whose backward has not run, the root's modules hold its gathered
+    parameters (as torch's, whose own tests check it). What a user does to them then
+    was silently lost (torch 2.13's fully_shard loses it too; [Note: Changes while the
+    modules hold the gathered parameter] in _param.py): an optimizer built then stepped
+    copies and never the model, an assignment was dropped at the next reshard, a freeze
+    was undone. Now the optimizer is refused at its first step, the assignment at the
+    next forward or reshard, and a freeze or unfreeze is followed."""
+    from traceable_hsdp._optim_check import install_optimizer_check, uninstall_optimizer_check
+
+    x = torch.ones(2, 4)
+    # An optimizer built after a validation forward without no_grad.
+    m = _root_gathered_model(one_rank)
+    m(x)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(x).sum().backward()
+    with pytest.raises(RuntimeError,
+                       match=r"SGD holds the gathered parameter '1\.weight'.*no_grad"):
+        opt.step()
+    # The control: built after that backward, the same optimizer trains every parameter.
+    before = {k: v.full_tensor().clone() for k, v in m.state_dict().items()}
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.step()
+    assert all(not torch.equal(v.full_tensor(), before[k]) for k, v in m.state_dict().items())
+    # The check is the process-wide hook, and its undo removes it (reinstalled after).
+    m(x)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    uninstall_optimizer_check()
+    try:
+        opt.step()  # unchecked: steps the gathered copies
+    finally:
+        install_optimizer_check()
+    with pytest.raises(RuntimeError, match="holds the gathered parameter"):
+        opt.step()
+
+    # An assignment, found at the next forward, and at the reshard after the backward.
+    m = _root_gathered_model(one_rank)
+    m(x)
+    m[1].weight = nn.Parameter(torch.ones(4, 4))
+    with pytest.raises(RuntimeError, match=r"'1\.weight'\) was replaced while its fully_shard "
+                       r"unit was gathered.*after model\.reshard\(\)"):
+        m(x)
+    m = _root_gathered_model(one_rank)
+    out = m(x)
+    m[1].bias = nn.Parameter(torch.ones(4))
+    with pytest.raises(RuntimeError, match=r"'1\.bias'\) was replaced while"):
+        out.sum().backward()
+
+    # A freeze between a forward and its backward: no gradient in that backward, the
+    # sharded parameter frozen, and the next steps leave it as it is.
+    m = _root_gathered_model(one_rank)
+    out = m(x)
+    m[1].weight.requires_grad_(False)
+    out.sum().backward()
+    assert isinstance(m[1].weight, DTensor) and not m[1].weight.requires_grad
+    assert m[1].weight.grad is None and m[1].bias.grad is not None
+    w = m[1].weight.full_tensor().clone()
+    torch.optim.SGD(m.parameters(), lr=0.1).step()
+    m(x).sum().backward()
+    assert m[1].weight.grad is None and torch.equal(m[1].weight.full_tensor(), w)
+    # An unfreeze after a forward without backward: that next step trains it.
+    m(x)
+    m[1].weight.requires_grad_(True)
+    m(x).sum().backward()
+    assert m[1].weight.requires_grad and m[1].weight.grad is not None
+
+
 class _WithAllGatherExtension(torch.Tensor):
     """A tensor subclass that declares torch's FSDP2 all-gather extension."""
 

@@ -34,6 +34,7 @@ from ._init import (
     post_forward_info,
     unit_options,
 )
+from ._optim_check import install_optimizer_check
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, state_of
@@ -774,6 +775,8 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     # (_compile.py). TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 leaves torch's default.
     quiet_side_effect_messages_from_env()
     install_exit_hook()  # See [Note: Exiting with gloo worker threads] (_exit.py).
+    # See [Note: An optimizer built while the root is gathered] (_optim_check.py).
+    install_optimizer_check()
     from ._dump_env import start_from_env
 
     start_from_env()  # TRACEABLE_HSDP_DUMP; see [Note: The dump switch] (_dump_env.py)

@@ -70,6 +70,30 @@ dynamo's graph-break error, whose reason names the change (compile without
 
 The same path serves ``load_state_dict(assign=True)``.
 
+[Note: Changes while the modules hold the gathered parameter]
+Between a unit's forward and its backward, when it stays gathered (the root, under
+the default ``reshard_after_forward``), the modules hold the gathered parameter
+([Note: The module holds the placeholder only in forward]), and so does whatever the
+user reads from them then: a forward whose backward never ran (a validation pass
+without ``torch.no_grad()``, a warm-up forward) leaves the root in that state until
+the next backward. A change made to the gathered parameter there was silently lost
+when the unit registered the sharded one again (torch 2.13's ``fully_shard`` loses it
+too: checked side by side). Now, at the next pre-forward (``user_change``) and where
+the modules get the sharded parameter back (``register_sharded``):
+
+- a replaced parameter (``module.weight = ...``) raises ``RuntimeError`` naming it and
+  the fix (assign after the backward, after ``reshard()``, or run the forward under
+  ``torch.no_grad()``, which reshards the root);
+- ``requires_grad_`` on the gathered parameter (a change from what it was when the
+  modules got it) is made on the sharded one too, and then followed as any freeze or
+  unfreeze. (Compared with the value at registration, not with the sharded
+  parameter's: a compiled step leaves a frozen parameter's placeholder requiring
+  grad, see above, and that must not unfreeze it. A TP view is not a leaf, so it
+  cannot be frozen.)
+
+An optimizer built from ``model.parameters()`` in that window lists the gathered
+parameters; ``traceable_hsdp/_optim_check.py`` refuses it at its first step.
+
 [Note: Replicated parameters]
 ``hsdp(threshold=..., replicate_params=...)`` keeps some parameters whole on every
 rank (small ones, where a collective per parameter costs more than the memory it
@@ -227,6 +251,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, _Stride
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
 from ._common import MeshInfo, PostForwardInfo, ShardedState, compiling
+from ._optim_check import register_placeholder
 
 
 class UserChange(Enum):
@@ -365,8 +390,15 @@ class FSDPParam:
         self.unsharded_param = nn.Parameter(
             self._empty_placeholder(), requires_grad=param.requires_grad
         )
+        # No optimizer may hold it: see [Note: An optimizer built while the root is
+        # gathered] (_optim_check.py).
+        register_placeholder(self.unsharded_param, self.fqn)
         self.sharded_state = ShardedState.SHARDED
         self.module_holds_unsharded = False
+        # What register_unsharded gave the modules (the placeholder, or its TP view),
+        # and its requires_grad then.
+        self._held: torch.Tensor = self.unsharded_param
+        self._held_requires_grad = self.unsharded_param.requires_grad
         # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage (the
         # parameter stays whole in memory across steps; the next unshard refills it).
         self.keep_storage = keep_storage
@@ -539,6 +571,8 @@ class FSDPParam:
             held = self.unsharded_param if self.tp_spec is None else self._tp_view()
             for info in self.module_infos:
                 _set_param(info, held)
+            self._held = held
+            self._held_requires_grad = held.requires_grad
             self.module_holds_unsharded = True
 
     def _tp_view(self) -> DTensor:
@@ -560,8 +594,13 @@ class FSDPParam:
             )
 
     def register_sharded(self) -> None:
-        """Makes the modules hold the sharded parameter again. Idempotent."""
+        """Makes the modules hold the sharded parameter again. Idempotent.
+
+        Raises:
+            RuntimeError: a module's gathered parameter was replaced meanwhile (see
+                [Note: Changes while the modules hold the gathered parameter])."""
         if self.module_holds_unsharded:
+            self._follow_gathered_changes()
             for info in self.module_infos:
                 _set_param(info, self.sharded_param)
             self.module_holds_unsharded = False
@@ -785,6 +824,13 @@ class FSDPParam:
         the meta device. Only attribute reads (traced without ops). See
         [Note: Changes after fully_shard]."""
         if self.module_holds_unsharded:
+            # See [Note: Changes while the modules hold the gathered parameter].
+            held = self._held
+            for info in self.module_infos:
+                if info.module._parameters[info.param_name] is not held:
+                    return UserChange.OTHER
+            if held.requires_grad is not self._held_requires_grad:
+                return UserChange.OTHER
             return UserChange.NONE
         sp = self.sharded_param
         for info in self.module_infos:
@@ -813,6 +859,7 @@ class FSDPParam:
                 on another device than the mesh's (e.g. still on meta).
         """
         if self.module_holds_unsharded:
+            self._follow_gathered_changes()
             return
         sp = self.sharded_param
         for info in self.module_infos:
@@ -846,6 +893,26 @@ class FSDPParam:
             self.post_forward_shard = None
         if self.unsharded_param.requires_grad != sp.requires_grad:
             self.unsharded_param.requires_grad_(sp.requires_grad)
+
+    def _follow_gathered_changes(self) -> None:
+        """While the modules hold the gathered parameter: refuses a replacement of it,
+        and makes the sharded parameter follow a freeze or unfreeze of it. See
+        [Note: Changes while the modules hold the gathered parameter]."""
+        held = self._held
+        for info in self.module_infos:
+            if info.module._parameters[info.param_name] is not held:
+                raise RuntimeError(
+                    f"{type(info.module).__name__}.{info.param_name} ({self.fqn!r}) was "
+                    "replaced while its fully_shard unit was gathered: between a forward "
+                    "and its backward (or after a forward whose backward never ran) the "
+                    "unit's modules hold the gathered parameters, as torch's fully_shard, "
+                    "and the next reshard would drop the new one. Assign it after the "
+                    "backward, after model.reshard(), or run that forward under "
+                    "torch.no_grad()."
+                )
+        if held.requires_grad is not self._held_requires_grad:
+            self.sharded_param.requires_grad_(held.requires_grad)
+            self._held_requires_grad = held.requires_grad
 
     def _adopt(self, new: object, info: ParamModuleInfo) -> nn.Parameter:
         """``new``, found at ``info``, as the sharded parameter, if it can be one."""
