@@ -80,7 +80,7 @@ for ``DeviceMesh`` made on import, and ``FxGraphCache.prepare_key`` wrapped by
 dynamo's ``side_effect_replay_policy``, set to ``"silent"`` by ``fully_shard`` while
 nothing reads its messages (``traceable_hsdp/_compile.py``). The fourth is an
 optimizer step pre-hook, registered by ``fully_shard``, that refuses an optimizer
-holding a unit's gathered parameters (``traceable_hsdp/_optim_check.py``). The fifth
+holding parameters the model no longer trains (``traceable_hsdp/_optim_check.py``). The fifth
 is an ``atexit`` function that frees destroyed process groups before the interpreter
 finalizes (``traceable_hsdp/_exit.py``). Nothing else (not
 ``hsdp()``, not a unit's options) writes process-wide configuration, but for the

@@ -271,6 +271,32 @@ def test_changes_while_the_root_is_gathered(one_rank) -> None:
     assert m[1].weight.requires_grad and m[1].weight.grad is not None
 
 
+def test_optimizer_holding_replaced_parameters_refused(one_rank) -> None:
+    """An optimizer built before fully_shard holds the parameters fully_shard replaced
+    by sharded DTensors, and one built before load_state_dict(assign=True) holds those
+    the load replaced: they get no gradients, so its steps changed nothing and the
+    model did not train, with no error (torch's fully_shard too). Refused at the first
+    step, naming the parameter; one built after both trains every parameter."""
+    x = torch.ones(2, 4)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.AdamW(m.parameters())
+    th.fully_shard(m[0], mesh=one_rank)
+    th.fully_shard(m, mesh=one_rank)
+    m(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"AdamW holds a parameter the model no longer has: "
+                       r"'weight' as it was before fully_shard.*after fully_shard"):
+        opt.step()
+    opt = torch.optim.AdamW(m.parameters())
+    m.load_state_dict({k: v.detach().clone() for k, v in m.state_dict().items()}, assign=True)
+    m(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"no longer has.*load_state_dict\(assign=True\)"):
+        opt.step()
+    opt = torch.optim.AdamW(m.parameters())
+    before = {k: v.full_tensor().clone() for k, v in m.state_dict().items()}
+    opt.step()
+    assert all(not torch.equal(v.full_tensor(), before[k]) for k, v in m.state_dict().items())
+
+
 class _WithAllGatherExtension(torch.Tensor):
     """A tensor subclass that declares torch's FSDP2 all-gather extension."""
 

@@ -775,7 +775,7 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     # (_compile.py). TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 leaves torch's default.
     quiet_side_effect_messages_from_env()
     install_exit_hook()  # See [Note: Exiting with gloo worker threads] (_exit.py).
-    # See [Note: An optimizer built while the root is gathered] (_optim_check.py).
+    # See [Note: An optimizer must hold the model's sharded parameters] (_optim_check.py).
     install_optimizer_check()
     from ._dump_env import start_from_env
 

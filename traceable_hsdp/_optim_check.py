@@ -1,6 +1,7 @@
-"""No optimizer steps a unit's gathered parameter: the process-wide optimizer check.
+"""No optimizer steps a parameter the model no longer trains: the process-wide
+optimizer check.
 
-[Note: An optimizer built while the root is gathered]
+[Note: An optimizer must hold the model's sharded parameters]
 Between a forward and its backward, a unit that stays gathered (the root, under the
 default ``reshard_after_forward``) has its modules hold its gathered parameters, as
 torch's ``fully_shard`` does ([Note: The module holds the placeholder only in
@@ -27,6 +28,17 @@ the graph with a guard per parameter), so an optimizer whose step is only ever
 compiled is not checked. :func:`uninstall_optimizer_check` removes the hook; it is
 listed with the other process-wide changes in [Note: Global switches]
 (``passes/_install.py``).
+
+The same hook refuses an optimizer built *before* ``fully_shard``: ``fully_shard``
+replaces each parameter on its modules by a new one (the sharded ``DTensor``), so the
+optimizer holds the replaced parameters, which get no gradients: its steps change
+nothing and the model does not train, with no error (torch 2.13's ``fully_shard``
+too: checked side by side, every parameter moved by 0.0 after an AdamW step; the
+usual recipe builds the optimizer after ``fully_shard``). Each unit registers the
+parameters it replaced (:func:`register_replaced`), and the sharded parameters that
+an assignment or ``load_state_dict(assign=True)`` replaced after it; the registry
+holds weak references only, so a replaced parameter that nothing else holds goes at
+once.
 """
 
 from __future__ import annotations
@@ -42,44 +54,68 @@ __all__ = [
     "check_optimizer_params",
     "install_optimizer_check",
     "register_placeholder",
+    "register_replaced",
     "uninstall_optimizer_check",
 ]
 
-# id(placeholder) -> (a weak reference to it, its parameter's name). An entry goes
-# when its placeholder is collected.
-_placeholders: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+# id(tensor) -> (a weak reference to it, its parameter's name, why no optimizer may
+# hold it: _GATHERED or _REPLACED). An entry goes when its tensor is collected.
+_registry: dict[int, tuple[weakref.ref[torch.Tensor], str, str]] = {}
 _handle: RemovableHandle | None = None
+_GATHERED = "gathered"
+_REPLACED = "replaced"
+
+
+def _register(tensor: torch.Tensor, fqn: str, why: str) -> None:
+    key = id(tensor)
+    _registry[key] = (weakref.ref(tensor, lambda _: _registry.pop(key, None)), fqn, why)
 
 
 def register_placeholder(placeholder: torch.Tensor, fqn: str) -> None:
     """Marks ``placeholder`` (a unit's unsharded parameter, named ``fqn``) as one no
     optimizer may hold."""
-    key = id(placeholder)
-    _placeholders[key] = (weakref.ref(placeholder, lambda _: _placeholders.pop(key, None)), fqn)
+    _register(placeholder, fqn, _GATHERED)
+
+
+def register_replaced(param: torch.Tensor, fqn: str) -> None:
+    """Marks ``param``, the parameter ``fully_shard`` replaced by the sharded one named
+    ``fqn``, as one no optimizer may hold."""
+    _register(param, fqn, _REPLACED)
 
 
 def check_optimizer_params(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    """The optimizer step pre-hook. See [Note: An optimizer built while the root is
-    gathered].
+    """The optimizer step pre-hook. See [Note: An optimizer must hold the model's sharded
+    parameters].
 
     Raises:
-        RuntimeError: ``optimizer`` holds a fully_shard unit's gathered parameter.
+        RuntimeError: ``optimizer`` holds a fully_shard unit's gathered parameter, or
+            a parameter fully_shard replaced.
     """
-    if torch.compiler.is_compiling() or not _placeholders:
+    if torch.compiler.is_compiling() or not _registry:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            entry = _placeholders.get(id(p))
-            if entry is not None and entry[0]() is p:
+            entry = _registry.get(id(p))
+            if entry is None or entry[0]() is not p:
+                continue
+            if entry[2] == _REPLACED:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds the gathered parameter {entry[1]!r} "
-                    "of a fully_shard unit, not its sharded DTensor: it was built from "
-                    "model.parameters() after a forward whose backward had not run (the "
-                    "root unit's modules hold its gathered parameters until then, as "
-                    "torch's fully_shard), and stepping it would never update the model. "
-                    "Build the optimizer before the first forward or after a backward, "
-                    "or run that forward under torch.no_grad()."
+                    f"{type(optimizer).__name__} holds a parameter the model no longer has: "
+                    f"{entry[1]!r} as it was before fully_shard replaced it by its sharded "
+                    "DTensor (or before an assignment or load_state_dict(assign=True) "
+                    "replaced that). The optimizer was built before the replacement, and "
+                    "stepping it would never update the model. Build the optimizer after "
+                    "fully_shard (and after any assign=True load), from model.parameters()."
                 )
+            raise RuntimeError(
+                f"{type(optimizer).__name__} holds the gathered parameter {entry[1]!r} "
+                "of a fully_shard unit, not its sharded DTensor: it was built from "
+                "model.parameters() after a forward whose backward had not run (the "
+                "root unit's modules hold its gathered parameters until then, as "
+                "torch's fully_shard), and stepping it would never update the model. "
+                "Build the optimizer before the first forward or after a backward, "
+                "or run that forward under torch.no_grad()."
+            )
 
 
 def install_optimizer_check() -> None:

@@ -251,7 +251,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, _Stride
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
 from ._common import MeshInfo, PostForwardInfo, ShardedState, compiling
-from ._optim_check import register_placeholder
+from ._optim_check import register_placeholder, register_replaced
 
 
 class UserChange(Enum):
@@ -383,6 +383,9 @@ class FSDPParam:
             stride=param.stride() if param.is_contiguous() else None,
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        # An optimizer built before fully_shard holds ``param``: see [Note: An optimizer
+        # must hold the model's sharded parameters] (_optim_check.py).
+        register_replaced(param, fqn)
         # The sharded gradient's global stride (see [Note: A lean traced path]).
         self._sharded_stride = self.sharded_param.stride()
         # The placeholder starts with 0 bytes of storage. See
@@ -390,8 +393,8 @@ class FSDPParam:
         self.unsharded_param = nn.Parameter(
             self._empty_placeholder(), requires_grad=param.requires_grad
         )
-        # No optimizer may hold it: see [Note: An optimizer built while the root is
-        # gathered] (_optim_check.py).
+        # No optimizer may hold it: see [Note: An optimizer must hold the model's sharded
+        # parameters] (_optim_check.py).
         register_placeholder(self.unsharded_param, self.fqn)
         self.sharded_state = ShardedState.SHARDED
         self.module_holds_unsharded = False
@@ -865,6 +868,7 @@ class FSDPParam:
         for info in self.module_infos:
             new = info.module._parameters[info.param_name]
             if new is not sp:
+                register_replaced(sp, self.fqn)  # an optimizer holding it steps nothing
                 sp = self._adopt(new, info)
                 break
         refuse_all_gather_extension(self.fqn, sp._local_tensor)
