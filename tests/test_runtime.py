@@ -52,9 +52,11 @@ def _check_parity(results: list[dict], world: int) -> None:
 @pytest.mark.slow
 def test_fsdp_parity_2_ranks_eager() -> None:
     """fully_shard on a 1-D mesh of 2 ranks, eager. The same model on this mesh
-    compiled (the plain loop and the whole step, aot_eager) is checked in
-    test_clip.py (test_clip_grad_2_ranks): bitwise against torch's fully_shard,
-    against a one-process reference, and what its graphs hold, as here."""
+    compiled (aot_eager) is checked in the plain loop by test_clip.py
+    (test_clip_grad_2_ranks: bitwise against torch's fully_shard, against a
+    one-process reference, and what its graphs hold, as here) and as a whole step by
+    test_activation_checkpointing.py ("none/step": bitwise against eager, its
+    graphs)."""
     results = run_ranks(parity_worker, 2, (2,), "eager")
     _check_parity(results, 2)
     assert results[0]["placements"]["tok_embeddings.weight"] == ("S(0)",)
@@ -224,10 +226,10 @@ def test_changes_while_the_root_is_gathered(one_rank) -> None:
                        match=r"SGD holds the gathered parameter '1\.weight'.*no_grad"):
         opt.step()
     # The control: built after that backward, the same optimizer trains every parameter.
-    before = {k: v.full_tensor().clone() for k, v in m.state_dict().items()}
+    before = {k: full_tensor(v).clone() for k, v in m.state_dict().items()}
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     opt.step()
-    assert all(not torch.equal(v.full_tensor(), before[k]) for k, v in m.state_dict().items())
+    assert all(not torch.equal(full_tensor(v), before[k]) for k, v in m.state_dict().items())
     # The check is the process-wide hook, and its undo removes it (reinstalled after).
     m(x)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -260,10 +262,10 @@ def test_changes_while_the_root_is_gathered(one_rank) -> None:
     out.sum().backward()
     assert isinstance(m[1].weight, DTensor) and not m[1].weight.requires_grad
     assert m[1].weight.grad is None and m[1].bias.grad is not None
-    w = m[1].weight.full_tensor().clone()
+    w = full_tensor(m[1].weight).clone()
     torch.optim.SGD(m.parameters(), lr=0.1).step()
     m(x).sum().backward()
-    assert m[1].weight.grad is None and torch.equal(m[1].weight.full_tensor(), w)
+    assert m[1].weight.grad is None and torch.equal(full_tensor(m[1].weight), w)
     # An unfreeze after a forward without backward: that next step trains it.
     m(x)
     m[1].weight.requires_grad_(True)
@@ -292,9 +294,9 @@ def test_optimizer_holding_replaced_parameters_refused(one_rank) -> None:
     with pytest.raises(RuntimeError, match=r"no longer has.*load_state_dict\(assign=True\)"):
         opt.step()
     opt = torch.optim.AdamW(m.parameters())
-    before = {k: v.full_tensor().clone() for k, v in m.state_dict().items()}
+    before = {k: full_tensor(v).clone() for k, v in m.state_dict().items()}
     opt.step()
-    assert all(not torch.equal(v.full_tensor(), before[k]) for k, v in m.state_dict().items())
+    assert all(not torch.equal(full_tensor(v), before[k]) for k, v in m.state_dict().items())
 
 
 class _WithAllGatherExtension(torch.Tensor):
