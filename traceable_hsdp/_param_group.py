@@ -425,12 +425,12 @@ class FSDPParamGroup:
         backward: reduces it into the sharded gradient (unless gradient sync is off,
         when it stays on the placeholder and accumulates over micro-batches)."""
         p = fsdp_param.unsharded_param
-        if not fsdp_param.sharded_param.requires_grad or p.grad is None:
+        if not fsdp_param.sharded_param.requires_grad or not p.requires_grad:
             # Frozen after fully_shard, seen while tracing: see [Note: Changes after
-            # fully_shard] (_param.py). No gradient: the gathered parameter was frozen
-            # after its forward (autograd then accumulates none); the sharded one
-            # follows when the unit registers it again (see [Note: Changes while the
-            # modules hold the gathered parameter]).
+            # fully_shard] (_param.py). Or the gathered parameter was frozen after its
+            # forward: autograd runs this hook but accumulates no gradient, and the
+            # sharded one follows when the unit registers it again (see [Note: Changes
+            # while the modules hold the gathered parameter]).
             p.grad = None
             self._count_down()
             return
