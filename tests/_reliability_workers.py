@@ -303,73 +303,6 @@ def below_root_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------- the post-grad graph before passes
-def _two_linear_units(mesh: Any) -> nn.Module:
-    """Linear(8, 8), Tanh, Linear(8, 4) from seed 0: each linear a unit, then the root."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    th.fully_shard(model[0], mesh=mesh)
-    th.fully_shard(model[2], mesh=mesh)
-    th.fully_shard(model, mesh=mesh)
-    return model
-
-
-def prepass_order_worker(rank: int, world: int) -> dict[str, Any]:
-    """Two Linear units (and a root without parameters) compiled by Inductor with
-    compiled autograd. A spy wrapped around our post-grad pre-pass records, for each
-    graph it is handed (the real post-grad graph, functionalized, before any of our
-    passes), the placeholder-storage events in node order: ``("grow", p)``,
-    ``("copy", p)``, ``("free", p)``, with p the graph input written, and matmuls
-    ``("mm", "")``; and how many storage events are left after our passes."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    from traceable_hsdp.passes import TraceableHSDPPass
-    from traceable_hsdp.passes import _graph as P
-    from traceable_hsdp.passes import _rewrite as R
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = _two_linear_units(mesh)
-    ours = torch._inductor.config.post_grad_custom_pre_pass
-    assert isinstance(ours, TraceableHSDPPass), ours
-    before: list[list[tuple[str, str]]] = []
-    after: list[int] = []
-
-    def events(graph: torch.fx.Graph) -> list[tuple[str, str]]:
-        out = []
-        for n in graph.nodes:
-            if P.is_resize(n):
-                kind = "free" if P.resize_nbytes(n) == 0 else "grow"
-            elif P.is_fsdp_copy(n):
-                kind = "copy"
-            elif n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-                out.append(("mm", ""))
-                continue
-            else:
-                continue
-            base = R.alias_base(n.args[0])
-            out.append((kind, base.name if base.op == "placeholder" else f"not an input: {base}"))
-        return out
-
-    class Spy(CustomGraphPass):
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            before.append(events(graph))
-            ours(graph)
-            after.append(sum(kind != "mm" for kind, _ in events(graph)))
-
-        def uuid(self) -> None:
-            return None  # never from the FX cache: every graph is seen
-
-    torch._inductor.config.post_grad_custom_pre_pass = Spy()
-    th.enable_compiled_autograd()
-    try:
-        compiled = torch.compile(model, fullgraph=True)
-        x = torch.randn(4, 8)
-        compiled(x).sum().backward()
-    finally:
-        th.disable_compiled_autograd()
-    return dict(before=before, after=after)
-
-
 # ------------------------------------------------ Inductor, every feature at once
 # The body of tests/test_inductor_features.py.
 
@@ -527,6 +460,16 @@ def fat_worker(rank: int, world: int, mesh_shape: tuple[int, ...], ckpt: str) ->
 
 
 # ------------------------------------------------------------- a rank that dies
+def _two_linear_units(mesh: Any) -> nn.Module:
+    """Linear(8, 8), Tanh, Linear(8, 4) from seed 0: each linear a unit, then the root."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    th.fully_shard(model[0], mesh=mesh)
+    th.fully_shard(model[2], mesh=mesh)
+    th.fully_shard(model, mesh=mesh)
+    return model
+
+
 DIE_AT_STEP = 2  # rank 1 exits after this step's forward, before its backward
 DIE_EXIT_CODE = 17
 

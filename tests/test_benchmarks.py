@@ -15,6 +15,7 @@ checks of the harness, not of speed.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -259,13 +260,16 @@ def test_step_time_smoke_on_cpu(
 def test_step_time_hf_llama_smoke_on_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``--model hf_llama`` end to end: transformers' ``LlamaForCausalLM`` (2 decoder
-    layers, hidden 32, no weights downloaded) sharded per decoder layer then the root,
-    ours and torch's ``fully_shard`` eager and compiled (``aot_eager``: no Inductor
-    compiles, so it stays under a minute) and the unsharded model; every variant gets
-    the same step-1 loss, and the report names the model, the torch version and the
-    CPU."""
+    """``--model hf_llama`` end to end: transformers' ``LlamaForCausalLM`` (hidden 32,
+    no weights downloaded) sharded per decoder layer then the root, ours and torch's
+    ``fully_shard`` eager and compiled (``aot_eager``: no Inductor compiles, so it
+    stays under a minute) and the unsharded model; every variant gets the same step-1
+    loss, and the report names the model, its shape, the torch version and the CPU.
+    The smoke shape cut from 2 decoder layers to 1: every variant still shards (and
+    per block compiles) its layer as it would more, and each layer adds compile time."""
     pytest.importorskip("transformers")
+    # The ranks get the shape from this process (pickled), so they build 1 layer.
+    monkeypatch.setitem(H.SHAPES, "smoke", dataclasses.replace(H.SHAPES["smoke"], layers=1))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
@@ -280,7 +284,7 @@ def test_step_time_hf_llama_smoke_on_cpu(
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
     md = (out / "step_time_smoke_hf_llama.md").read_text()
-    assert "HF `LlamaForCausalLM` (transformers), hidden 32, MLP 64, 2 layers" in md
+    assert "HF `LlamaForCausalLM` (transformers), hidden 32, MLP 64, 1 layers" in md
     assert f"torch {torch.__version__}" in md and f"CPU {R.cpu_name()}" in md
     assert "**OK**" in md, md  # every variant: the same step-1 loss
     report = json.loads((out / "step_time_smoke_hf_llama.json").read_text())

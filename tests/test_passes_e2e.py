@@ -474,14 +474,57 @@ def _check_final_schedule(dump_dir: Path, r: dict[str, Any]) -> None:
         rec["in_flight"] for rec in recs.values()]
 
 
+def _storage_events(graph: torch.fx.Graph) -> list[tuple[str, str]]:
+    """The placeholder-storage events of a post-grad graph in node order: ``("grow",
+    p)``, ``("copy", p)``, ``("free", p)``, with p the graph input written, and
+    matmuls ``("mm", "")``."""
+    from traceable_hsdp.passes import _graph as P
+    from traceable_hsdp.passes import _rewrite as R
+
+    out = []
+    for n in graph.nodes:
+        if P.is_resize(n):
+            kind = "free" if P.resize_nbytes(n) == 0 else "grow"
+        elif P.is_fsdp_copy(n):
+            kind = "copy"
+        elif n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            out.append(("mm", ""))
+            continue
+        else:
+            continue
+        base = R.alias_base(n.args[0])
+        out.append((kind, base.name if base.op == "placeholder" else f"not an input: {base}"))
+    return out
+
+
+def _storage_lifecycle(events: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """Per placeholder, its events in graph order, each followed by "mm" when a matmul
+    came between it and that placeholder's next event."""
+    seq: dict[str, list[str]] = {}
+    for kind, name in events:
+        if kind == "mm":
+            for s in seq.values():
+                if s and s[-1] != "free" and s[-1] != "mm":
+                    s.append("mm")
+        else:
+            seq.setdefault(name, []).append(kind)
+    return seq
+
+
 def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
     """An hsdp(comm_fusion=False) model, then a fully_shard model, each compiled by
     Inductor (forward, and backward under compiled autograd) in this one process; the
-    collectives of every post-grad graph after our passes, by model."""
+    collectives of every post-grad graph after our passes, by model. For the
+    fully_shard model, a spy wrapped around our post-grad pre-pass also records the
+    placeholder-storage events (:func:`_storage_events`) of each graph it is handed
+    (the real post-grad graph, functionalized, before any of our passes), and how
+    many storage events are left after our passes."""
     from torch import nn
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     import traceable_hsdp as th
     from traceable_hsdp import passes
+    from traceable_hsdp.passes import TraceableHSDPPass
     from traceable_hsdp.passes._graph import PostGradRecorder, annotation_of, collective_totals
 
     import logging
@@ -497,6 +540,21 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
     config = passes.get_config()
     rec = PostGradRecorder()
     torch._inductor.config.post_grad_custom_post_pass = rec
+    before: list[list[tuple[str, str]]] = []
+    after: list[int] = []
+
+    class Spy(CustomGraphPass):
+        def __init__(self, ours: TraceableHSDPPass) -> None:
+            self.ours = ours
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            before.append(_storage_events(graph))
+            self.ours(graph)
+            after.append(sum(kind != "mm" for kind, _ in _storage_events(graph)))
+
+        def uuid(self) -> None:
+            return None  # never from the FX cache: every graph is seen
+
     out: dict[str, Any] = {}
     for name, shard in (
         ("hsdp_no_fusion", lambda m: th.hsdp(m, threshold=0)),
@@ -507,12 +565,17 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
         for layer in (model[0], model[2], model):
             shard(layer)
+        ours = torch._inductor.config.post_grad_custom_pre_pass
+        assert isinstance(ours, TraceableHSDPPass), ours
+        if name == "fully_shard":  # after the model's fully_shard calls, which install ours
+            torch._inductor.config.post_grad_custom_pre_pass = Spy(ours)
         th.enable_compiled_autograd()
         try:
             compiled = torch.compile(model, fullgraph=True)
             compiled(torch.randn(4, 8)).sum().backward()
         finally:
             th.disable_compiled_autograd()
+            torch._inductor.config.post_grad_custom_pre_pass = ours
         graphs = [g for g in rec.graphs if g.tag == name]
         out[name] = [
             dict(
@@ -524,20 +587,32 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
         ]
     out["config_unchanged"] = passes.get_config() == config
     out["warnings"] = warnings
+    out["storage_before_passes"], out["storage_after_passes"] = before, after
     return out
 
 
 @pytest.mark.slow
-def test_hsdp_comm_fusion_off_leaves_other_models_bucketed(per_unit_buckets: None) -> None:
+def test_comm_fusion_off_per_model_and_placeholder_ops_before_passes(
+    per_unit_buckets: None,
+) -> None:
     """hsdp(comm_fusion=False) keeps its own units' collectives one per parameter and
     no longer switches bucketing off for a model compiled later in the same process
     (counted from the post-grad graphs after our passes, Inductor, 2 ranks). Two
-    units of two parameters each (weight, bias) per model.
+    units of two parameters each (weight, bias) per model, under a root that holds
+    none.
 
     The hsdp model's backward follows the process-wide PassConfig (all passes on):
     compiled-autograd backward graphs lose node annotations on torch 2.13 (see
     [Note: Collective annotations] in passes/_graph.py), so its reduce-scatters are
-    bucketed per unit, and the passes log a warning saying so."""
+    bucketed per unit, and the passes log a warning saying so.
+
+    The fully_shard model's real Inductor post-grad graphs (forward, and compiled
+    autograd's backward), as our pre-pass receives them, i.e. after AOTAutograd's
+    functionalization and before any of our passes: every placeholder (a graph
+    input) is grown, filled by fsdp.copy_, read by a matmul, and freed, in that
+    order; the forward does it for unit 0's two parameters before unit 2's, the
+    backward (the re-gathers) in reverse. After our passes none of these nodes is
+    left."""
     for r in run_ranks(_two_models_worker, 2):
         assert r["config_unchanged"]
         # ... and says so, once.
@@ -549,3 +624,20 @@ def test_hsdp_comm_fusion_off_leaves_other_models_bucketed(per_unit_buckets: Non
             assert fwd[0]["annotated"] and not bwd[0]["annotated"], r[name]
             assert fwd[0]["totals"].get("all_gather") == fwd_ag, (name, fwd)
             assert bwd[0]["totals"].get("reduce_scatter") == 2, (name, bwd)
+        # The fully_shard model before our passes: one forward, one backward graph.
+        before = r["storage_before_passes"]
+        assert len(before) == 2, before
+        for events in before:
+            life = _storage_lifecycle(events)
+            assert len(life) == 4, events  # 2 units x (weight, bias)
+            for name, seq in life.items():
+                assert seq == ["grow", "copy", "mm", "free"], (name, events)
+            # Unit by unit: both of a unit's placeholders are freed before the next
+            # unit's are grown.
+            order = [name for kind, name in events if kind == "grow"]
+            frees = [name for kind, name in events if kind == "free"]
+            grows_at = {n: i for i, (k, n) in enumerate(events) if k == "grow"}
+            frees_at = {n: i for i, (k, n) in enumerate(events) if k == "free"}
+            assert max(frees_at[n] for n in order[:2]) < min(grows_at[n] for n in order[2:]), events
+            assert set(frees[:2]) == set(order[:2]), events
+        assert r["storage_after_passes"] == [0, 0], r["storage_after_passes"]

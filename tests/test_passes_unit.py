@@ -1281,11 +1281,12 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     """On 2 gloo ranks, each float32 reduce-scatter ("sum" and "avg"; a 1-D and a 2-D
     gradient) becomes one exchange and an addition, and the graph gives bitwise the
     same result as gloo's own reduce-scatter, run op by op and compiled by Inductor
-    with a reader fused after it; a bfloat16 one is left alone in graphs (see
+    with a reader fused after it (one shape per dtype and op, alternating: 4
+    compiles); a bfloat16 one is left alone in graphs (see
     [Note: Low-precision sums and fusion]). The eager runtime's ``reduce_scatter``
     gives the same bits in both dtypes, as an exchange unless
-    ``PassConfig(reduce_scatter_by_exchange=False)``. The exchange counts as a reduce-scatter. A "max", one with no wait and a GPU one are
-    left alone. See
+    ``PassConfig(reduce_scatter_by_exchange=False)``. The exchange counts as a
+    reduce-scatter. A "max", one with no wait and a GPU one are left alone. See
     [Note: gloo reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py."""
     from _dist import run_ranks
     from _workers import exchange_worker
@@ -1301,6 +1302,11 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
                 continue
             assert n == 1, (key, n)
             assert counts.get(r["exchange_key"]) == 1 and "reduce_scatter_tensor" not in counts
+        # Compiled: each (dtype, op) once, with both shapes among them.
+        pairs = [key.rsplit("/", 1)[0] for key in r["inductor"]]
+        assert len(set(pairs)) == len(pairs) == 4, r["inductor"]
+        shapes = {key.rsplit("/", 1)[1] for key in r["inductor"]}
+        assert shapes == {"(10,)", "(6, 5)"}, r["inductor"]
         for key, (same, exchanges) in r["inductor"].items():  # compiled: bits, and the form
             assert same and exchanges == (0 if key.startswith("torch.bfloat16") else 1), (key, r)
         assert all(r["eager"].values()), r["eager"]

@@ -1,12 +1,13 @@
 """Paths that could be silently wrong: CPU offload copies on a GPU, the order of
 explicit prefetch, uneven shards at the edges, units compiled below an eager root,
 gradient hooks that compiled autograd runs eagerly (``nested_compile_region``
-blocks), the placeholder ops in the real post-grad graphs before our passes, and a
-rank that dies mid-step (the survivors, and ``traceable-hsdp train``), the exit of a
-gloo job (its worker threads joined before the interpreter finalizes), and the tests'
-own gathering (without gloo's allocating all-gather, which crashes rarely). Each test
-states its reference and tolerance. The Inductor feature tests are in
-test_inductor_features.py.
+blocks), and a rank that dies mid-step (the survivors, and ``traceable-hsdp
+train``), the exit of a gloo job (its worker threads joined before the interpreter
+finalizes), and the tests' own gathering (without gloo's allocating all-gather, which
+crashes rarely). Each test states its reference and tolerance. The Inductor feature
+tests are in test_inductor_features.py; the placeholder ops in the real post-grad
+graphs before our passes are checked in test_passes_e2e.py, on the fully_shard model
+of its two-models test (the same kind of Inductor compile).
 """
 
 from __future__ import annotations
@@ -255,51 +256,6 @@ def test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient() -> None:
         refused = r["refused"]
         assert refused is not None and "nested_compile_region" in refused, refused
         assert "automatic_dynamic_shapes = False" in refused and "layers.0" in refused, refused
-
-
-# ------------------------------------------------- the post-grad graph before passes
-def _storage_lifecycle(events: list[tuple[str, str]]) -> dict[str, list[str]]:
-    """Per placeholder, its events in graph order, each followed by "mm" when a matmul
-    came between it and that placeholder's next event."""
-    seq: dict[str, list[str]] = {}
-    for kind, name in events:
-        if kind == "mm":
-            for s in seq.values():
-                if s and s[-1] != "free" and s[-1] != "mm":
-                    s.append("mm")
-        else:
-            seq.setdefault(name, []).append(kind)
-    return seq
-
-
-@pytest.mark.slow
-def test_fsdp_copy_and_resizes_survive_functionalization() -> None:
-    """The real Inductor post-grad graphs (forward, and compiled autograd's
-    backward), as our pre-pass receives them, i.e. after AOTAutograd's
-    functionalization and before any of our passes: every placeholder (a graph
-    input) is grown, filled by fsdp.copy_, read by a matmul, and freed, in that
-    order; the forward does it for unit 0's two parameters before unit 2's, the
-    backward (the re-gathers) in reverse. After our passes none of these nodes is
-    left. 2 ranks, two Linear units."""
-    from _dist import run_ranks
-    from _reliability_workers import prepass_order_worker
-
-    for r in run_ranks(prepass_order_worker, 2):
-        assert len(r["before"]) == 2, r["before"]  # one forward, one backward graph
-        for events in r["before"]:
-            life = _storage_lifecycle(events)
-            assert len(life) == 4, events  # 2 units x (weight, bias)
-            for name, seq in life.items():
-                assert seq == ["grow", "copy", "mm", "free"], (name, events)
-            # Unit by unit: both of a unit's placeholders are freed before the next
-            # unit's are grown.
-            order = [name for kind, name in events if kind == "grow"]
-            frees = [name for kind, name in events if kind == "free"]
-            grows_at = {n: i for i, (k, n) in enumerate(events) if k == "grow"}
-            frees_at = {n: i for i, (k, n) in enumerate(events) if k == "free"}
-            assert max(frees_at[n] for n in order[:2]) < min(grows_at[n] for n in order[2:]), events
-            assert set(frees[:2]) == set(order[:2]), events
-        assert r["after"] == [0, 0], r["after"]
 
 
 # ---------------------------------------------------------- a rank that dies
