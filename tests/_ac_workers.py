@@ -10,7 +10,6 @@ import torch
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
-from torch._dynamo.utils import counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -33,19 +32,7 @@ from traceable_hsdp.passes._graph import (
     is_view,
 )
 from _dist import full_tensor
-from _workers import (
-    CFG,
-    LR,
-    STEPS,
-    _data,
-    _loss,
-    _mean_over_ranks,
-    _placeholder_bytes,
-    compile_for,
-    count_alive,
-    graph_break_reasons,
-    model_refs,
-)
+from _workers import CFG, LR, STEPS, _data, _loss, _mean_over_ranks, compile_for
 
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -142,17 +129,6 @@ class ACRecorder:
         )(gm, example_inputs)
 
 
-def _grad_placements(model: torch.nn.Module) -> dict[str, int]:
-    """How many gradients of ``model`` there are of each type and placements
-    (``"DTensor (Shard(dim=0),)"``), as clip_grad_norm_ would see them."""
-    kinds: dict[str, int] = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            key = f"{type(p.grad).__name__} {getattr(p.grad, 'placements', '')}".strip()
-            kinds[key] = kinds.get(key, 0) + 1
-    return kinds
-
-
 def _run(rank: int, world: int, kind: str, mode: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Llama(CFG)
@@ -161,9 +137,8 @@ def _run(rank: int, world: int, kind: str, mode: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rec = ACRecorder()
     torch._dynamo.reset()
-    counters.clear()
     fwd, compiled_step = compile_for(model, mode, rec)
-    losses, graphs, bytes_after_bwd, grads = [], [], [], []
+    losses, graphs = [], []
     try:
         for x, y in _data(world, STEPS):
             xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -172,8 +147,6 @@ def _run(rank: int, world: int, kind: str, mode: str) -> dict[str, Any]:
             else:
                 loss = _loss(fwd(xs), ys)
                 loss.backward()
-            bytes_after_bwd.append(_placeholder_bytes(model))
-            grads.append(_grad_placements(model))
             graphs.append((len(rec.forward), len(rec.backward)))
             opt.step()
             opt.zero_grad()
@@ -182,27 +155,14 @@ def _run(rank: int, world: int, kind: str, mode: str) -> dict[str, Any]:
         if mode == "loop":
             th.disable_compiled_autograd()
         torch._dynamo.config.compiled_autograd = False
+        torch._dynamo.reset()
     params = {k.replace(_WRAPPED, ""): full_tensor(v) for k, v in model.state_dict().items()}
-    result = dict(
-        losses=losses, params=params, graphs=graphs, forward=rec.forward, backward=rec.backward,
-        graph_breaks=graph_break_reasons(), bytes_after_bwd=bytes_after_bwd, grads=grads,
-        sd_types={type(v).__name__ for v in model.state_dict().values()},
-    )
-    # Counted before dynamo's caches are reset: they must not keep the model alive.
-    refs = model_refs(model)
-    del model, opt, fwd, compiled_step, loss
-    result["alive_after_del"] = count_alive(refs)
-    torch._dynamo.reset()
-    return result
+    return dict(losses=losses, params=params, graphs=graphs, forward=rec.forward, backward=rec.backward)
 
 
 def ac_worker(rank: int, world: int, variants: list[tuple[str, str]]) -> dict[str, Any]:
     """Trains ``CFG``'s Llama for STEPS steps per (checkpointing kind, mode) variant,
     each from the same initial weights; mode "eager", "step" (whole step compiled
     under ``compiled_autograd = True``) or "loop" (``enable_compiled_autograd`` and a
-    compiled model). Reports per variant the losses, the final parameters, the graphs
-    per step and what :class:`ACRecorder` recorded of each; dynamo's graph breaks; the
-    placeholders' bytes and the gradients' types and placements after each backward;
-    the state dict's types; and how many of the model and its parameters outlive
-    dropping them with the compiled step or model."""
+    compiled model)."""
     return {f"{kind}/{mode}": _run(rank, world, kind, mode) for kind, mode in variants}

@@ -1,10 +1,10 @@
 """Per-rank bodies of the gradient-clipping tests (importable by spawned ranks).
 
-Every step of every run: forward, loss and backward (eager or the compiled loop), then,
-outside any compiled region as users do, ``torch.nn.utils.clip_grad_norm_(params,
-MAX_NORM)`` and ``torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)``, then AdamW.
-The one-process reference (:func:`reference_clip_run`) runs the same loop on plain
-tensors.
+Every step of every run: forward, loss and backward (eager, the compiled loop, or the
+whole step compiled), then, outside any compiled region as users do,
+``torch.nn.utils.clip_grad_norm_(params, MAX_NORM)`` and
+``torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)``, then AdamW. The one-process
+reference (:func:`reference_clip_run`) runs the same loop on plain tensors.
 """
 
 from __future__ import annotations
@@ -150,31 +150,39 @@ def _build(how: str, mesh: DeviceMesh) -> Llama:
 
 def _run(how: str, mode: str, mesh: DeviceMesh, rank: int, world: int) -> dict[str, Any]:
     """Trains a fresh model built by ``how`` in ``mode``: "eager"; "compiled" (the
-    plain loop, enable_compiled_autograd + torch.compile(model, fullgraph=True),
-    aot_eager underneath: GraphRecorder).
+    plain loop, enable_compiled_autograd + torch.compile(model, fullgraph=True));
+    "compiled_step" (forward, loss and backward in one compiled function under
+    torch._dynamo.config.compiled_autograd). aot_eager underneath (GraphRecorder).
 
     A compiled run also reports what the graphs hold: the collectives of each graph
     (``fwd_counts``, ``bwd_counts``), dynamo's graph breaks, the placeholders' bytes
-    after each forward and backward, the state dict's types, and how many of the
-    model and its parameters outlive dropping them with the compiled wrapper
+    after each forward ("compiled") and backward, the state dict's types, and how many
+    of the model and its parameters outlive dropping them with the compiled wrapper
     (``alive_after_del``)."""
     model = _build(how, mesh)
     batches = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in _data(world, STEPS)]
     if mode == "eager":
         return _train(model, _plain_step(model), batches)
-    if mode != "compiled":
-        raise ValueError(mode)
     rec = GraphRecorder()
     torch._dynamo.reset()
     counters.clear()
     bytes_after_fwd: list[int] = []
-    th.enable_compiled_autograd(backend=rec)
-    try:
-        compiled = torch.compile(model, backend=rec, fullgraph=True)
-        step = _plain_step(compiled, lambda m=model: bytes_after_fwd.append(_placeholder_bytes(m)))
-        result = _train(model, step, batches, rec)
-    finally:
-        th.disable_compiled_autograd()
+    if mode == "compiled":
+        th.enable_compiled_autograd(backend=rec)
+        try:
+            compiled = torch.compile(model, backend=rec, fullgraph=True)
+            step = _plain_step(
+                compiled, lambda m=model: bytes_after_fwd.append(_placeholder_bytes(m))
+            )
+            result = _train(model, step, batches, rec)
+        finally:
+            th.disable_compiled_autograd()
+    elif mode == "compiled_step":
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            step = torch.compile(_plain_step(model), backend=rec)
+            result = _train(model, step, batches, rec)
+    else:
+        raise ValueError(mode)
     result.update(
         fwd_counts=rec.forward,
         bwd_counts=rec.backward,
@@ -183,7 +191,9 @@ def _run(how: str, mode: str, mesh: DeviceMesh, rank: int, world: int) -> dict[s
         sd_types={type(v).__name__ for v in model.state_dict().values()},
     )
     refs = model_refs(model)
-    del model, step, compiled
+    del model, step
+    if mode == "compiled":
+        del compiled
     result["alive_after_del"] = count_alive(refs)
     return result
 

@@ -221,7 +221,7 @@ class _PrefixModel(nn.Module):
 
 # ------------------------------------------------------ the three, in one model
 class _Mixed(nn.Module):
-    """The structures of the three models above in one, for the compiled test (one
+    """The structures of the three models above in one, for the compiled tests (one
     compile where there were three): a frozen unit fed a learnable prefix (a leaf of
     the root), two units passing a dataclass, and a unit called three times (twice
     in a row, then once more after the others). Units: ``pre``, ``blocks.0``,
@@ -533,7 +533,7 @@ def _freeze_midway(rank: int, world: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ compiled
-def conformance_compiled(rank: int, world: int, backends: tuple[str, ...]) -> dict[str, Any]:
+def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Compiled (``torch.compile(model, fullgraph=True)`` with compiled autograd)
     against the same flow eager: ``_Mixed`` (weight reuse, dataclass activations,
     prefix tuning: a frozen unit fed a learnable prefix that persists across steps;
@@ -542,19 +542,13 @@ def conformance_compiled(rank: int, world: int, backends: tuple[str, ...]) -> di
     and HF ``MixtralForCausalLM``
     (mixture of experts: 3-D expert weights sharded on the expert dim, the grouped
     matmul a custom op with its own backward), also trained eager with torch's
-    fully_shard. "hf_ac" is HF ``LlamaForCausalLM`` with its own
+    fully_shard. ``backend`` "aot_eager" records the collectives of every graph and
+    adds Mixtral in bf16 mixed precision ("moe_bf16", also against torch's);
+    "inductor" runs the passes. "hf_ac" is HF ``LlamaForCausalLM`` with its own
     ``gradient_checkpointing_enable()`` (the checkpoint around each decoder layer's
     whole call, hence around a unit's hooks), compiled with
     ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` set (see
-    docs/compile.md, "Activation checkpointing").
-
-    Each case trains eager once, then compiled once with each of ``backends``, in
-    order, from the same seed and data: one eager reference serves every backend.
-    "aot_eager" records the collectives of every graph (``{case}_graphs``) and adds
-    Mixtral in bf16 mixed precision ("moe_bf16", aot_eager only, also against
-    torch's); "inductor" runs the passes. Each run is ``{case}_{mode}`` (losses and
-    full parameters), with ``{case}_{mode}_bytes_after``, where mode is "eager" or a
-    backend."""
+    docs/compile.md, "Activation checkpointing")."""
     from transformers import LlamaForCausalLM
 
     from _workers import GraphRecorder
@@ -573,17 +567,15 @@ def conformance_compiled(rank: int, world: int, backends: tuple[str, ...]) -> di
                 model.head.weight.requires_grad_(False)
         return before
 
-    Case = tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], tuple[str, ...]]
-    cases: dict[str, Case] = {
-        "mixed": (lambda: _shard_children(_Mixed(inplace=True), "units", th.fully_shard), freeze,
-                  backends),
-        "moe": (lambda: _hf_shard(_mixtral(), th.fully_shard), lambda m: None, backends),
-        "hf_ac": (hf_ac, lambda m: None, backends),
+    cases: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any]]] = {
+        "mixed": (lambda: _shard_children(_Mixed(inplace=True), "units", th.fully_shard), freeze),
+        "moe": (lambda: _hf_shard(_mixtral(), th.fully_shard), lambda m: None),
+        "hf_ac": (hf_ac, lambda m: None),
     }
     out: dict[str, Any] = {}
-    if "aot_eager" in backends:
-        # torch's fully_shard, for the eager runs' bitwise checks (which the test makes
-        # with the aot_eager ones; Inductor's are against our eager runs only).
+    if backend == "aot_eager":
+        # torch's fully_shard, for the eager runs' bitwise checks (which the aot_eager
+        # test makes; the Inductor test compares with our eager runs only).
         torch.manual_seed(0)
         out["moe_torch"] = _train(_hf_shard(_mixtral(), _fs("torch")), rank, world, _hf_step)
         # Mixtral in bf16: the experts run the native torch._grouped_mm, whose saved
@@ -594,20 +586,19 @@ def conformance_compiled(rank: int, world: int, backends: tuple[str, ...]) -> di
             policy = mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             return functools.partial(_fs(lib), mp_policy=policy)
 
-        cases["moe_bf16"] = (lambda: _hf_shard(_mixtral(), bf16("ours")), lambda m: None,
-                             ("aot_eager",))
+        cases["moe_bf16"] = (lambda: _hf_shard(_mixtral(), bf16("ours")), lambda m: None)
         torch.manual_seed(0)
         out["moe_bf16_torch"] = _train(_hf_shard(_mixtral(), bf16("torch")), rank, world, _hf_step)
-    for name, (build, before, case_backends) in cases.items():
-        for mode in ("eager", *case_backends):
+    for name, (build, before) in cases.items():
+        for mode in ("eager", "compiled"):
             torch.manual_seed(0)
             model = build()
-            rec = GraphRecorder() if mode == "aot_eager" else None
+            rec = GraphRecorder() if backend == "aot_eager" else None
             fwd = model
-            if mode != "eager":
+            if mode == "compiled":
                 torch._dynamo.reset()
-                th.enable_compiled_autograd(backend=rec or mode)
-                fwd = torch.compile(model, backend=rec or mode, fullgraph=True)
+                th.enable_compiled_autograd(backend=rec or backend)
+                fwd = torch.compile(model, backend=rec or backend, fullgraph=True)
 
             def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor, fwd: Any = fwd,
                      hf: bool = name.startswith(("moe", "hf"))) -> torch.Tensor:
@@ -619,10 +610,10 @@ def conformance_compiled(rank: int, world: int, backends: tuple[str, ...]) -> di
                 out[f"{name}_{mode}"] = _train(model, rank, world, step, before_step=before(model))
             finally:
                 torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = skip
-                if mode != "eager":
+                if mode == "compiled":
                     th.disable_compiled_autograd()
             out[f"{name}_{mode}_bytes_after"] = _placeholder_bytes(model)
-            if rec is not None:
+            if mode == "compiled" and rec is not None:
                 out[f"{name}_graphs"] = (rec.forward, rec.backward)
     torch._dynamo.reset()
     return out

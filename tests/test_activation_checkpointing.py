@@ -9,8 +9,7 @@ leaves a checkpoint region (see [Note: Checkpoint outputs are saved] in
 3. Two gloo ranks, ``traceable_hsdp.models.Llama`` with ``checkpoint_wrapper`` on
    every block (and selective / inner checkpointing), whole step compiled and plain
    loop: parity with the eager run without checkpointing, graph contents, saved
-   activation bytes, recompiles, graph breaks, freed placeholders and models. See the
-   tolerance note on the test.
+   activation bytes, recompiles. See the tolerance note on the test.
 """
 
 from __future__ import annotations
@@ -349,13 +348,11 @@ def test_checkpoint_around_a_unit_refused_compiled_without_the_dynamo_flag(one_r
     AttributeError, or (the wrapper put in after the root's fully_shard, before it
     was checked for) in minutes of compiling graph breaks; the root's compiled pre-forward
     refuses it, naming the unit and the fix (see [Note: A checkpoint around a unit's
-    call] in traceable_hsdp/_state.py). Eager and forward-only it runs: the root's
-    pre-forward checks only when a backward can follow (one check, the same for the
-    three models), so the forward-only compile (under no_grad) is made for one
-    model. With the flag on, the compiled (aot_eager) gradients of the two
-    checkpoint_wrapper models equal the eager ones bitwise (1 rank). HF's model with
-    the flag on is trained compiled in tests/test_conformance.py (case hf_ac: 2 ranks,
-    aot_eager bitwise and Inductor), so it is not compiled a second time here."""
+    call] in traceable_hsdp/_state.py). Eager and forward-only it runs; with the
+    flag on, the compiled (aot_eager) gradients of the two checkpoint_wrapper models
+    equal the eager ones bitwise (1 rank). HF's model with the flag on is trained
+    compiled in tests/test_conformance.py (case hf_ac: 2 ranks, aot_eager bitwise and
+    Inductor), so it is not compiled a second time here."""
     import traceable_hsdp as th
 
     flag = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
@@ -379,9 +376,8 @@ def test_checkpoint_around_a_unit_refused_compiled_without_the_dynamo_flag(one_r
             assert "skip_fwd_side_effects_in_bwd_under_checkpoint = True" in str(err.value)
             assert "fully_shard(checkpoint_wrapper(block))" in str(err.value)
             model.reset_iter_state()
-            if what == "checkpoint_wrapper 'layers.0' wraps it.":
-                with torch.no_grad():  # no backward, nothing to refuse
-                    call(compiled)
+            with torch.no_grad():  # no backward, nothing to refuse
+                call(compiled)
             if what == "Hugging Face gradient checkpointing":
                 continue  # trained compiled with the flag on in test_conformance.py
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
@@ -411,25 +407,12 @@ VARIANTS = [
 @pytest.mark.slow
 def test_checkpointed_llama_compiled_2_ranks() -> None:
     """Each checkpointed variant, compiled (aot_eager), against our eager run without
-    checkpointing on the same data. "none/step" (no checkpointing, the whole step
-    compiled): losses and final parameters bitwise, as test_clip.py's compiled loop
-    (aot_eager runs the same aten ops as eager; that eager run is bitwise torch's
-    fully_shard's there). The checkpointed variants: within 1e-6 (seen: bitwise;
-    recomputation repeats the same ops on the same inputs, but the compiled graphs
-    may order reductions differently, so the check is tolerant). Every backward graph
-    holds the re-gathers and reduce-scatters and reads no placeholder before refilling
-    it; the forward graph saves fewer activation bytes than the compiled run without
-    checkpointing; no graph is compiled after step 1.
-
-    The compiled runs are also the runtime's checks of a compiled step on this mesh
-    ("none/step": the plain model's whole step; test_clip.py made these checks in a
-    whole-step compile of its own before): the only graph break is backward() (a
-    whole step; see [Note: The forward reads the local shard, not the DTensor] in
-    traceable_hsdp/_param.py for the two that lifting a DTensor into the backward
-    graph used to add), none in the plain loop; every placeholder is freed after each
-    backward; the gradients are Shard(0) DTensors, one per parameter (what
-    clip_grad_norm_ takes); the state dict holds DTensors; the model and its
-    parameters are freed once dropped with the compiled step or model."""
+    checkpointing on the same data: losses and final parameters within 1e-6 (seen:
+    bitwise; recomputation repeats the same ops on the same inputs, but the compiled
+    graphs may order reductions differently, so the check is tolerant). Every
+    backward graph holds the re-gathers and reduce-scatters and reads no placeholder
+    before refilling it; the forward graph saves fewer activation bytes than the
+    compiled run without checkpointing; no graph is compiled after step 1."""
     from _ac_workers import ac_worker
     from _dist import run_ranks
     from _workers import CFG, ROOT_PARAMS
@@ -441,11 +424,10 @@ def test_checkpointed_llama_compiled_2_ranks() -> None:
     for name, run in r.items():
         if name == "none/eager":
             continue
-        atol = 0.0 if name == "none/step" else 1e-6
-        torch.testing.assert_close(run["losses"], ref["losses"], rtol=0, atol=atol, msg=name)
+        torch.testing.assert_close(run["losses"], ref["losses"], rtol=0, atol=1e-6, msg=name)
         assert run["params"].keys() == ref["params"].keys()
         for k, v in ref["params"].items():
-            torch.testing.assert_close(run["params"][k], v, rtol=0, atol=atol, msg=f"{name} {k}")
+            torch.testing.assert_close(run["params"][k], v, rtol=0, atol=1e-6, msg=f"{name} {k}")
         assert run["graphs"] == [run["graphs"][0]] * len(run["graphs"]), (name, run["graphs"])
         fwd, bwd = run["forward"][0], run["backward"][0]
         assert len(run["backward"]) == 1, name
@@ -454,16 +436,8 @@ def test_checkpointed_llama_compiled_2_ranks() -> None:
         assert bwd["all_gather"] == n_params - ROOT_PARAMS, (name, bwd)
         assert bwd["reduce_scatter"] == n_params, (name, bwd)
         assert bwd["early_reads"] == [], (name, bwd["early_reads"])
-        breaks = {"Unsupported Tensor.backward() call"} if name.endswith("/step") else set()
-        assert set(run["graph_breaks"]) == breaks, (name, run["graph_breaks"])
-        assert run["bytes_after_bwd"] == [0] * len(run["losses"]), (name, run["bytes_after_bwd"])
-        want = {"DTensor (Shard(dim=0),)": n_params}
-        assert run["grads"] == [want] * len(run["losses"]), (name, run["grads"])
-        assert run["sd_types"] == {"DTensor"}, (name, run["sd_types"])
-        assert run["alive_after_del"] == 0, (name, run["alive_after_del"])
         if name != "none/step":
-            assert fwd["saved_bytes"] < base["forward"][0]["saved_bytes"], (
-                name, fwd, base["forward"][0])
+            assert fwd["saved_bytes"] < base["forward"][0]["saved_bytes"], (name, fwd, base["forward"][0])
         if name.split("/")[0] in ("wrapper", "inner"):
             # Their matmuls are recomputed in the backward (the policy of "sac" saves them).
             assert bwd["mm"] > base["backward"][0]["mm"], (name, bwd, base["backward"][0])

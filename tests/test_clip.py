@@ -1,18 +1,11 @@
 """Gradient clipping on the sharded DTensor gradients:
 torch.nn.utils.clip_grad_norm_ and clip_grad_value_, called after the backward and
-outside any compiled region (as users do), after an eager backward and after the
-plain compiled loop (enable_compiled_autograd + torch.compile(model)); aot_eager
+outside any compiled region (as users do), after an eager backward, the plain
+compiled loop (enable_compiled_autograd + torch.compile(model)) and a whole compiled
+step (torch._dynamo.config.compiled_autograd; on the 1-D mesh); aot_eager
 underneath. Every step clips the norm to MAX_NORM, then the values to CLIP_VALUE,
 then steps AdamW; both clip (the tests assert it). One process group per mesh runs
 its cases in turn (tests/_clip_workers.py).
-
-A whole compiled step (torch._dynamo.config.compiled_autograd) is not clipped here:
-the clipping runs outside the graphs and sees what any backward leaves, Shard(0)
-DTensor gradients. The whole compiled step of a fully_shard Llama on a 1-D mesh of 2
-ranks (aot_eager) is checked by the "none/step" run of
-test_activation_checkpointing.py::test_checkpointed_llama_compiled_2_ranks: bitwise
-against the eager run, its gradients' types and placements, its graphs, its freed
-placeholders and its freed model (the checks this file's whole-step run made).
 
 Checks and tolerances:
 - traceable_hsdp.fully_shard against torch's fully_shard on the same mesh, data and
@@ -121,6 +114,10 @@ def _check(results: list[dict[str, Any]], world: int, placements: str, sharded: 
                 # One forward and one backward graph, compiled in the first step: the
                 # clipping outside adds no recompiles.
                 assert run["graphs"] == [(1, 1)] * STEPS, (key, run["graphs"])
+            elif mode == "compiled_step":
+                # The backward() call is a graph break (a second forward-side graph).
+                assert run["graphs"][0][1] == 1 and run["graphs"] == [run["graphs"][0]] * STEPS, (
+                    key, run["graphs"])
         for key, base in bitwise_to.items():
             _assert_same(r[key], r[base], f"{key} vs {base}", bitwise=True)
         for key, base in tolerant_to.items():
@@ -133,23 +130,22 @@ def _check(results: list[dict[str, Any]], world: int, placements: str, sharded: 
 
 @pytest.mark.slow
 def test_clip_grad_2_ranks() -> None:
-    """1-D mesh, 2 ranks: traceable_hsdp.fully_shard eager and in the compiled loop,
-    each bitwise against torch's fully_shard (eager).
+    """1-D mesh, 2 ranks: traceable_hsdp.fully_shard eager, compiled loop and whole
+    compiled step, each bitwise against torch's fully_shard (eager).
 
-    Its compiled run is also the runtime's check of the compiled loop on this mesh
-    (the clipping runs outside the graphs): what each graph holds, the graph breaks,
-    the freed placeholders; see :func:`_check_compiled_graphs`. (The whole compiled
-    step: see the module docstring.)"""
-    ours = ("ours eager", "ours compiled")
+    Its two compiled runs are also the runtime's compiled checks on this mesh (the
+    clipping runs outside the graphs): what each graph holds, the graph breaks, the
+    freed placeholders; see :func:`_check_compiled_graphs`."""
+    ours = ("ours eager", "ours compiled", "ours compiled_step")
     runs = [("torch", "eager")] + [tuple(k.split()) for k in ours]
     results = run_ranks(clip_worker, 2, (2,), runs)
     _check(results, 2, "(Replicate(),)", "(Shard(dim=0),)",
            bitwise_to={k: "torch eager" for k in ours}, tolerant_to={})
     for r in results:
-        _check_compiled_graphs(r["ours compiled"])
+        _check_compiled_graphs(r["ours compiled"], r["ours compiled_step"])
 
 
-def _check_compiled_graphs(loop: dict[str, Any]) -> None:
+def _check_compiled_graphs(loop: dict[str, Any], step: dict[str, Any]) -> None:
     """fully_shard on every block and the root, 1-D mesh, compiled with compiled
     autograd (aot_eager), collectives counted from dynamo's graphs.
 
@@ -161,8 +157,14 @@ def _check_compiled_graphs(loop: dict[str, Any]) -> None:
     reduce-scatter. Backward: the blocks' re-gathers and the reduce-scatters, one per
     parameter, inside the captured graph (HSDP's all-reduces across replicas:
     test_hsdp.py). After each forward only the root's placeholders hold storage,
-    after each backward none. (The whole compiled step's graphs: the "none/step" run
-    of test_activation_checkpointing.py.)"""
+    after each backward none.
+
+    ``step`` (forward, loss and backward in one compiled function under
+    ``compiled_autograd = True``): the only graph break is backward() (see [Note: The
+    forward reads the local shard, not the DTensor] in traceable_hsdp/_param.py for
+    the two that lifting a DTensor into the backward graph used to add); the
+    forward+loss graph holds the gathers and the backward graph the reduce-scatters;
+    every placeholder is freed after each step."""
     assert loop["graph_breaks"] == {}, loop["graph_breaks"]
     fwd, bwd = loop["fwd_counts"][0], loop["bwd_counts"][0]
     assert fwd.get("all_gather_into_tensor") == N_PARAMS, fwd
@@ -174,16 +176,20 @@ def _check_compiled_graphs(loop: dict[str, Any]) -> None:
     assert "all_reduce" not in bwd, bwd
     assert loop["bytes_after_fwd"] == [ROOT_BYTES] * STEPS, loop["bytes_after_fwd"]
     assert loop["bytes_after_bwd"] == [0] * STEPS, loop["bytes_after_bwd"]
+    assert set(step["graph_breaks"]) == {"Unsupported Tensor.backward() call"}, step["graph_breaks"]
+    assert step["fwd_counts"][0]["all_gather_into_tensor"] == N_PARAMS, step["fwd_counts"]
+    assert step["bwd_counts"][0]["reduce_scatter_tensor"] == N_PARAMS, step["bwd_counts"]
+    assert step["bytes_after_bwd"] == [0] * STEPS, step["bytes_after_bwd"]
 
 
 @pytest.mark.slow
 def test_clip_grad_hsdp_2x2() -> None:
     """2x2 (replicate, shard) mesh, 4 ranks: fully_shard eager bitwise against torch's;
     hsdp() with replicated parameters eager and in the compiled loop, tolerant against
-    torch's, the compiled loop bitwise against hsdp() eager. No whole compiled step
-    (see the module docstring): it would add a compile (~40 s on 2 loaded cores) and
-    nothing the clipping sees (the same DTensor gradients after backward; it matched
-    hsdp() eager bitwise when we ran it)."""
+    torch's, the compiled loop bitwise against hsdp() eager. The whole compiled step
+    is checked on the 1-D mesh only: here it would add a compile (~40 s on 2 loaded
+    cores) and nothing the clipping sees (the same DTensor gradients after backward;
+    it matched hsdp() eager bitwise when we ran it)."""
     runs = [("torch", "eager"), ("ours", "eager"), ("hsdp", "eager"), ("hsdp", "compiled")]
     results = run_ranks(clip_worker, 4, (2, 2), runs)
     _check(results, 4, "(Replicate(), Replicate())", "(Replicate(), Shard(dim=0))",

@@ -91,6 +91,11 @@ the modules get the sharded parameter back (``register_sharded``):
   grad, see above, and that must not unfreeze it. A TP view is not a leaf, so it
   cannot be frozen.)
 
+With FSDP x TP the modules hold a TP view of the placeholder, made at each gather;
+one made while dynamo traces is not kept (kept on the FSDPParam, it became an extra
+forward output that no gradient reaches, and AOTAutograd's backward failed), so a
+replacement inside a compiled TP step is not checked.
+
 An optimizer built from ``model.parameters()`` in that window lists the gathered
 parameters; ``traceable_hsdp/_optim_check.py`` refuses it at its first step.
 
@@ -398,9 +403,9 @@ class FSDPParam:
         register_placeholder(self.unsharded_param, self.fqn)
         self.sharded_state = ShardedState.SHARDED
         self.module_holds_unsharded = False
-        # What register_unsharded gave the modules (the placeholder, or its TP view),
-        # and its requires_grad then.
-        self._held: torch.Tensor = self.unsharded_param
+        # What register_unsharded gave the modules (the placeholder, or its TP view;
+        # None for a TP view made while tracing), and its requires_grad then.
+        self._held: torch.Tensor | None = self.unsharded_param
         self._held_requires_grad = self.unsharded_param.requires_grad
         # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage (the
         # parameter stays whole in memory across steps; the next unshard refills it).
@@ -574,7 +579,11 @@ class FSDPParam:
             held = self.unsharded_param if self.tp_spec is None else self._tp_view()
             for info in self.module_infos:
                 _set_param(info, held)
-            self._held = held
+            # A TP view made while dynamo traces is not kept: stored on this object it
+            # would become an extra output of the forward graph (one the backward never
+            # gets a gradient for). Its changes are then not checked.
+            keep = self.tp_spec is None or not compiling()
+            self._held = held if keep else None
             self._held_requires_grad = held.requires_grad
             self.module_holds_unsharded = True
 
@@ -829,6 +838,8 @@ class FSDPParam:
         if self.module_holds_unsharded:
             # See [Note: Changes while the modules hold the gathered parameter].
             held = self._held
+            if held is None:
+                return UserChange.NONE
             for info in self.module_infos:
                 if info.module._parameters[info.param_name] is not held:
                     return UserChange.OTHER
@@ -903,6 +914,8 @@ class FSDPParam:
         and makes the sharded parameter follow a freeze or unfreeze of it. See
         [Note: Changes while the modules hold the gathered parameter]."""
         held = self._held
+        if held is None:
+            return
         for info in self.module_infos:
             if info.module._parameters[info.param_name] is not held:
                 raise RuntimeError(
