@@ -74,6 +74,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 # the evening before (AMD EPYC); the 14 slowest tests it did not change ran 5.1%
 # faster (894 s against 941 s), so about 105 s of the 205 s are these cuts. The 14
 # slowest tests now take 1,062 of the 1,785 s; each makes compiles no other test makes.
+# Later the same day: the pre-pass spy of test_reliability.py rides test_passes_e2e's
+# fully_shard model (one 2-rank Inductor job fewer), the exchange test compiles one
+# shape per dtype and op (4 Inductor compiles instead of 8), and the HF step-time
+# smoke builds one decoder layer. Two merges were tried and undone after a full run
+# (2026-11-28, 1704 s, on a machine as fast as the day before's 1697 s): both
+# conformance backends in one rank group, sharing the eager runs, took 226 s against
+# 101 s and under 63 s as two tests; and moving test_clip_grad_2_ranks' whole-step
+# checks into the AC test (with a gc-based "model freed" count per variant) took the
+# AC test from 72 s to 108 s while the clip test fell by about 10 s.
 
 
 # [Note: Inductor's vector-ISA probe, answered once per session]

@@ -52,11 +52,9 @@ def _check_parity(results: list[dict], world: int) -> None:
 @pytest.mark.slow
 def test_fsdp_parity_2_ranks_eager() -> None:
     """fully_shard on a 1-D mesh of 2 ranks, eager. The same model on this mesh
-    compiled (aot_eager) is checked in the plain loop by test_clip.py
-    (test_clip_grad_2_ranks: bitwise against torch's fully_shard, against a
-    one-process reference, and what its graphs hold, as here) and as a whole step by
-    test_activation_checkpointing.py ("none/step": bitwise against eager, its
-    graphs)."""
+    compiled (the plain loop and the whole step, aot_eager) is checked in
+    test_clip.py (test_clip_grad_2_ranks): bitwise against torch's fully_shard,
+    against a one-process reference, and what its graphs hold, as here."""
     results = run_ranks(parity_worker, 2, (2,), "eager")
     _check_parity(results, 2)
     assert results[0]["placements"]["tok_embeddings.weight"] == ("S(0)",)
