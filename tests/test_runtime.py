@@ -307,6 +307,65 @@ class _WithAllGatherExtension(torch.Tensor):
         raise AssertionError("never called")
 
 
+def test_module_hooks_on_a_unit(one_rank) -> None:
+    """A unit gathers inside its forward, not in module hooks (docs/api.md, "Module
+    hooks on a unit"). Hooks that change a unit's input and output: loss and
+    gradients bitwise equal to torch's fully_shard, and compiled (aot_eager, compiled
+    autograd) bitwise equal to eager. A forward pre-hook sees the sharded DTensor
+    (torch's: the gathered Parameter); an in-place change it makes lasts (torch's
+    applies to that forward only)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    def build(fs: Any, seen: list[str]) -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        fs(m[0], mesh=one_rank)
+        fs(m[2], mesh=one_rank)
+        fs(m, mesh=one_rank)
+        m[0].register_forward_pre_hook(lambda mod, a: seen.append(type(mod.weight).__name__))
+        m[0].register_forward_pre_hook(lambda mod, a: (a[0] * 2,))
+        m[2].register_forward_hook(lambda mod, a, out: out + 1)
+        return m
+
+    x = torch.arange(8.0).view(2, 4)
+    runs = {}
+    for name in ("torch", "ours", "compiled"):
+        seen: list[str] = []
+        m = build(torch_fully_shard if name == "torch" else th.fully_shard, seen)
+        call = m
+        if name == "compiled":
+            torch._dynamo.reset()
+            th.enable_compiled_autograd(backend="aot_eager")
+            call = torch.compile(m, backend="aot_eager", fullgraph=True)
+        try:
+            loss = call(x).pow(2).sum()
+            loss.backward()
+        finally:
+            if name == "compiled":
+                th.disable_compiled_autograd()
+                torch._dynamo.reset()
+        runs[name] = (loss.detach(), [full_tensor(p.grad) for p in m.parameters()], seen)
+    for name in ("ours", "compiled"):
+        torch.testing.assert_close(runs[name][0], runs["torch"][0], rtol=0, atol=0)
+        for g, ref in zip(runs[name][1], runs["torch"][1], strict=True):
+            torch.testing.assert_close(g, ref, rtol=0, atol=0, msg=name)
+    assert runs["torch"][2] == ["Parameter"] and runs["ours"][2] == ["DTensor"], runs
+
+    def halve(mod: nn.Module, args: Any) -> None:
+        with torch.no_grad():
+            mod.weight.mul_(0.5)
+
+    kept = {}
+    for name, fs in (("torch", torch_fully_shard), ("ours", th.fully_shard)):
+        m = build(fs, [])
+        m[0].register_forward_pre_hook(halve)
+        before = full_tensor(m[0].weight).clone()
+        m(x).sum().backward()
+        kept[name] = full_tensor(m[0].weight) / before
+    assert torch.equal(kept["torch"], torch.ones(4, 4)), kept["torch"]
+    assert torch.equal(kept["ours"], torch.full((4, 4), 0.5)), kept["ours"]
+
+
 def test_refused_like_torch_fully_shard(one_rank) -> None:
     """What torch's fully_shard refuses, and ours accepted and then crashed on or
     got wrong (found by running torch's test_fully_shard_init.py, _state.py and
