@@ -356,9 +356,77 @@ def _unused(rank: int, world: int) -> dict[str, Any]:
     )
 
 
+class _Trunk(nn.Module):
+    """A unit with a frozen Linear: its backward also waits for its input's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.frozen(x).relu())
+
+
+class _TwoLosses(nn.Module):
+    """Two losses on one trunk; ``shared`` is a unit called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.trunk = _Trunk()
+        self.shared = nn.Linear(8, 8)
+        self.h1 = nn.Linear(8, 1)
+        self.h2 = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.trunk(self.inp(x))
+        t = self.shared(self.shared(t).relu())
+        return self.h1(t).sum(), self.h2(t).pow(2).mean()
+
+
+def _retained(rank: int, world: int) -> dict[str, Any]:
+    """Two backward calls through one graph (``retain_graph=True`` on the first), per
+    step, for ours and torch's fully_shard; then ours refusing a graph older than the
+    last backward's. See [Note: A second backward through a retained graph]."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out: dict[str, Any] = {}
+    for lib, fs in (("torch", torch_fully_shard), ("ours", th.fully_shard)):
+        torch.manual_seed(0)
+        model = _TwoLosses()
+        model.trunk.frozen.requires_grad_(False)
+        for unit in (model.trunk, model.shared, model):
+            fs(unit)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+        g = torch.Generator().manual_seed(11 + rank)
+        losses = []
+        for _ in range(STEPS):
+            l1, l2 = model(torch.randn(4, 8, generator=g))
+            l1.backward(retain_graph=True)
+            l2.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append((l1.item(), l2.item()))
+        out[lib] = dict(losses=losses, params=_full(model), bytes_at_end=_placeholder_bytes(model))
+        if lib == "ours":
+            old, _ = model(torch.randn(4, 8, generator=g))
+            old.backward(retain_graph=True)
+            new, _ = model(torch.randn(4, 8, generator=g))
+            new.backward()
+            try:
+                old.backward()
+                out["refused"] = None
+            except RuntimeError as e:
+                out["refused"] = str(e)
+            model.reset_iter_state()
+    return out
+
+
 def eager_worker(rank: int, world: int) -> dict[str, Any]:
     return dict(
         hook=_hook_eager(rank, world),
         reset=_reset(rank, world),
         unused=_unused(rank, world),
+        retained=_retained(rank, world),
     )

@@ -275,6 +275,10 @@ class FSDPParamGroup:
         # The flags of the forward calls whose output hooks opened this backward, set
         # when it finishes. See [Note: Output hooks after the unit's backward] (_state.py).
         self.open_calls: list[list[bool]] = []
+        # Eager: what the last finished backward used, for running its graph again.
+        # See [Note: A second backward through a retained graph].
+        self._input_hooks_used = 0
+        self._finished: tuple[int, list[list[bool]], int] | None = None
 
     def pass_options_key(self) -> str:
         """This unit and its own pass options, for the FX graph cache key; see
@@ -418,7 +422,59 @@ class FSDPParamGroup:
                 # See [Note: The module holds the placeholder only in forward] (_param.py).
                 self.register_unsharded()
         self._grads_pending = len(self.trainable) + self.input_grad_hooks
+        if not compiling():
+            self._input_hooks_used = self.input_grad_hooks
         self.input_grad_hooks = 0
+
+    # [Note: A second backward through a retained graph]
+    # ``loss.backward(retain_graph=True)`` and then another backward through the same
+    # graph (two losses sharing a trunk, a GAN's discriminator pass) run the units'
+    # backward twice. torch's fully_shard re-gathers for the second: its pre-backward
+    # is a multi-grad hook that fires once per backward. Ours is a flag per forward
+    # call, raised when the unit's backward finishes so that an output reached later
+    # in the same backward (one the unit passes through unchanged; [Note: Output hooks
+    # after the unit's backward] in _state.py) gathers nothing. A second backward
+    # found the flags raised and its parameters freed: the eager backward failed in
+    # autograd (``setStorage: ... out of bounds for storage of size 0``). So, eagerly,
+    # a finished backward records its graph task (autograd's id of one backward()
+    # call), the calls it closed and the input-gradient hooks it counted; an output
+    # hook that finds its flag raised in another graph task lowers those flags and
+    # counts those hooks again (the ``RegisterPostBackwardFunction`` nodes run again),
+    # and the unit's backward runs as the first did: gradients accumulate into the
+    # sharded ones, as torch's do (tests/test_runtime.py: bitwise equal to torch's).
+    # Only the last finished backward's graph can run again; an older one is refused.
+    # A compiled backward records nothing (compiled autograd traces these hooks, and
+    # a graph task id read there would be a new guard every step); there the second
+    # backward fails in torch's compiled-autograd runtime (docs/api.md).
+    def rearm_if_retained(self, call: list[bool]) -> bool:
+        """Eager, for an output hook whose forward call's flag is raised: ``True``
+        after re-arming this unit's backward when the hook runs in a later backward
+        through the graph its last backward ran (``retain_graph=True``), ``False``
+        when it runs in that same backward. See [Note: A second backward through a
+        retained graph].
+
+        Raises:
+            RuntimeError: the call's graph is older than the last backward's.
+        """
+        finished = self._finished
+        task = torch._C._current_graph_task_id()
+        if finished is None or finished[0] == task:
+            return False
+        _, calls, hooks = finished
+        if not any(c is call for c in calls):
+            raise RuntimeError(
+                f"traceable_hsdp: a backward ran again through the graph of an earlier "
+                f"forward of the fully_shard unit {self.label} after a backward through "
+                "a later one. A graph kept with retain_graph=True can be run again only "
+                "until the unit's next backward. Fix: run the backward calls of one "
+                "forward before the next forward's, or sum the losses and call "
+                "backward() once."
+            )
+        for c in calls:
+            c[0] = False
+        self.input_grad_hooks += hooks
+        self._finished = None
+        return True
 
     def post_accumulate_grad(self, fsdp_param: FSDPParam) -> None:
         """Runs when ``fsdp_param``'s placeholder gradient is complete for this
@@ -632,7 +688,25 @@ class FSDPParamGroup:
         self._grads_pending = 0
         for call in self.open_calls:
             call[0] = True
+        if not compiling():
+            self._record_finish()
         self.open_calls.clear()
+
+    def _record_finish(self) -> None:
+        """Eager: records what this backward closed, for a later backward through
+        the same graph. A second finish in one backward (the root's final callback
+        finishing every unit, or a call first reached after the unit's backward) adds
+        to the first. See [Note: A second backward through a retained graph]."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:  # outside a backward (pipelining's end of its micro-batches)
+            return
+        used, self._input_hooks_used = self._input_hooks_used, 0
+        closed = list(self.open_calls)
+        if self._finished is not None and self._finished[0] == task:
+            _, calls, hooks = self._finished
+            self._finished = (task, calls + closed, hooks + used)
+        else:
+            self._finished = (task, closed, used)
 
     def reset(self) -> None:
         """Back to the state before any forward, after an exception stopped one (see
@@ -655,6 +729,7 @@ class FSDPParamGroup:
         self.input_grad_hooks = 0
         self.backward_syncs = False
         self.open_calls.clear()
+        self._finished = None
 
 
 HOOK_STREAM_COMPILE_FIX = (

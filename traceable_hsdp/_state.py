@@ -721,9 +721,12 @@ class FSDPState:
         return grad
 
     def _call_pre_backward(self, call: list[bool], grad: torch.Tensor) -> torch.Tensor:
-        if call[0]:  # this call's backward is over for the unit
-            return grad
         pg = self.param_group
+        if call[0]:  # this call's backward is over for the unit
+            # Unless a later backward runs its graph again (retain_graph=True): see
+            # [Note: A second backward through a retained graph] (_param_group.py).
+            if compiling() or pg is None or not pg.rearm_if_retained(call):
+                return grad
         if pg is not None and not any(c is call for c in pg.open_calls):
             pg.open_calls.append(call)
         return self._pre_backward(grad)
