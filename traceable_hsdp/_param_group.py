@@ -698,9 +698,10 @@ class FSDPParamGroup:
         finishing every unit, or a call first reached after the unit's backward) adds
         to the first. See [Note: A second backward through a retained graph]."""
         task = torch._C._current_graph_task_id()
-        if task < 0:  # outside a backward (pipelining's end of its micro-batches)
-            return
         used, self._input_hooks_used = self._input_hooks_used, 0
+        if task < 0:  # outside a backward (reset_iter_state): nothing to run again
+            self._finished = None
+            return
         closed = list(self.open_calls)
         if self._finished is not None and self._finished[0] == task:
             _, calls, hooks = self._finished
