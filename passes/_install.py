@@ -69,7 +69,11 @@ first changed it:
   back next to its collective (see [Note: Overlap and Inductor's scheduler] in
   ``overlap.py``);
 - ``torch._functorch.config.recompute_views = True``: see [Note: Saved views of the
-  placeholder].
+  placeholder];
+- ``GraphLowering.decide_layout_opt`` (Inductor's choice of channels-last layouts
+  for a graph with convolutions), wrapped to answer ``False`` for a graph that
+  still holds a placeholder's resize or ``fsdp.copy_``: see [Note: Layout
+  optimization and the placeholders].
 
 Each :func:`install` sets them again (a ``fully_shard`` after the user changed one
 changes it back), but remembers only the values from before the first change. The
@@ -101,6 +105,25 @@ the re-gather. It is a global config, read when a graph is partitioned, so
 view whose base the partitioner chose not to save; :func:`recompute_placeholder_views`
 does (see [Note: Views of a placeholder are recomputed]).
 
+[Note: Layout optimization and the placeholders]
+For a graph with a convolution, Inductor lays tensors out channels-last
+(``torch._inductor.config.layout_optimization``, on by default; on the CPU always,
+when mkldnn is available). A convolution weight that is an unsharded placeholder is
+a graph input that the graph resizes and fills (``fsdp.copy_``). Inductor copied
+that input into a channels-last buffer at the top of the graph, reading the
+placeholder's storage while it still had 0 bytes, and resized the copy instead of
+the input: a small CNN (Conv2d and BatchNorm2d in two units and the root), compiled
+whole with Inductor on 1 or 2 CPU ranks, died with a segmentation fault in its
+first forward (2026-11-28; ``aot_eager`` and eager trained it bitwise equal to
+torch's ``fully_shard``). So :func:`install` wraps the static method
+``GraphLowering.decide_layout_opt``: a graph that still holds a resize or an
+``fsdp.copy_`` after our passes gets no layout optimization; any other graph is
+decided by Inductor as before (a plain model's, or ours where the passes removed
+every grow/copy/free region). The decision is a function of the graph, which the
+FX graph cache key hashes (and ``uuid()`` hashes this file), so a cached graph
+never comes from the other decision. Cost: the convolutions of such graphs run in
+the contiguous layout. :func:`uninstall` puts torch's method back.
+
 [Note: Per-unit options and the FX graph cache]
 Inductor's FX graph cache key hashes the graph's code and our pass's ``uuid()``, not
 node metadata, so it does not see the pass options a unit carries in its
@@ -128,7 +151,14 @@ import torch._inductor.config as inductor_config
 from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
 
-from ._graph import INFERENCE_AWARE, InferenceAwareGraphPass, annotation_of, is_collective
+from ._graph import (
+    INFERENCE_AWARE,
+    InferenceAwareGraphPass,
+    annotation_of,
+    is_collective,
+    is_fsdp_copy,
+    is_resize,
+)
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
@@ -457,13 +487,47 @@ def _is_ours(value: object) -> bool:
 
 # The flags install() changed, as they were before the first install(); see
 # [Note: Global switches]. Keyed by (config module, attribute name). (The two hooks
-# need no record: ours holds what it wraps.)
+# and the layout decision need no record: ours holds what it wraps.)
 _saved: dict[tuple[Any, str], Any] = {}
 
 
 def _switch(module: Any, name: str, value: Any) -> None:
     _saved.setdefault((module, name), getattr(module, name))
     setattr(module, name, value)
+
+
+def _holds_placeholder_ops(gm: fx.GraphModule) -> bool:
+    return any(is_resize(n) or is_fsdp_copy(n) for n in gm.graph.nodes)
+
+
+class _LayoutOptDecision:
+    """``GraphLowering.decide_layout_opt`` that answers ``False`` for a graph
+    holding a placeholder's resize or ``fsdp.copy_``, and asks torch's (``wrapped``)
+    otherwise. See [Note: Layout optimization and the placeholders]."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+
+    def __call__(self, gm: fx.GraphModule, *, is_inference: bool) -> bool:
+        if _holds_placeholder_ops(gm):
+            return False
+        return self.wrapped(gm, is_inference=is_inference)
+
+
+def _install_layout_opt_decision() -> None:
+    from torch._inductor.graph import GraphLowering
+
+    current = GraphLowering.decide_layout_opt  # the function, or ours (not a descriptor)
+    if not isinstance(current, _LayoutOptDecision):
+        GraphLowering.decide_layout_opt = _LayoutOptDecision(current)
+
+
+def _uninstall_layout_opt_decision() -> None:
+    from torch._inductor.graph import GraphLowering
+
+    current = GraphLowering.decide_layout_opt
+    if isinstance(current, _LayoutOptDecision):
+        GraphLowering.decide_layout_opt = staticmethod(current.wrapped)
 
 
 def install(config: PassConfig | None = None) -> None:
@@ -491,6 +555,7 @@ def install(config: PassConfig | None = None) -> None:
         # See [Note: Overlap and Inductor's scheduler] (overlap.py).
         _switch(inductor_config, "reorder_for_peak_memory", False)
         log.info("traceable_hsdp: torch._inductor.config.reorder_for_peak_memory = False (overlap)")
+    _install_layout_opt_decision()  # See [Note: Layout optimization and the placeholders].
     current = inductor_config.post_grad_custom_pre_pass
     if _is_ours(current):
         return
@@ -499,8 +564,9 @@ def install(config: PassConfig | None = None) -> None:
 
 
 def uninstall() -> None:
-    """Undoes :func:`install`: the two hooks get back what ours wraps (where a hook
-    was replaced again after install, it is left as it is now), and every flag of
+    """Undoes :func:`install`: the two hooks and ``GraphLowering.decide_layout_opt``
+    get back what ours wraps (where a hook was replaced again after install, it is
+    left as it is now), and every flag of
     [Note: Global switches] the value it had before :func:`install` changed it. Does
     nothing where nothing is installed."""
     current = inductor_config.post_grad_custom_pre_pass
@@ -512,3 +578,4 @@ def uninstall() -> None:
     for (module, name), old in _saved.items():
         setattr(module, name, old)
     _saved.clear()
+    _uninstall_layout_opt_decision()

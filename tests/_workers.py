@@ -454,3 +454,84 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     passes.set_config(config)
     torch._inductor.config.post_grad_custom_post_pass = None
     return out
+
+
+class _ConvBlock(torch.nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.conv(x)).relu()
+
+
+class ConvNet(torch.nn.Module):
+    """A small CNN: a Conv2d stem, two blocks of Conv2d and BatchNorm2d, a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = torch.nn.ModuleList([_ConvBlock(8) for _ in range(2)])
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def conv_inductor_worker(rank: int, world: int) -> dict[str, Any]:
+    """ConvNet with each block and the root sharded, trained 3 SGD steps eager and
+    compiled whole (Inductor, every pass, compiled autograd) from the same init and
+    data; then one evaluation forward. See [Note: Layout optimization and the
+    placeholders] (passes/_install.py)."""
+    from torch._inductor.graph import GraphLowering
+
+    mesh = dp_mesh((world,))
+    decisions: list[bool] = []
+    out: dict[str, Any] = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = ConvNet()
+        for block in model.blocks:
+            th.fully_shard(block, mesh=mesh)
+        th.fully_shard(model, mesh=mesh)
+        step = model
+        if mode == "compiled":
+            torch._dynamo.reset()
+            th.enable_compiled_autograd(backend="inductor")
+            step = torch.compile(model, backend="inductor", fullgraph=True)
+            ours = GraphLowering.decide_layout_opt  # installed by fully_shard
+
+            def spy(gm: Any, *, is_inference: bool) -> bool:
+                decisions.append(ours(gm, is_inference=is_inference))
+                return decisions[-1]
+
+            GraphLowering.decide_layout_opt = staticmethod(spy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1 + rank)
+        losses = []
+        try:
+            for _ in range(3):
+                loss = step(torch.randn(2, 3, 8, 8, generator=g)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            if mode == "compiled":
+                GraphLowering.decide_layout_opt = ours
+                th.disable_compiled_autograd()
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(torch.ones(1, 3, 8, 8))
+        out[mode] = dict(
+            losses=losses,
+            params={n: full_tensor(p.detach()) for n, p in model.named_parameters()},
+            buffers={n: b.clone() for n, b in model.named_buffers()},
+            evaluated=evaluated,
+        )
+    out["layout_decisions"] = decisions
+    return out

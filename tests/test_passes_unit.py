@@ -795,39 +795,55 @@ def test_install_is_idempotent_and_composes(restore_passes) -> None:
 
 
 def test_uninstall_restores_torchs_configuration(restore_passes) -> None:
-    """[Note: Global switches]: install() changes four settings of torch's compile
-    configuration; uninstall() puts every one back."""
+    """[Note: Global switches]: install() changes five settings of torch's compile
+    configuration; uninstall() puts every one back. The fifth, Inductor's layout
+    decision, answers False for a graph holding a placeholder's resize or
+    fsdp.copy_ and torch's answer for any other ([Note: Layout optimization and the
+    placeholders])."""
     import torch._functorch.config as fc
+    from torch._inductor.graph import GraphLowering
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     ic = restore_passes
     user = _UserPass()
     names = [(ic, "post_grad_custom_pre_pass"), (ic, "reorder_for_peak_memory"),
-             (fc, "joint_custom_pass"), (fc, "recompute_views")]
-    saved = {name: getattr(m, name) for m, name in names}
+             (fc, "joint_custom_pass"), (fc, "recompute_views"),
+             (GraphLowering, "decide_layout_opt")]
+    conv = make_fx(torch.nn.functional.conv2d)(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))
+    placeholder_ops, _ = _forward_like()
+    saved = {(m, name): getattr(m, name) for m, name in names}
     try:
         passes.uninstall()  # what earlier tests (and fully_shard calls) installed
         ic.post_grad_custom_pre_pass = user
         fc.joint_custom_pass = lambda gm, inputs: gm
         ic.reorder_for_peak_memory, fc.recompute_views = True, False
-        before = {name: getattr(m, name) for m, name in names}
+        before = {(m, name): getattr(m, name) for m, name in names}
         passes.install(PassConfig())
         passes.install()  # idempotent: the values before the first change are kept
         assert isinstance(ic.post_grad_custom_pre_pass, passes.TraceableHSDPPass)
         assert isinstance(fc.joint_custom_pass, passes.TraceableHSDPJointPass)
         assert ic.reorder_for_peak_memory is False and fc.recompute_views is True
+        torchs = before[(GraphLowering, "decide_layout_opt")]
+        decide = GraphLowering.decide_layout_opt
+        assert decide is not torchs
+        assert decide(placeholder_ops, is_inference=False) is False
+        assert decide(conv, is_inference=False) == torchs(conv, is_inference=False)
         passes.uninstall()
-        assert {name: getattr(m, name) for m, name in names} == before
+        assert {(m, name): getattr(m, name) for m, name in names} == before
         passes.uninstall()  # nothing installed: nothing changes
-        assert {name: getattr(m, name) for m, name in names} == before
+        assert {(m, name): getattr(m, name) for m, name in names} == before
         # Without overlap, Inductor's scheduler setting is left alone.
         passes.install(PassConfig(overlap=False))
         assert ic.reorder_for_peak_memory is True
         passes.uninstall()
-        assert {name: getattr(m, name) for m, name in names} == before
+        assert {(m, name): getattr(m, name) for m, name in names} == before
     finally:
         passes.uninstall()
         for m, name in names:
-            setattr(m, name, saved[name])
+            value = saved[(m, name)]
+            if m is GraphLowering and not isinstance(value, passes._install._LayoutOptDecision):
+                value = staticmethod(value)  # torch's: a static method of the class
+            setattr(m, name, value)
 
 
 def test_units_with_own_options_enter_the_fx_cache_key(restore_passes) -> None:
