@@ -13,8 +13,11 @@ it in place and does nothing when nothing matches:
 - :func:`reduce_scatter_by_exchange`: a reduce-scatter over two gloo ranks is
   issued as an all-to-all and an addition (gloo's own is an all-reduce).
 
-then, on every post-grad graph and not switchable:
+and, on every post-grad graph and not switchable, one before them and one after:
 
+- :func:`free_after_last_read`: each free of a placeholder moves after the graph's
+  last read of it (compiled autograd can put a weight's gradient, and so the hook
+  that frees it, before the weight's last read);
 - :func:`gather_into_buffers`: each all-gather of CPU tensors is issued into a
   buffer allocated beforehand (``all_gather_into_tensor_out``), which gloo needs
   when another collective is in flight.
@@ -33,7 +36,7 @@ the environment variables ``TRACEABLE_HSDP_PASSES`` and
 What each of them matches (an all-gather, a wait, an ``fsdp.copy_``, a resize, a
 unit's annotation) is the graph vocabulary of ``_graph.py``, which the dump tool, the
 benchmarks and the tests use as well. The package imports only torch.
-``docs/passes.md`` describes all eight, their order, switches and memory cost, and
+``docs/passes.md`` describes all nine, their order, switches and memory cost, and
 what :func:`install` changes in torch's configuration.
 """
 
@@ -54,6 +57,7 @@ from ._install import (
 )
 from ._graph import UnitPassOptions
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
+from .free_after_last_read import free_after_last_read
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
 from .recompute_placeholder_views import recompute_placeholder_views
@@ -70,6 +74,7 @@ __all__ = [
     "bucket_all_gathers",
     "bucket_reduce_scatters",
     "config",
+    "free_after_last_read",
     "gather_into_buffers",
     "get_config",
     "install",

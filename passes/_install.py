@@ -8,9 +8,11 @@ and the compiled-autograd backward graph) before Inductor's own post-grad passes
 its collective bucketing. ``fully_shard`` calls it, so a compiled fully_shard model
 gets the passes without any user code.
 
-After our passes (:func:`run_passes`), on every graph and whatever
-:class:`PassConfig` says, :func:`gather_into_buffers` issues each CPU all-gather into
-a buffer allocated beforehand (a gloo fix; see [Note: CPU all-gathers into buffers]).
+Before our passes (:func:`run_passes`), on every graph and whatever
+:class:`PassConfig` says, :func:`free_after_last_read` moves each placeholder's free
+after its last read (see [Note: Frees after the last read]); after them,
+:func:`gather_into_buffers` issues each CPU all-gather into a buffer allocated
+beforehand (a gloo fix; see [Note: CPU all-gathers into buffers]).
 
 - Composes: a pass the user already set there is kept and run after ours (a
   ``CustomGraphPass``, a plain callable, or a list of them). The FX graph cache key
@@ -160,6 +162,7 @@ from ._graph import (
     is_resize,
 )
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
+from .free_after_last_read import free_after_last_read
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
 from .reduce_scatter_by_exchange import reduce_scatter_by_exchange
@@ -433,6 +436,8 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
         gm = graph.owning_module
         if isinstance(gm, fx.GraphModule):
             _warn_if_options_lost(graph)
+            # Always, whatever the configuration: see [Note: Frees after the last read].
+            free_after_last_read(gm)
             run_passes(gm)
             # Always, whatever the configuration: see [Note: CPU all-gathers into
             # buffers].

@@ -466,27 +466,32 @@ class _ConvBlock(torch.nn.Module):
         return x + self.bn(self.conv(x)).relu()
 
 
-class ConvNet(torch.nn.Module):
-    """A small CNN: a Conv2d stem, two blocks of Conv2d and BatchNorm2d, a Linear head."""
+class TorchLayersNet(torch.nn.Module):
+    """torch's own layers: a Conv2d stem, two blocks of Conv2d and BatchNorm2d, a
+    ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``) over the pixels, a
+    Linear head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
         self.blocks = torch.nn.ModuleList([_ConvBlock(8) for _ in range(2)])
+        self.encoder = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
         self.head = torch.nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(x.mean((2, 3)))
+        x = self.encoder(x.flatten(2).transpose(1, 2))  # (batch, pixels, channels)
+        return self.head(x.mean(1))
 
 
-def conv_inductor_worker(rank: int, world: int) -> dict[str, Any]:
-    """ConvNet with each block and the root sharded, trained 3 SGD steps eager and
-    compiled whole (Inductor, every pass, compiled autograd) from the same init and
-    data; then one evaluation forward. See [Note: Layout optimization and the
-    placeholders] (passes/_install.py)."""
+def torch_layers_inductor_worker(rank: int, world: int) -> dict[str, Any]:
+    """TorchLayersNet with each block, the encoder and the root sharded, trained 3
+    SGD steps eager and compiled whole (Inductor, every pass, compiled autograd) from
+    the same init and data; then one evaluation forward. See [Note: Layout
+    optimization and the placeholders] (passes/_install.py) and [Note: Frees after
+    the last read] (passes/free_after_last_read.py)."""
     from torch._inductor.graph import GraphLowering
 
     mesh = dp_mesh((world,))
@@ -494,9 +499,10 @@ def conv_inductor_worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("eager", "compiled"):
         torch.manual_seed(0)
-        model = ConvNet()
+        model = TorchLayersNet()
         for block in model.blocks:
             th.fully_shard(block, mesh=mesh)
+        th.fully_shard(model.encoder, mesh=mesh)
         th.fully_shard(model, mesh=mesh)
         step = model
         if mode == "compiled":

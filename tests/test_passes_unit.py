@@ -26,6 +26,7 @@ import traceable_hsdp.passes as passes
 from traceable_hsdp.passes import (
     PassConfig,
     bucket_all_gathers,
+    free_after_last_read,
     bucket_reduce_scatters,
     overlap,
     remove_resize_copy,
@@ -205,6 +206,34 @@ def _forward_like(world: int = 2) -> tuple[fx.GraphModule, list[list[torch.Tenso
 def _values(out: list[list[Any]]) -> list[list[Any]]:
     """The data outputs (the returned placeholder has no data: compare its size)."""
     return [[o[0], torch.tensor(o[1].untyped_storage().nbytes())] for o in out]
+
+
+def test_free_after_last_read_moves_a_free_past_its_readers() -> None:
+    """[Note: Frees after the last read]: a free between a placeholder's fill and a
+    read of it (through a view) moves to just after that read; a free with no read
+    after it, and the output node (the forward returns freed placeholders), stay; a
+    read after the next grow is the refilled value's and is not waited for."""
+    b = _Builder()
+    p, q, x = b.input("p", 4, 4), b.input("q", 4, 4), b.input("x", 2, 4)
+    full = b.input("full", 4, 4)
+    b(RESIZE, p, 64)
+    b(FSDP_COPY, p, full)
+    b(RESIZE, q, 64)
+    b(FSDP_COPY, q, full)
+    view = b(aten.permute.default, p, [1, 0])
+    y = b(aten.mm.default, x, q)
+    free_p = b(RESIZE, p, 0)  # before the mm that reads p's view
+    z = b(aten.mm.default, x, view)
+    free_q = b(RESIZE, q, 0)  # after q's last read: stays
+    b(RESIZE, p, 64)
+    b(FSDP_COPY, p, full)
+    w = b(aten.mm.default, x, p)  # reads the refill
+    gm = b.done(b(aten.add.Tensor, b(aten.add.Tensor, y, z), w), p)
+    assert free_after_last_read(gm) == 1
+    order = [n for n in gm.graph.nodes]
+    assert order.index(z) + 1 == order.index(free_p), gm.graph
+    assert order.index(free_q) == order.index(free_p) + 1, gm.graph
+    assert free_after_last_read(gm) == 0  # nothing left to move
 
 
 def test_remove_resize_copy_rewrites_forward_regions() -> None:
