@@ -7,6 +7,8 @@ import faulthandler
 import multiprocessing.forkserver
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -187,6 +189,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, spawn: bool =
     from a preloaded server, or with ``spawn`` start as fresh interpreters; see
     [Note: Rank processes from a preloaded fork server]."""
     return start_ranks(fn, world_size, *args, spawn=spawn).results()
+
+
+def run_child(code: str, expected: type[Exception]) -> None:
+    """Runs ``code`` in a fresh interpreter (for a torch failure that may leave its
+    compile context entered in the process that hits it); raises ``expected`` with
+    the child's last line when that is how it failed, ``RuntimeError`` with its
+    stderr's end for any other failure, and nothing when it succeeds (a strict xfail
+    then reports torch fixed)."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1]
+        if last.startswith(expected.__name__):
+            raise expected(last)
+        raise RuntimeError(proc.stderr[-2000:])
 
 
 # [Note: The tests gather without gloo's allocating all-gather]

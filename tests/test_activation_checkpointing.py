@@ -15,8 +15,6 @@ leaves a checkpoint region (see [Note: Checkpoint outputs are saved] in
 from __future__ import annotations
 
 import operator
-import subprocess
-import sys
 import textwrap
 from typing import Any
 
@@ -28,7 +26,7 @@ from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
 
 import traceable_hsdp.passes as passes
-from _dist import full_tensor
+from _dist import full_tensor, run_child
 from traceable_hsdp.passes import save_checkpoint_outputs
 
 aten = torch.ops.aten
@@ -286,12 +284,7 @@ def test_torch_compiled_autograd_hook_on_unused_output() -> None:
             b.sum().backward()
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = proc.stderr.strip().splitlines()[-1]
-        if last.startswith("AttributeError"):
-            raise AttributeError(last)
-        raise RuntimeError(proc.stderr[-2000:])
+    run_child(code, AttributeError)
 
 
 def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:

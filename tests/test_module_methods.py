@@ -13,8 +13,6 @@ replicas, the unused-parameter run) use the tolerance of test_runtime.py: losses
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 import textwrap
 from typing import Any
 
@@ -25,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import traceable_hsdp as th
-from _dist import full_tensor, run_ranks
+from _dist import full_tensor, run_child, run_ranks
 from _method_workers import RecordingEvent, eager_worker, hook_compiled_worker
 from _workers import dp_mesh
 
@@ -337,12 +335,7 @@ def test_torch_compiled_autograd_second_backward_with_a_traced_hook() -> None:
             y.backward()
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = proc.stderr.strip().splitlines()[-1]
-        if last.startswith("IndexError"):
-            raise IndexError(last)
-        raise RuntimeError(proc.stderr[-2000:])
+    run_child(code, IndexError)
 
 
 @pytest.mark.slow
