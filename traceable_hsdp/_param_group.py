@@ -441,8 +441,9 @@ class FSDPParamGroup:
     # hook that finds its flag raised in another graph task lowers those flags and
     # counts those hooks again (the ``RegisterPostBackwardFunction`` nodes run again),
     # and the unit's backward runs as the first did: gradients accumulate into the
-    # sharded ones, as torch's do (tests/test_runtime.py: bitwise equal to torch's).
-    # Only the last finished backward's graph can run again; an older one is refused.
+    # sharded ones, as torch's do (bitwise equal to torch's in
+    # tests/test_module_methods.py). Only the last finished backward's graph can run
+    # again; an older one is refused.
     # A compiled backward records nothing (compiled autograd traces these hooks, and
     # a graph task id read there would be a new guard every step); there the second
     # backward fails in torch's compiled-autograd runtime (docs/api.md).
