@@ -394,6 +394,27 @@ def test_torch_layers_compiled_with_inductor() -> None:
     assert r["layout_decisions"] and not any(r["layout_decisions"]), r["layout_decisions"]
 
 
+def test_embedding_max_norm_refused(one_rank) -> None:
+    """An nn.Embedding (or EmbeddingBag) with max_norm renormalizes its weight in
+    place during forward: in a unit that writes the gathered copy, which the reshard
+    drops (torch's fully_shard drops it silently, and a compiled step failed in
+    AOTAutograd). fully_shard refuses it, naming the module and the fix, whether
+    the embedding is the unit or inside it; the fix it names keeps the rows' norms."""
+    for holder in ("unit", "inside"):
+        m = nn.Sequential(nn.Embedding(8, 4, max_norm=1.0), nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=r"Embedding with max_norm=1\.0.*local shard"):
+            th.fully_shard(m[0] if holder == "unit" else m, mesh=one_rank)
+    bag = nn.EmbeddingBag(8, 4, max_norm=2.0)
+    with pytest.raises(ValueError, match=r"EmbeddingBag with max_norm=2\.0"):
+        th.fully_shard(bag, mesh=one_rank)
+    m = th.fully_shard(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4)), mesh=one_rank)
+    w = m[0].weight
+    with torch.no_grad():  # the fix the message gives
+        local = w.to_local()
+        local.copy_(torch.renorm(local, 2, 0, 1.0))
+    assert full_tensor(w).norm(dim=1).max() <= 1.0 + 1e-6
+
+
 def test_refused_like_torch_fully_shard(one_rank) -> None:
     """What torch's fully_shard refuses, and ours accepted and then crashed on or
     got wrong (found by running torch's test_fully_shard_init.py, _state.py and

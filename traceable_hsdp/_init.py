@@ -397,6 +397,27 @@ def _check_no_torch_units(module: nn.Module) -> None:
             )
 
 
+def _check_no_forward_writes(module: nn.Module) -> None:
+    """Refuses an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm`` in the
+    unit: it renormalizes its weight in place during forward, which writes the
+    gathered copy, and the reshard drops that (torch's fully_shard drops it too, and
+    a compiled step fails in AOTAutograd). See docs/real_jobs.md, "A parameter
+    written in place during forward"."""
+    for path, sub in _own_modules(module):
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
+            where = f"{type(module).__name__}.{path}" if path else type(module).__name__
+            raise ValueError(
+                f"{where} is an {type(sub).__name__} with max_norm={sub.max_norm}: it "
+                "renormalizes its weight in place during forward, which in a fully_shard "
+                "unit writes the gathered copy, and the reshard drops the change (torch's "
+                "fully_shard drops it silently; a compiled step fails in AOTAutograd). Fix: "
+                "set max_norm=None and apply the constraint to the weight's local shard after "
+                "optimizer.step() (its rows stay whole under the default Shard(0)): with "
+                "torch.no_grad(): local = w.to_local(); local.copy_(torch.renorm(local, 2, "
+                "0, max_norm))."
+            )
+
+
 def check_modules(module: Any) -> list[nn.Module]:
     mods = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in mods:
@@ -410,6 +431,7 @@ def check_modules(module: Any) -> list[nn.Module]:
                 "per module."
             )
         _check_no_torch_units(m)
+        _check_no_forward_writes(m)
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             # Its parameters would be sharded, but no forward of its own would ever
             # gather them: its children would compute with the shards. torch's
