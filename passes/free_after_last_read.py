@@ -52,11 +52,11 @@ def free_after_last_read(gm: fx.GraphModule) -> int:
     graph = gm.graph
     frees = [n for n in graph.nodes if is_resize(n) and resize_nbytes(n) == 0]
     moved = 0
+    order = node_order(graph)
     for free in frees:
         placeholder = free.args[0]
         if not isinstance(placeholder, fx.Node):
             continue
-        order = node_order(graph)
         at = order[free]
         grows = [order[n] for n in placeholder.users if _is_grow(n, placeholder) and order[n] > at]
         end = min(grows, default=len(order))
@@ -70,4 +70,5 @@ def free_after_last_read(gm: fx.GraphModule) -> int:
         if last is not None:
             last.append(free)
             moved += 1
+            order = node_order(graph)  # the move shifted positions
     return moved
