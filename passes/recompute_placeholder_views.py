@@ -46,6 +46,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._graph import is_fsdp_copy, is_resize, is_view
+from ._rewrite import alias_base
 from .save_checkpoint_outputs import has_backward_state, is_forward
 
 log = logging.getLogger(__name__)
@@ -60,14 +61,6 @@ def _placeholders(graph: fx.Graph) -> set[fx.Node]:
             if isinstance(target, fx.Node) and target.op == "placeholder":
                 found.add(target)
     return found
-
-
-def _view_base(node: fx.Node) -> fx.Node:
-    """The first non-view node up ``node``'s chain of view inputs."""
-    base = node
-    while is_view(base) and base.args and isinstance(base.args[0], fx.Node):
-        base = base.args[0]
-    return base
 
 
 def recompute_placeholder_views(gm: fx.GraphModule) -> int:
@@ -93,7 +86,7 @@ def recompute_placeholder_views(gm: fx.GraphModule) -> int:
             is_view(node)
             and is_forward(node)
             and "recompute" not in node.meta
-            and _view_base(node) in placeholders
+            and alias_base(node) in placeholders
         ):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             marked.append(node.name)
