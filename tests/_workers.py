@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import weakref
@@ -491,7 +492,12 @@ def torch_layers_inductor_worker(rank: int, world: int) -> dict[str, Any]:
     SGD steps eager and compiled whole (Inductor, every pass, compiled autograd) from
     the same init and data; then one evaluation forward. See [Note: Layout
     optimization and the placeholders] (passes/_install.py) and [Note: Frees after
-    the last read] (passes/free_after_last_read.py)."""
+    the last read] (passes/free_after_last_read.py). The compiled run turns Inductor's
+    FX graph cache and AOTAutograd's cache off: a hit skips lowering, so the spy on
+    ``decide_layout_opt`` would see nothing when an earlier run left these graphs in
+    the cache (a CI machine keeps its default cache directory between runs)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
     from torch._inductor.graph import GraphLowering
 
     mesh = dp_mesh((world,))
@@ -519,13 +525,18 @@ def torch_layers_inductor_worker(rank: int, world: int) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1 + rank)
         losses = []
+        no_cache = contextlib.ExitStack()
+        if mode == "compiled":
+            no_cache.enter_context(inductor_config.patch(fx_graph_cache=False))
+            no_cache.enter_context(functorch_config.patch(enable_autograd_cache=False))
         try:
-            for _ in range(3):
-                loss = step(torch.randn(2, 3, 8, 8, generator=g)).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            with no_cache:
+                for _ in range(3):
+                    loss = step(torch.randn(2, 3, 8, 8, generator=g)).pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
         finally:
             if mode == "compiled":
                 GraphLowering.decide_layout_opt = ours
