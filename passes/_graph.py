@@ -135,6 +135,7 @@ __all__ = [
     "is_fsdp_copy",
     "is_reduce_scatter",
     "is_resize",
+    "is_version_counter_op",
     "is_view",
     "is_wait",
     "max_in_flight",
@@ -168,6 +169,7 @@ COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 _WAIT_NAME = "wait_tensor"
 _FSDP_COPY_NAME = ("fsdp", "copy_")
 _RESIZE_NAME = ("inductor", "resize_storage_bytes_")
+_VERSION_COUNTER_NAMES = (("prims", "_tensor_version"), ("prims", "_unsafe_set_version_counter"))
 
 # The meta key that marks an ``all_to_all_single`` node as a reduce-scatter issued
 # as an exchange (see [Note: gloo reduce-scatters as an exchange] in
@@ -260,6 +262,13 @@ def is_fsdp_copy(node: fx.Node) -> bool:
 def is_resize(node: fx.Node) -> bool:
     """``inductor.resize_storage_bytes_(variable, new_size)``."""
     return op_name(node) == _RESIZE_NAME
+
+
+def is_version_counter_op(node: fx.Node) -> bool:
+    """``prims._tensor_version`` or ``prims._unsafe_set_version_counter``: dynamo's
+    record of ``torch.autograd._unsafe_preserve_version_counter``, which AOTAutograd
+    runs on its fake tensors and leaves out of the graphs it hands on."""
+    return op_name(node) in _VERSION_COUNTER_NAMES
 
 
 def is_view(node: fx.Node) -> bool:

@@ -28,6 +28,7 @@ from traceable_hsdp.passes._graph import (
     graph_counts,
     is_fsdp_copy,
     is_resize,
+    is_version_counter_op,
 )
 
 # vocab 65: the embedding and output head have an uneven first dim (padded shards).
@@ -91,7 +92,9 @@ def dynamo_counts(graph: torch.fx.Graph) -> dict[str, int]:
     """What the runtime tests count in a graph dynamo produced, by the graph
     vocabulary: each collective family under its plain op's name
     (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``; waits
-    excluded), ``fsdp.copy_``, and ``resize_storage_bytes_`` (both directions)."""
+    excluded), ``fsdp.copy_``, ``resize_storage_bytes_`` (both directions), and
+    ``version_counter`` (dynamo's version-counter ops: none while the runtime traces;
+    [Note: Version counters in a traced step] in traceable_hsdp/_param.py)."""
     counts: Counter[str] = Counter()
     for n in graph.nodes:
         family = collective_family(n)
@@ -101,6 +104,8 @@ def dynamo_counts(graph: torch.fx.Graph) -> dict[str, int]:
             counts["fsdp.copy_"] += 1
         elif is_resize(n):
             counts["resize_storage_bytes_"] += 1
+        elif is_version_counter_op(n):
+            counts["version_counter"] += 1
     return dict(counts)
 
 

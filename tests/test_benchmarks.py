@@ -36,7 +36,7 @@ import compile_time  # noqa: E402
 import guard_cost  # noqa: E402
 import hf_models  # noqa: E402
 import profile_step  # noqa: E402
-import side_effect_messages  # noqa: E402
+import compile_ab  # noqa: E402
 import step_time  # noqa: E402
 
 
@@ -403,10 +403,13 @@ def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
 def test_out_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     """Results go where the user says: no default into the committed results."""
     for parse in (step_time.parse_args, profile_step.parse_args, compile_time.parse_args,
-                  guard_cost.parse_args, hf_models.parse_args, side_effect_messages.parse_args):
+                  guard_cost.parse_args, hf_models.parse_args):
         with pytest.raises(SystemExit):
             parse([])
         assert "the following arguments are required: --out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compile_ab.parse_args(["--lever", "side_effects"])
+    assert "the following arguments are required: --out" in capsys.readouterr().err
     assert compile_time.parse_args(["--child", "{}"]).out is None  # a child writes nothing
     assert guard_cost.parse_args(["--one", "ours"]).out is None
 
@@ -433,21 +436,26 @@ def test_guard_cost_filters_drop_only_their_kind() -> None:
     assert every - kept("ours_no_state") == {(state, t) for _, t in every}
 
 
-def test_side_effect_messages_order_and_table() -> None:
-    """side_effect_messages.py alternates the policies ABBA, so that neither always
-    compiles first, and its table gives each policy's medians against "info"'s."""
-    assert side_effect_messages._order(3) == ["info", "silent", "silent", "info", "info", "silent"]
-    args = side_effect_messages.parse_args(["--out", "/unused", "--layers", "2", "--rounds", "3"])
+def test_compile_ab_order_and_table() -> None:
+    """compile_ab.py alternates a lever's variants ABBA, so that neither always
+    compiles first, and its table gives each variant's medians against the first's."""
+    assert compile_ab._order(("info", "silent"), 3) == [
+        "info", "silent", "silent", "info", "info", "silent"]
+    args = compile_ab.parse_args(["--lever", "side_effects", "--out", "/unused", "--layers", "2",
+                                  "--rounds", "3"])
     assert args.layer_list == [2]
     res = {2: {"info": {"wall_s": [10.0, 12.0, 11.0], "cpu_s": [9.0, 9.5, 9.2], "messages": [50, 50, 50],
-                        "emit_s": [1.0, 1.2, 1.1]},
+                        "emit_s": [1.0, 1.2, 1.1], "nodes": [900, 900, 900]},
                "silent": {"wall_s": [8.0, 9.9, 8.8], "cpu_s": [8.0, 8.1, 8.2], "messages": [0, 0, 0],
-                          "emit_s": [0.1, 0.1, 0.2]}}}
-    text = side_effect_messages._markdown(res, args, {"head": "abc1234"})
-    assert "| 2 | `info` | 11.00 | 9.20 | 50 | 1.10 | 1.00x |" in text, text
-    assert "| 2 | `silent` | 8.80 | 8.10 | 0 | 0.10 | 0.80x |" in text, text
-    with pytest.raises(SystemExit):
-        side_effect_messages.parse_args(["--out", "/unused", "--layers", "two"])
+                          "emit_s": [0.1, 0.1, 0.2], "nodes": [900, 900, 900]}}}
+    text = compile_ab._markdown(res, args, {"head": "abc1234"})
+    assert "| 2 | `info` | 11.00 | 9.20 | 900 | 50 | 1.10 | 1.00x |" in text, text
+    assert "| 2 | `silent` | 8.80 | 8.10 | 900 | 0 | 0.10 | 0.80x |" in text, text
+    assert compile_ab.LEVERS["version_counters"].variants == ("traced", "skipped")
+    for bad in (["--lever", "side_effects", "--out", "/unused", "--layers", "two"],
+                ["--lever", "nothing", "--out", "/unused"]):
+        with pytest.raises(SystemExit):
+            compile_ab.parse_args(bad)
 
 
 def test_guard_cost_table_without_the_floor() -> None:

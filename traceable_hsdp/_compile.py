@@ -87,7 +87,7 @@ def compiled_autograd(backend: str | Any = "inductor", **compile_kwargs: Any) ->
 # and the structured trace (``TORCH_TRACE``, tlparse). A fully_shard model changes
 # many objects (191 in the two graphs of the demo Llama with 4 layers): emitting the
 # side effects took 1.54 s with the messages and 0.12 s without, and the whole first
-# compile 3% less (benchmarks/side_effect_messages.py, 1 rank, aot_eager; 3.15 s and
+# compile 3% less (benchmarks/compile_ab.py --lever side_effects, 1 rank, aot_eager; 3.15 s and
 # 0.28 s, 4% less, with 8 layers; docs/compile.md).
 #
 # So ``fully_shard`` sets the policy to ``"silent"`` when it is torch's default and

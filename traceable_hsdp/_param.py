@@ -236,10 +236,29 @@ with the same collectives, ``fsdp.copy_`` and resizes in the same order (375 and
 525 of them), losses and gradients bitwise equal. At 4 layers the first step's
 process CPU time went from 20.9 s to 18.2 s (one pair of runs on a machine loaded
 to 15, so indicative only; wall times there mean nothing).
+
+[Note: Version counters in a traced step]
+Eagerly, the placeholder's grow and fill (``fill_unsharded``) and its free
+(``reshard``) run inside ``torch.autograd._unsafe_preserve_version_counter``:
+autograd saved the placeholder for backward (a linear saves its weight), and the
+re-gather before that backward must not look like an in-place change of a saved
+tensor. While dynamo traces, they run without it (``_hide_version_change``). Dynamo
+records the context as ``prims._tensor_version`` (an unbacked SymInt each) and
+``prims._unsafe_set_version_counter``, two nodes per fill and per free. AOTAutograd
+runs them on its fake tensors as it traces and leaves them out of the graphs it hands
+the backend (torch's ``torch._dynamo.tensor_version_op``: a version means nothing on a
+functional tensor), so no compiled step ever ran them; they cost only tracing. Every
+compiled test trains as before without them (the aot_eager runs bitwise equal to
+eager), and the conformance test counts none in the graphs dynamo captures. On the
+demo Llama at 4 layers (1 rank, aot_eager) dynamo's graphs have 150 fewer nodes each
+(forward 607 -> 457, compiled-autograd backward 1331 -> 1181), and the first
+compile took 0.92x as long (0.90x at 8 layers; ``benchmarks/compile_ab.py --lever
+version_counters``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -278,6 +297,14 @@ class ParamModuleInfo:
 
     module: nn.Module
     param_name: str
+
+
+def _hide_version_change(p: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """Keeps ``p``'s version counter across a resize or fill, eagerly. While dynamo
+    traces, nothing: see [Note: Version counters in a traced step]."""
+    if compiling():
+        return contextlib.nullcontext()
+    return torch.autograd._unsafe_preserve_version_counter(p)
 
 
 def _set_param(info: ParamModuleInfo, param: nn.Parameter) -> None:
@@ -565,7 +592,7 @@ class FSDPParam:
             full = full.narrow(0, 0, rows)
         if self.shard_dim != 0:
             full = full.movedim(0, self.shard_dim)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+        with torch.no_grad(), _hide_version_change(p):
             p.untyped_storage().resize_(self._unsharded_nbytes)
             torch.ops.fsdp.copy_(p, full)
         self.sharded_state = ShardedState.UNSHARDED
@@ -650,7 +677,7 @@ class FSDPParam:
             return
         if not self.keep_storage:
             p = self.unsharded_param
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+            with torch.no_grad(), _hide_version_change(p):
                 p.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
 
