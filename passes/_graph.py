@@ -133,6 +133,7 @@ __all__ = [
     "is_all_reduce",
     "is_collective",
     "is_fsdp_copy",
+    "is_placeholder_op",
     "is_reduce_scatter",
     "is_resize",
     "is_version_counter_op",
@@ -264,6 +265,12 @@ def is_resize(node: fx.Node) -> bool:
     return op_name(node) == _RESIZE_NAME
 
 
+def is_placeholder_op(node: fx.Node) -> bool:
+    """A resize or an ``fsdp.copy_``: what grows, fills or frees an unsharded
+    placeholder (its first argument)."""
+    return is_resize(node) or is_fsdp_copy(node)
+
+
 def is_version_counter_op(node: fx.Node) -> bool:
     """``prims._tensor_version`` or ``prims._unsafe_set_version_counter``: dynamo's
     record of ``torch.autograd._unsafe_preserve_version_counter``, which AOTAutograd
@@ -287,7 +294,7 @@ def has_side_effects(node: fx.Node) -> bool:
         return True
     if node.op != "call_function":
         return False
-    if is_resize(node) or is_fsdp_copy(node) or is_collective(node) or is_wait(node):
+    if is_placeholder_op(node) or is_collective(node) or is_wait(node):
         return True
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:

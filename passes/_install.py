@@ -158,8 +158,7 @@ from ._graph import (
     InferenceAwareGraphPass,
     annotation_of,
     is_collective,
-    is_fsdp_copy,
-    is_resize,
+    is_placeholder_op,
 )
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .free_after_last_read import free_after_last_read
@@ -502,7 +501,7 @@ def _switch(module: Any, name: str, value: Any) -> None:
 
 
 def _holds_placeholder_ops(gm: fx.GraphModule) -> bool:
-    return any(is_resize(n) or is_fsdp_copy(n) for n in gm.graph.nodes)
+    return any(is_placeholder_op(n) for n in gm.graph.nodes)
 
 
 class _LayoutOptDecision:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ._graph import is_fsdp_copy, is_resize, resize_nbytes
+from ._graph import is_placeholder_op, is_resize, resize_nbytes
 from ._rewrite import alias_closure, node_order
 
 __all__ = ["free_after_last_read"]
@@ -63,7 +63,7 @@ def free_after_last_read(gm: fx.GraphModule) -> int:
         last = None
         for alias in alias_closure(placeholder):
             for reader in alias.users:
-                if reader.op == "output" or is_resize(reader) or is_fsdp_copy(reader):
+                if reader.op == "output" or is_placeholder_op(reader):
                     continue
                 if at < order[reader] < end and (last is None or order[reader] > order[last]):
                     last = reader

@@ -45,7 +45,7 @@ import logging
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._graph import is_fsdp_copy, is_resize, is_view
+from ._graph import is_placeholder_op, is_view
 from ._rewrite import alias_base
 from .save_checkpoint_outputs import has_backward_state, is_forward
 
@@ -56,7 +56,7 @@ def _placeholders(graph: fx.Graph) -> set[fx.Node]:
     """The graph inputs the graph resizes or fills: the unsharded placeholders."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
-        if is_resize(node) or is_fsdp_copy(node):
+        if is_placeholder_op(node):
             target = node.args[0] if node.args else None
             if isinstance(target, fx.Node) and target.op == "placeholder":
                 found.add(target)

@@ -27,8 +27,8 @@ from traceable_hsdp.passes._graph import (
     current_compile,
     is_all_gather,
     is_fsdp_copy,
+    is_placeholder_op,
     is_reduce_scatter,
-    is_resize,
     is_view,
 )
 from _dist import full_tensor
@@ -77,7 +77,7 @@ def early_placeholder_reads(gm: fx.GraphModule) -> list[str]:
         stack = list(p.users)
         while stack:
             u = stack.pop()
-            if u.op != "call_function" or is_fsdp_copy(u) or is_resize(u):
+            if u.op != "call_function" or is_placeholder_op(u):
                 continue
             if is_view(u):
                 stack.extend(u.users)
