@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 # kept busy: sampling /proc/stat every 0.5 s through a whole run (2026-11-27, 1,496 s
 # of tests), both cores were 90% busy; the most idle test (a refusal test on one
 # rank, 38 s at 51%) left 19 core-seconds unused, and the 213 tests under 5 s ran 70 s
-# at 71%. Running tests side by side does not pay: pytest-xdist with 2 workers took 373 s against 332 s
-# one at a time for test_hsdp, test_runtime, test_activation_checkpointing,
+# at 71%. Running tests side by side does not pay: pytest-xdist with 2 workers took
+# 373 s against 332 s one at a time for test_hsdp, test_runtime, test_activation_checkpointing,
 # test_cli, test_passes_unit and test_module_methods (155 tests, fresh Inductor
 # cache each, 2026-11-26). Nor do Inductor's compile workers (2 on 2 cores, the
 # default): test_fsdp_tp_compiled (then with an aot_eager compile too), both
@@ -50,10 +50,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 # the 4 spawned ranks of test_inductor_features_hsdp_2x2, 2026-11-26): of 459 s of
 # compile wall time, dynamo's tracing took 73 s, AOTAutograd 74 s, and Inductor 262 s.
 # Of Inductor's 262 s, code generation took 95 s, loading the generated modules 117 s,
-# and the C++ builds within it 68 s. The forward is lowered again in every process
-# (the cache bypass in docs/compile.md). Two further levers were measured and not
-# kept. The first was a fork server that compiles one tiny step with Inductor before
-# it forks, so that each rank inherits the lazy set-up of a first compile. Alone, a
+# and the C++ builds within it 68 s. The forward was lowered again in every process
+# then (the cache bypass that commit 57f1e06 ended on 2026-11-28: docs/compile.md).
+# Two further levers were measured and not kept. The first was a fork server that
+# compiles one tiny step with Inductor before it forks, so that each rank inherits
+# the lazy set-up of a first compile. Alone, a
 # process's first compile of a 2-layer model fell from 18-21 s to 13-16 s. But 7
 # tests (4 of them compiled with Inductor on forked ranks) took 153 s with it
 # against 156 and 163 s without, which is inside the noise. The second was static
