@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 # then (the cache bypass that commit 57f1e06 ended on 2026-11-28: docs/compile.md).
 # Two further levers were measured and not kept. The first was a fork server that
 # compiles one tiny step with Inductor before it forks, so that each rank inherits
-# the lazy set-up of a first compile. Alone, a
-# process's first compile of a 2-layer model fell from 18-21 s to 13-16 s. But 7
+# the lazy set-up of a first compile. Alone, a process's first compile of a 2-layer
+# model fell from 18-21 s to 13-16 s. But 7
 # tests (4 of them compiled with Inductor on forked ranks) took 153 s with it
 # against 156 and 163 s without, which is inside the noise. The second was static
 # shapes in compiled autograd (dynamic=False; docs/compile.md, "Other decisions

@@ -32,11 +32,11 @@ sys.path.insert(0, str(BENCH))
 import _harness as H  # noqa: E402
 import _report as R  # noqa: E402
 import collective_latency  # noqa: E402
+import compile_ab  # noqa: E402
 import compile_time  # noqa: E402
 import guard_cost  # noqa: E402
 import hf_models  # noqa: E402
 import profile_step  # noqa: E402
-import compile_ab  # noqa: E402
 import step_time  # noqa: E402
 
 
