@@ -72,8 +72,9 @@ def _order(variants: tuple[str, str], rounds: int) -> list[str]:
     return out
 
 
-def _set_variant(lever: str, variant: str) -> None:
-    """Puts the process in ``variant`` of ``lever`` before a compile."""
+def _set_variant(lever: str, variant: str, shipped_hide: Callable[..., Any]) -> None:
+    """Puts the process in ``variant`` of ``lever`` before a compile;
+    ``shipped_hide`` is the library's own ``_param._hide_version_change``."""
     import torch
 
     import traceable_hsdp._param as P
@@ -84,12 +85,9 @@ def _set_variant(lever: str, variant: str) -> None:
         if variant == "traced":
             P._hide_version_change = torch.autograd._unsafe_preserve_version_counter
         else:
-            P._hide_version_change = _SHIPPED_HIDE[0]
+            P._hide_version_change = shipped_hide
     else:
         raise ValueError(f"unknown lever {lever!r}")
-
-
-_SHIPPED_HIDE: list[Callable[..., Any]] = []
 
 
 def _measure(lever: str, layers: int, rounds: int, backend: str) -> dict[str, Any]:
@@ -124,15 +122,14 @@ def _measure(lever: str, layers: int, rounds: int, backend: str) -> dict[str, An
         nodes.append(len(gm.graph.nodes))
         return compile_graph(gm, example_inputs)
 
-    _SHIPPED_HIDE[:] = [P._hide_version_change]
-    policy = torch._dynamo.config.side_effect_replay_policy
+    shipped_hide = P._hide_version_change
     SideEffects._format_side_effect_message = counting_format  # type: ignore[method-assign]
     SideEffects.codegen_update_mutated = timed_emit  # type: ignore[method-assign]
     torch.set_num_threads(1)
     with contextlib.ExitStack() as undo, tempfile.TemporaryDirectory() as d:
         undo.callback(setattr, SideEffects, "_format_side_effect_message", real_format)
         undo.callback(setattr, SideEffects, "codegen_update_mutated", real_emit)
-        undo.callback(setattr, P, "_hide_version_change", _SHIPPED_HIDE[0])
+        undo.callback(setattr, P, "_hide_version_change", shipped_hide)
         dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
         undo.callback(dist.destroy_process_group)
         torch.manual_seed(0)
@@ -140,7 +137,8 @@ def _measure(lever: str, layers: int, rounds: int, backend: str) -> dict[str, An
         for block in model.layers:
             th.fully_shard(block)
         th.fully_shard(model)
-        # fully_shard's own setting; set after it so that each variant is what runs.
+        # Each variant sets the policy before its compile; afterwards, what fully_shard set.
+        policy = torch._dynamo.config.side_effect_replay_policy
         undo.callback(setattr, torch._dynamo.config, "side_effect_replay_policy", policy)
         x = torch.randint(0, 256, (2, 32))
         res: dict[str, dict[str, list[float]]] = {
@@ -151,7 +149,7 @@ def _measure(lever: str, layers: int, rounds: int, backend: str) -> dict[str, An
             torch._dynamo.reset()  # also turns compiled autograd's compiler off
             th.disable_compiled_autograd()
             th.enable_compiled_autograd(backend=counting_backend)
-            _set_variant(lever, variants[0] if i == 0 else variant)
+            _set_variant(lever, variants[0] if i == 0 else variant, shipped_hide)
             compiled = torch.compile(model, backend=counting_backend, fullgraph=True)
             formatted[0], emitting[0] = 0, 0.0
             nodes.clear()
