@@ -303,6 +303,69 @@ def below_root_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------- a graph break inside a unit's forward
+GRAPH_BREAK_STEPS = 3
+
+
+def _break_after(module: nn.Module) -> None:
+    """Makes ``module``'s forward end with a graph break (as a ``print`` or an
+    ``.item()`` in a user's forward does), on this instance only."""
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        torch._dynamo.graph_break()
+        return out
+
+    module.forward = forward
+
+
+def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
+    """A one-block Llama whose block's attention ends with a graph break, trained
+    eagerly, then under ``torch.compile`` (Inductor, ``fullgraph=False``: torch's
+    default) with compiled autograd: GRAPH_BREAK_STEPS AdamW steps each. Returns the
+    losses and parameters of both runs, the placeholder bytes after each compiled
+    step, the graph breaks, and the graphs compiled after each step."""
+    from torch._dynamo.utils import counters
+
+    from _workers import CFG1, _data, _loss, _placeholder_bytes
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Llama(CFG1)
+        _break_after(model.layers[0].attn)
+        th.fully_shard(model.layers[0], mesh=mesh)
+        th.fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fwd: Any = model
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            th.enable_compiled_autograd()
+            fwd = torch.compile(model)
+        run: dict[str, Any] = dict(losses=[], bytes_after=[], graphs=[])
+        try:
+            for x, y in _data(world, GRAPH_BREAK_STEPS):
+                loss = _loss(fwd(x.chunk(world)[rank]), y.chunk(world)[rank])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                t = loss.detach().clone()
+                torch.distributed.all_reduce(t)
+                run["losses"].append(t.item() / world)
+                run["bytes_after"].append(_placeholder_bytes(model))
+                run["graphs"].append(counters["stats"]["unique_graphs"])
+        finally:
+            if compiled:
+                th.disable_compiled_autograd()
+        run["params"] = {k: full_tensor(v) for k, v in model.state_dict().items()}
+        run["graph_breaks"] = sum(counters["graph_break"].values())
+        out["compiled" if compiled else "eager"] = run
+    return out
+
+
 # ------------------------------------------------ Inductor, every feature at once
 # The body of tests/test_inductor_features.py.
 

@@ -1,10 +1,10 @@
 """Paths that could be silently wrong: CPU offload copies on a GPU, the order of
 explicit prefetch, uneven shards at the edges, units compiled below an eager root,
-gradient hooks that compiled autograd runs eagerly (``nested_compile_region``
-blocks), and a rank that dies mid-step (the survivors, and ``traceable-hsdp
-train``), the exit of a gloo job (its worker threads joined before the interpreter
-finalizes), and the tests' own gathering (without gloo's allocating all-gather, which
-crashes rarely). Each test states its reference and tolerance. The Inductor feature
+a graph break inside a unit under Inductor, gradient hooks that compiled autograd
+runs eagerly (``nested_compile_region`` blocks), and a rank that dies mid-step (the
+survivors, and ``traceable-hsdp train``), the exit of a gloo job (its worker threads
+joined before the interpreter finalizes), and the tests' own gathering (without
+gloo's allocating all-gather, which crashes rarely). Each test states its reference and tolerance. The Inductor feature
 tests are in test_inductor_features.py; the placeholder ops in the real post-grad
 graphs before our passes are checked in test_passes_e2e.py, on the fully_shard model
 of its two-models test (the same kind of Inductor compile).
@@ -219,6 +219,32 @@ def test_units_compiled_below_an_eager_root_train_correctly() -> None:
             worst = max(v["diff"].items(), key=lambda kv: kv[1])
             assert worst[1] <= 1e-6, (case, worst)
             assert v["bytes_fwd"] == [0, 0, 0] and v["bytes_bwd"] == [0, 0, 0], (case, v)
+
+
+# ------------------------------------------- a graph break inside a unit's forward
+@pytest.mark.slow
+def test_graph_break_inside_a_unit_compiled_with_inductor() -> None:
+    """``torch.compile(model)`` without ``fullgraph`` on a model whose block (a unit)
+    breaks the graph in its forward: dynamo then compiles the units' shared forward
+    frame once per unit, and on the second (the block after the root) its
+    automatic dynamic shapes made the plain ints the runtime reads symbolic. Inductor
+    failed to lower the placeholder's resize ("TODO: dynamic shapes") before
+    2026-11-29 ([Note: Ints read while tracing] in _param.py). 2 ranks, Inductor,
+    compiled autograd, 3 AdamW steps, against the same model eager: losses rtol 1e-5,
+    parameters atol 1e-5 (seen: 1 ulp on the losses, 7.7e-7); every placeholder
+    freed after each step; graphs compiled in step 1 only."""
+    from _dist import run_ranks
+    from _reliability_workers import GRAPH_BREAK_STEPS, graph_break_worker
+
+    for r in run_ranks(graph_break_worker, 2):
+        e, c = r["eager"], r["compiled"]
+        torch.testing.assert_close(c["losses"], e["losses"], rtol=1e-5, atol=0)
+        assert c["params"].keys() == e["params"].keys()
+        for k, v in e["params"].items():
+            torch.testing.assert_close(c["params"][k], v, rtol=0, atol=1e-5, msg=k)
+        assert c["bytes_after"] == [0] * GRAPH_BREAK_STEPS, c["bytes_after"]
+        assert c["graph_breaks"] > 0, c  # the case this test is about happened
+        assert c["graphs"] == [c["graphs"][0]] * GRAPH_BREAK_STEPS, c["graphs"]
 
 
 # ----------------------------------------- hooks run eagerly by compiled autograd

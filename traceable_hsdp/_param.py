@@ -220,7 +220,8 @@ Dynamo traces the runtime's Python once per parameter, in the forward and again 
 the compiled-autograd backward, and every op it meets costs a fake-tensor dispatch
 and a node. So the traced path reads what is constant for the parameter from plain
 attributes set at init (``_shard_size``, ``_shard_group_name``, ``_replicate_*``,
-``_unsharded_nbytes``, ``_sharded_stride``) instead of recomputing them:
+``_sharded_stride``) instead of recomputing them (but see [Note: Ints read while
+tracing]):
 ``MeshInfo.shard_group_name`` goes through ``DeviceMesh.get_group`` (traced each
 time), and ``sp.stride()`` on the sharded DTensor for ``DTensor.from_local`` was
 the costliest single call of the backward (dynamo dispatches it through DTensor).
@@ -236,6 +237,24 @@ with the same collectives, ``fsdp.copy_`` and resizes in the same order (375 and
 525 of them), losses and gradients bitwise equal. At 4 layers the first step's
 process CPU time went from 20.9 s to 18.2 s (one pair of runs on a machine loaded
 to 15, so indicative only; wall times there mean nothing).
+
+[Note: Ints read while tracing]
+A plain int attribute that dynamo reads in our runtime is a constant of the graph
+only as long as its frame compiles once. With ``torch.compile(model, fullgraph=True)``
+it does: the whole model is one frame. A graph break inside a unit's forward (torch's
+default is ``fullgraph=False``, and a ``print`` or an ``.item()`` in a user's forward
+breaks) makes dynamo compile the frames on the stack on their own, among them
+``FSDPState.forward``, whose code every unit shares. Its second compile (the block,
+after the root) finds ints of the same source with new values, and dynamo's
+automatic dynamic shapes make them symbolic (the source is a local plain object, so
+none of its rules to specialize ints applies). Inductor lowers symbolic sizes in
+views, narrows and collectives, but not a storage resize: ``resize_storage_bytes_``
+asserts an int ("TODO: dynamic shapes"; torch 2.13), and before 2026-11-29 the
+grow in ``fill_unsharded`` took ``_unsharded_nbytes`` and failed there. It now takes
+the placeholder's own size: the placeholder is an ``nn.Parameter``, whose shapes
+dynamo keeps static (``force_parameter_static_shapes``), so the product is an int
+in every compile; eagerly it is the same number. (The free is a resize to 0.)
+``tests/test_reliability.py`` trains a unit that breaks the graph, under Inductor.
 
 [Note: Version counters in a traced step]
 Eagerly, the placeholder's grow and fill (``fill_unsharded``) and its free
@@ -593,7 +612,9 @@ class FSDPParam:
         if self.shard_dim != 0:
             full = full.movedim(0, self.shard_dim)
         with torch.no_grad(), _hide_version_change(p):
-            p.untyped_storage().resize_(self._unsharded_nbytes)
+            # The placeholder's static size, not an int attribute: [Note: Ints read
+            # while tracing].
+            p.untyped_storage().resize_(p.numel() * p.element_size())
             torch.ops.fsdp.copy_(p, full)
         self.sharded_state = ShardedState.UNSHARDED
 
