@@ -1,13 +1,14 @@
 """Paths that could be silently wrong: CPU offload copies on a GPU, the order of
-explicit prefetch, uneven shards at the edges, units compiled below an eager root,
-a graph break inside a unit under Inductor, gradient hooks that compiled autograd
-runs eagerly (``nested_compile_region`` blocks), and a rank that dies mid-step (the
+explicit prefetch, uneven shards at the edges, units compiled below an eager root, a
+graph break inside a unit under Inductor, gradient hooks that compiled autograd runs
+eagerly (``nested_compile_region`` blocks), and a rank that dies mid-step (the
 survivors, and ``traceable-hsdp train``), the exit of a gloo job (its worker threads
 joined before the interpreter finalizes), and the tests' own gathering (without
-gloo's allocating all-gather, which crashes rarely). Each test states its reference and tolerance. The Inductor feature
-tests are in test_inductor_features.py; the placeholder ops in the real post-grad
-graphs before our passes are checked in test_passes_e2e.py, on the fully_shard model
-of its two-models test (the same kind of Inductor compile).
+gloo's allocating all-gather, which crashes rarely). Each test states its reference
+and tolerance. The Inductor feature tests are in test_inductor_features.py; the
+placeholder ops in the real post-grad graphs before our passes are checked in
+test_passes_e2e.py, on the fully_shard model of its two-models test (the same kind
+of Inductor compile).
 """
 
 from __future__ import annotations
