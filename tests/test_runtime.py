@@ -578,35 +578,6 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         torch._dynamo.reset()
 
 
-def test_one_fsdp_class_per_module_class(one_rank) -> None:
-    """Units of one module class share one FSDP class, as torch's fully_shard's do
-    ([Note: One FSDP class per module class]); a class whose forward was replaced
-    between two calls gets a new one, which runs the new forward."""
-
-    class Block(nn.Linear):
-        pass
-
-    a, b, other = Block(4, 4), Block(4, 4), nn.Linear(4, 4)
-    for m in (a, b, other):
-        th.fully_shard(m, mesh=one_rank)
-    assert type(a) is type(b) and type(a).__name__ == "FSDPBlock"
-    assert type(other) is not type(a) and isinstance(other, nn.Linear)
-    old_forward = Block.forward
-    try:
-        Block.forward = lambda self, x: 2 * old_forward(self, x)
-        c = Block(4, 4)
-        th.fully_shard(c, mesh=one_rank)
-        assert type(c) is not type(a) and isinstance(c, Block)
-        x = torch.randn(2, 4)
-        with torch.no_grad():
-            c.unshard()
-            want = 2 * torch.nn.functional.linear(x, c.weight, c.bias)
-            c.reshard()
-            torch.testing.assert_close(c(x), want, rtol=0, atol=0)
-    finally:
-        Block.forward = old_forward
-
-
 def test_eager_single_rank_unshard_reshard(one_rank) -> None:
     """FSDPModule.unshard()/reshard() swap the registered parameters and storage."""
     torch.manual_seed(0)

@@ -871,36 +871,22 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             raise ValueError(f"Expects list of FSDPModules but got {module}")
 
 
-# [Note: One FSDP class per module class]
-# The class a unit gets is made once per module class (and its forward, which the
-# made class wraps) and shared by every unit of that class, as torch's fully_shard
-# shares its FSDP classes. With a class per unit, dynamo's guards on the type told
-# every unit's forward wrapper apart: where a graph break inside units makes dynamo
-# compile that wrapper as a frame of its own ([Note: Ints read while tracing] in
-# _param.py), it compiled it once per unit, and past its recompile_limit (8) ran the
-# rest eagerly. (The units' FSDPState.forward frame still compiles once per unit:
-# the collective annotations hold the unit's name.)
-_FSDP_CLASSES: dict[tuple[type, Any], type] = {}
-
-
 def _add_fsdp_class(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
         return
     orig_forward = cls.forward
-    new_cls = _FSDP_CLASSES.get((cls, orig_forward))
-    if new_cls is None:
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            # See [Note: Forward wrapper, not module hooks].
-            state = _require_state(self)
-            return state.forward(functools.partial(orig_forward, self), args, kwargs)
 
-        new_cls = type(
-            f"FSDP{cls.__name__}",
-            (FSDPModule, cls),
-            {"forward": forward, "__deepcopy__": _unsupported_deepcopy},
-        )
-        _FSDP_CLASSES[cls, orig_forward] = new_cls
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # See [Note: Forward wrapper, not module hooks].
+        state = _require_state(self)
+        return state.forward(functools.partial(orig_forward, self), args, kwargs)
+
+    new_cls = type(
+        f"FSDP{cls.__name__}",
+        (FSDPModule, cls),
+        {"forward": forward, "__deepcopy__": _unsupported_deepcopy},
+    )
     module.__class__ = new_cls
 
 
