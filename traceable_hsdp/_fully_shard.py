@@ -871,6 +871,15 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             raise ValueError(f"Expects list of FSDPModules but got {module}")
 
 
+# [Note: One FSDP class per unit]
+# Every unit gets a class of its own, where torch's fully_shard makes one per module
+# class. Tried on 2026-11-29: one shared class per module class took a graph break
+# inside every block of a 10-block Llama from 22 graphs to 15 (the forward wrapper's
+# frame no longer recompiled per unit on its type guard), but with blocks whose
+# forward is a torch.compiler.nested_compile_region the compiled forward then
+# segfaulted inside invoke_subgraph (test_hooks_run_eagerly_by_compiled_autograd_
+# reduce_every_gradient in tests/test_reliability.py): the region, traced once, was
+# reused across units. Not kept. See docs/compile.md, "A graph break inside a unit".
 def _add_fsdp_class(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
