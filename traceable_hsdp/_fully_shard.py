@@ -878,8 +878,9 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 # frame no longer recompiled per unit on its type guard), but with blocks whose
 # forward is a torch.compiler.nested_compile_region the compiled forward then
 # segfaulted inside invoke_subgraph (test_hooks_run_eagerly_by_compiled_autograd_
-# reduce_every_gradient in tests/test_reliability.py): the region, traced once, was
-# reused across units. Not kept. See docs/compile.md, "A graph break inside a unit".
+# reduce_every_gradient in tests/test_reliability.py), most likely because the
+# region, traced once, was then reused across units (not confirmed). Not kept. See
+# docs/compile.md, "A graph break inside a unit".
 def _add_fsdp_class(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
