@@ -250,8 +250,8 @@ automatic dynamic shapes make them symbolic (the source is a local plain object,
 none of its rules to specialize ints applies). Inductor lowers symbolic sizes in
 views, narrows and collectives, but not a storage resize: ``resize_storage_bytes_``
 asserts an int ("TODO: dynamic shapes"; torch 2.13), and before 2026-11-29 the
-grow in ``fill_unsharded`` took ``_unsharded_nbytes`` and failed there. It now takes
-the placeholder's own size: the placeholder is an ``nn.Parameter``, whose shapes
+grow in ``fill_unsharded`` took an int stored at init and failed there. It now takes
+the placeholder's own size (``unsharded_nbytes``): the placeholder is an ``nn.Parameter``, whose shapes
 dynamo keeps static (``force_parameter_static_shapes``), so the product is an int
 in every compile; eagerly it is the same number. (The free is a resize to 0.)
 ``tests/test_reliability.py`` trains a unit that breaks the graph, under Inductor.
@@ -480,7 +480,6 @@ class FSDPParam:
         mp = self.mp_policy
         self.dtype = (mp.param_dtype if floating else None) or orig_dtype
         self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.dtype
-        self._unsharded_nbytes = self.orig_size.numel() * self.dtype.itemsize
 
     def _empty_placeholder(self) -> torch.Tensor:
         """A tensor of the full shape in ``dtype`` on the compute device, with 0 bytes of
@@ -495,7 +494,10 @@ class FSDPParam:
     # ------------------------------------------------------------------ forward
     @property
     def unsharded_nbytes(self) -> int:
-        return self._unsharded_nbytes
+        """The placeholder's full size in bytes, from its own (static) shape and dtype:
+        [Note: Ints read while tracing]."""
+        p = self.unsharded_param
+        return p.numel() * p.element_size()
 
     def all_gather_input(self) -> torch.Tensor:
         """This rank's shard in ``param_dtype`` on the compute device, with the shard
@@ -612,9 +614,7 @@ class FSDPParam:
         if self.shard_dim != 0:
             full = full.movedim(0, self.shard_dim)
         with torch.no_grad(), _hide_version_change(p):
-            # The placeholder's static size, not an int attribute: [Note: Ints read
-            # while tracing].
-            p.untyped_storage().resize_(p.numel() * p.element_size())
+            p.untyped_storage().resize_(self.unsharded_nbytes)
             torch.ops.fsdp.copy_(p, full)
         self.sharded_state = ShardedState.UNSHARDED
 
