@@ -115,6 +115,36 @@ def _shard_llama(model: Llama, fs: Callable[..., Any], **kw: Any) -> Llama:
     return model
 
 
+# ------------------------------------------------------- optimizer in backward
+def _step_in_backward(model: nn.Module, params: list[nn.Parameter], traced: bool = False) -> nn.Module:
+    """Optimizer in backward, as torchtitan does it: each of ``params`` (the sharded
+    parameters, after fully_shard) stepped by a post-accumulate-grad hook on it as
+    soon as its gradient is reduced, by an SGD of its own or, with ``traced``, by the
+    same update written out (torch's optimizers break the graph at each step, which
+    would split a compiled backward at every parameter). The hook sets the gradient
+    to None, so ``_train``'s AdamW steps nothing for them: hooks that did not run
+    would leave AdamW to step them, with other numbers."""
+    if traced:
+        def hook(p: torch.Tensor) -> None:
+            with torch.no_grad():
+                p.add_(p.grad, alpha=-LR)
+            p.grad = None
+    else:
+        opts = {p: torch.optim.SGD([p], lr=LR) for p in params}
+
+        def hook(p: torch.Tensor) -> None:
+            opts[p].step()
+            opts[p].zero_grad()
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    return model
+
+
+def _optim_in_backward(fs: Callable[..., Any]) -> nn.Module:
+    model = _shard_llama(Llama(CFG), fs)
+    return _step_in_backward(model, list(model.parameters()))
+
+
 # ------------------------------------------------------------ weight reuse
 class _Sub(nn.Module):
     def __init__(self, h: int) -> None:
@@ -462,6 +492,7 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
     out["meta_assign"] = _both(rank, world, _meta_assign)
     out["float8_frozen"] = _both(rank, world, lambda fs: fs(_Float8Frozen()))
     out["replicate_root"] = _both(rank, world, _replicate_root)
+    out["optim_in_backward"] = _both(rank, world, _optim_in_backward)
     return out
 
 
@@ -478,6 +509,7 @@ def conformance_2x2(rank: int, world: int) -> dict[str, Any]:
         out[f"ac_{form}"] = _both(rank, world, functools.partial(_ac_llama, form=form), mesh=mesh)
     for lib in ("torch", "ours"):
         out[f"meta_{lib}"] = _meta_flow(rank, world, lib, mesh)
+    out["optim_in_backward"] = _both(rank, world, _optim_in_backward, mesh=mesh)
     for how in ("", "loop"):
         torch.manual_seed(0)
         full_sd = Llama(CFG1).state_dict()
@@ -537,7 +569,8 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Compiled (``torch.compile(model, fullgraph=True)`` with compiled autograd)
     against the same flow eager: ``_Mixed`` (weight reuse, dataclass activations,
     prefix tuning: a frozen unit fed a learnable prefix that persists across steps;
-    units returning views, one of them changed in place),
+    units returning views, one of them changed in place; ``blocks.1`` stepped in
+    the backward by hooks on its sharded parameters),
     frozen in part after its first compiled step (``blocks.0`` and the head's weight),
     and HF ``MixtralForCausalLM``
     (mixture of experts: 3-D expert weights sharded on the expert dim, the grouped
@@ -567,8 +600,14 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
                 model.head.weight.requires_grad_(False)
         return before
 
+    def _mixed_step_in_backward() -> nn.Module:
+        # blocks.1 stepped in backward by its own hooks (they run in the compiled
+        # backward: without them AdamW would step blocks.1, and differ from eager).
+        model = _shard_children(_Mixed(inplace=True), "units", th.fully_shard)
+        return _step_in_backward(model, list(model.blocks[1].parameters()), traced=True)
+
     cases: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any]]] = {
-        "mixed": (lambda: _shard_children(_Mixed(inplace=True), "units", th.fully_shard), freeze),
+        "mixed": (_mixed_step_in_backward, freeze),
         "moe": (lambda: _hf_shard(_mixtral(), th.fully_shard), lambda m: None),
         "hf_ac": (hf_ac, lambda m: None),
     }

@@ -37,7 +37,10 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
 - a frozen float8 parameter in a unit with fp32 ones (ours failed in gloo's
   all-gather, "Invalid scalar type", before 2026-11-27);
 - torch's ``replicate()`` (DDP) on the root over fully_shard blocks (it converted
-  our sharded parameters, before 2026-11-27).
+  our sharded parameters, before 2026-11-27);
+- optimizer in backward (torchtitan's): an SGD per parameter, stepped by a
+  post-accumulate-grad hook registered on the sharded parameter (ours never ran
+  those hooks, so nothing trained, before 2026-11-29).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from _dist import run_ranks
 
 BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "mixed", "mixed_inplace", "cast_float64", "freeze_after_shard",
            "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective", "meta_assign", "float8_frozen",
-           "replicate_root"]
+           "replicate_root", "optim_in_backward"]
 
 
 def _same(a: tuple, b: tuple, what: str) -> None:
@@ -135,7 +138,9 @@ def test_conformance_compiled_aot_eager() -> None:
     """Compiled with compiled autograd (aot_eager: the same ops as eager, so bitwise
     equal to the eager run): weight reuse, dataclass activations and prefix tuning in
     one model (``_Mixed``, with its in-place op on a unit's output that is a view,
-    whose eager run is bitwise equal to torch's fully_shard in the eager test),
+    whose eager run is bitwise equal to torch's fully_shard in the eager test; one
+    unit's parameters stepped in the backward by hooks on them, which the compiled
+    backward must run),
     frozen in part after the first compiled step (fullgraph=True
     holds: the change is applied before dynamo traces), HF Mixtral (mixture of experts) in fp32 and in bf16 mixed precision,
     whose eager runs are also bitwise equal to torch's fully_shard, and HF Llama with
@@ -217,8 +222,8 @@ def test_conformance_compiled_inductor() -> None:
 
 @pytest.mark.slow
 def test_conformance_hsdp_2x2() -> None:
-    """On a 2x2 (replicate, shard) mesh, 4 ranks: the three AC forms and the meta
-    flow bitwise against torch's fully_shard (eager); a model built on meta with AC on
+    """On a 2x2 (replicate, shard) mesh, 4 ranks: the three AC forms, the meta flow
+    and optimizer in backward bitwise against torch's fully_shard (eager); a model built on meta with AC on
     every block, compiled (aot_eager, plain loop), bitwise equal to the same eager."""
     for r in run_ranks(conformance_2x2, 4):
         for form in ("wrap_then_shard", "shard_then_wrap", "selective"):
@@ -231,3 +236,7 @@ def test_conformance_hsdp_2x2() -> None:
         assert m["largest_written"] <= m["largest_shard"], m
         _same(r["meta_ours"]["run"], r["meta_torch"]["run"], "meta 2x2")
         _same(r["meta_ac_loop"], r["meta_ac_eager"], "meta + AC compiled vs eager")
+        # Optimizer in backward: the hooks run once the gradient is all-reduced over
+        # the replicas too.
+        _same(r["optim_in_backward"]["ours"], r["optim_in_backward"]["torch"], "optim_in_backward")
+        assert r["optim_in_backward"]["bytes_after"] == 0

@@ -134,6 +134,26 @@ the reduced gradient shard is copied back. The placeholder lives on the device.
 With ``pin_memory=True`` the CPU shard is pinned when an accelerator is present
 (pinning needs one; on a CPU-only machine it is skipped).
 
+[Note: Hooks on the sharded parameter]
+A hook registered with ``register_post_accumulate_grad_hook`` on a parameter of a
+sharded module is registered on the sharded ``DTensor``, which autograd never reaches
+(the placeholder takes the gradient). As torch's FSDP2 does (``foreach_reduce``), the
+runtime calls those hooks itself, once the parameter's gradient is fully reduced into
+``sharded_param.grad``: after the reduce-scatter (and the all-reduce over the replicas
+for HSDP), per parameter, in eager and in traced backwards alike. They do not run when
+the reduction is held back (``set_requires_gradient_sync(False)``, or HSDP's
+``set_requires_all_reduce(False)``), as in torch. This is how an optimizer step in
+backward (one optimizer per parameter, stepped in the hook, as torchtitan does) works
+on sharded parameters; without it the step was silently never taken.
+
+Traced (compiled autograd), dynamo answers ``sharded_param._post_accumulate_grad_hooks``
+from the parameter's fake tensor, which has no hooks: it reads None, and the hooks
+would silently not run (torch 2.13). So when a sharded parameter is made or adopted,
+the runtime gives it an empty ``OrderedDict`` there if it has none
+(``register_post_accumulate_grad_hook`` then adds to that same dict) and keeps a
+reference to it; the traced path reads that reference, and dynamo guards on its
+contents, so registering or removing a hook recompiles.
+
 [Note: Offload copies and the CPU]
 A device-to-host copy with ``non_blocking=True`` returns a CPU tensor before the copy
 ran (torch allocates it pinned); reading it on the CPU before the device's stream
@@ -279,6 +299,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -434,6 +455,7 @@ class FSDPParam:
             stride=param.stride() if param.is_contiguous() else None,
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        self._track_grad_hooks()
         # An optimizer built before fully_shard holds ``param``: see [Note: An optimizer
         # must hold the model's sharded parameters] (_optim_check.py).
         register_replaced(param, fqn)
@@ -828,6 +850,28 @@ class FSDPParam:
         if divide_factor is not None:
             local = local / divide_factor
         self._accumulate_reduced(local)
+        self._run_sharded_grad_hooks()
+
+    def _run_sharded_grad_hooks(self) -> None:
+        """The post-accumulate-grad hooks registered on the sharded parameter (an
+        optimizer step in backward), once its gradient is reduced. See [Note: Hooks on
+        the sharded parameter]."""
+        sp = self.sharded_param
+        # Traced, dynamo reads the attribute from the fake tensor (None): the dict
+        # tracked at adoption is the same object, and dynamo guards on its contents.
+        hooks = self._grad_hooks if compiling() else sp._post_accumulate_grad_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(sp)
+
+    def _track_grad_hooks(self) -> None:
+        """Gives the sharded parameter its hook dict now, so that later registrations
+        land in a dict the traced path holds. See [Note: Hooks on the sharded
+        parameter]."""
+        sp = self.sharded_param
+        if sp._post_accumulate_grad_hooks is None:
+            sp._post_accumulate_grad_hooks = OrderedDict()
+        self._grad_hooks = sp._post_accumulate_grad_hooks
 
     def _accumulate_reduced(self, local: torch.Tensor) -> None:
         if local.dtype != self.orig_dtype:
@@ -932,6 +976,7 @@ class FSDPParam:
                 break
         refuse_all_gather_extension(self.fqn, sp._local_tensor)
         self.sharded_param = sp
+        self._track_grad_hooks()
         self._sharded_stride = sp.stride()
         for info in self.module_infos:
             _set_param(info, sp)
