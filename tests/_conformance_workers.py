@@ -67,6 +67,14 @@ def _llama_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return _loss(model(x), y)
 
 
+def _autocast_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The forward under ``torch.autocast(bfloat16)``, as HF accelerate's mixed precision
+    runs it; the loss in fp32."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    return _loss(logits.float(), y)
+
+
 def _train(
     model: nn.Module,
     rank: int,
@@ -493,6 +501,7 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
     out["float8_frozen"] = _both(rank, world, lambda fs: fs(_Float8Frozen()))
     out["replicate_root"] = _both(rank, world, _replicate_root)
     out["optim_in_backward"] = _both(rank, world, _optim_in_backward)
+    out["autocast"] = _both(rank, world, lambda fs: _shard_llama(Llama(CFG), fs), _autocast_step)
     return out
 
 
@@ -579,7 +588,8 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     adds Mixtral in bf16 mixed precision ("moe_bf16", also against torch's);
     "inductor" runs the passes. "hf_ac" is HF ``LlamaForCausalLM`` with its own
     ``gradient_checkpointing_enable()`` (the checkpoint around each decoder layer's
-    whole call, hence around a unit's hooks), compiled with
+    whole call, hence around a unit's hooks), its forward under
+    ``torch.autocast(bfloat16)`` (HF accelerate's mixed precision), compiled with
     ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` set (see
     docs/compile.md, "Activation checkpointing")."""
     from transformers import LlamaForCausalLM
@@ -640,13 +650,19 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
                 fwd = torch.compile(model, backend=rec or backend, fullgraph=True)
 
             def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor, fwd: Any = fwd,
-                     hf: bool = name.startswith(("moe", "hf"))) -> torch.Tensor:
-                return _loss(fwd(input_ids=x).logits if hf else fwd(x), y)
+                     hf: bool = name.startswith(("moe", "hf")),
+                     amp: bool = name == "hf_ac") -> torch.Tensor:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    logits = fwd(input_ids=x).logits if hf else fwd(x)
+                return _loss(logits.float() if amp else logits, y)
 
             skip = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = name == "hf_ac"
             try:
-                out[f"{name}_{mode}"] = _train(model, rank, world, step, before_step=before(model))
+                # Under autocast Inductor keeps bf16 intermediates in fp32 unless told
+                # to round as eager does; rounded, it is comparable with eager.
+                with torch._inductor.config.patch(emulate_precision_casts=name == "hf_ac"):
+                    out[f"{name}_{mode}"] = _train(model, rank, world, step, before_step=before(model))
             finally:
                 torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = skip
                 if mode == "compiled":
