@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -67,12 +68,20 @@ def _llama_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return _loss(model(x), y)
 
 
-def _autocast_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The forward under ``torch.autocast(bfloat16)``, as HF accelerate's mixed precision
-    runs it; the loss in fp32."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(x)
-    return _loss(logits.float(), y)
+def _accelerate_autocast(fs: Callable[..., Any]) -> nn.Module:
+    """HF accelerate's mixed precision: before fully_shard, ``model.forward`` becomes a
+    bound method on the instance that runs the class's forward under
+    ``torch.autocast(bfloat16)`` and returns fp32 (accelerate's ``prepare_model``)."""
+    model = Llama(CFG)
+    forward = type(model).forward
+
+    @functools.wraps(forward)
+    def autocast_forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(self, *args, **kwargs).float()
+
+    model.forward = types.MethodType(autocast_forward, model)
+    return _shard_llama(model, fs)
 
 
 def _train(
@@ -501,7 +510,7 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
     out["float8_frozen"] = _both(rank, world, lambda fs: fs(_Float8Frozen()))
     out["replicate_root"] = _both(rank, world, _replicate_root)
     out["optim_in_backward"] = _both(rank, world, _optim_in_backward)
-    out["autocast"] = _both(rank, world, lambda fs: _shard_llama(Llama(CFG), fs), _autocast_step)
+    out["autocast"] = _both(rank, world, _accelerate_autocast)
     return out
 
 
@@ -670,6 +679,67 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
             out[f"{name}_{mode}_bytes_after"] = _placeholder_bytes(model)
             if mode == "compiled" and rec is not None:
                 out[f"{name}_graphs"] = (rec.forward, rec.backward)
+    out["before_shard"] = compiled_before_shard(rank, world, backend)
+    return out
+
+
+# ---------------------------------------------- compiled before fully_shard
+def _canonical(trained: tuple[list[float], dict[str, torch.Tensor]]) -> tuple:
+    """The state dict's names without torch.compile's ``_orig_mod`` (as HF accelerate
+    canonicalizes them)."""
+    losses, params = trained
+    return losses, {k.replace("_orig_mod.", "").replace("._orig_mod", ""): v for k, v in params.items()}
+
+
+def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """The other ways jobs compile with FSDP: the model or its blocks compiled first,
+    fully_shard after, each against torch's fully_shard eager on the same model
+    (one block: ``CFG1``, for the compiles' sake).
+
+    - "wrap": torchtitan's per-block compile in its older form, each block replaced by
+      ``torch.compile(block, fullgraph=True)`` (an ``OptimizedModule``), compiled
+      autograd off: the unit's gathers run around the compiled block, as torch's do
+      (see [Note: A forward set on the instance] in traceable_hsdp/_fully_shard.py).
+    - "inplace": torchtitan's form today, ``block.compile(fullgraph=True)``: the
+      unit's hooks are traced inside, so compiled autograd is needed; without it the
+      first forward is refused ("inplace", the error's text), with it it trains
+      ("inplace_ca").
+    - "root_ca": HF accelerate's FSDP2 flow with a dynamo backend:
+      ``torch.compile(model)``, then fully_shard on the blocks and on the compiled
+      model; compiled autograd on.
+
+    Inductor runs "wrap" only (the others trace as the whole-model compile does)."""
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    out["torch"] = _train(_shard_llama(Llama(CFG1), _fs("torch")), rank, world)
+    forms = ["wrap"] if backend == "inductor" else ["wrap", "inplace", "inplace_ca", "root_ca"]
+    for form in forms:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model: nn.Module = Llama(CFG1)
+        if form == "root_ca":
+            model = torch.compile(model, backend=backend)
+        blocks = model.layers
+        for i, block in enumerate(list(blocks)):
+            if form == "wrap":
+                blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+            elif form.startswith("inplace"):
+                block.compile(backend=backend, fullgraph=True)
+        _shard_children(model, "layers", th.fully_shard)
+        if form.endswith("_ca"):
+            th.enable_compiled_autograd(backend=backend)
+        try:
+            if form == "inplace":
+                try:
+                    _train(model, rank, world)
+                    out[form] = "trained"
+                except Exception as e:  # noqa: BLE001 - the test reads the text
+                    out[form] = str(e)
+                continue
+            out[form] = _canonical(_train(model, rank, world))
+            out[f"{form}_bytes_after"] = _placeholder_bytes(model)
+        finally:
+            th.disable_compiled_autograd()
     torch._dynamo.reset()
     return out
 

@@ -41,7 +41,10 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
 - optimizer in backward (torchtitan's): an SGD per parameter, stepped by a
   post-accumulate-grad hook registered on the sharded parameter (ours never ran
   those hooks, so nothing trained, before 2026-11-29);
-- the forward under ``torch.autocast(bfloat16)`` (HF accelerate's mixed precision).
+- HF accelerate's mixed precision: ``model.forward`` replaced, before fully_shard,
+  by an instance method running it under ``torch.autocast(bfloat16)`` (that
+  attribute hid our unit's forward wrapper, so the root never gathered, before
+  2026-11-29).
 """
 
 from __future__ import annotations
@@ -148,7 +151,9 @@ def test_conformance_compiled_aot_eager() -> None:
     its own gradient checkpointing (the checkpoint around each unit's whole call;
     dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint on) and its forward under
     ``torch.autocast(bfloat16)``, as HF accelerate runs it. Collectives counted
-    from the captured graphs, which hold no version-counter op."""
+    from the captured graphs, which hold no version-counter op. And the model or its
+    blocks compiled before fully_shard (``compiled_before_shard``): torchtitan's two
+    per-block forms and HF accelerate's compiled root, against torch's fully_shard."""
     for r in run_ranks(conformance_compiled, 2, "aot_eager"):
         for name in ("mixed", "moe", "moe_bf16", "hf_ac"):
             _same(r[f"{name}_compiled"], r[f"{name}_eager"], name)
@@ -201,6 +206,14 @@ def test_conformance_compiled_aot_eager() -> None:
             assert b["all_gather_into_tensor"] == 4 + 2 * 4 + 2, bwd
         assert bwd[0]["reduce_scatter_tensor"] == MIXED_ROOT + 2 * 4 + 2, bwd
         assert bwd[1]["reduce_scatter_tensor"] == MIXED_ROOT + 2 * 4 + 2 - 4 - 1, bwd
+        # Compiled before fully_shard (torchtitan's per-block forms, HF accelerate's
+        # compiled root): bitwise equal to torch's fully_shard eager; block.compile()
+        # without compiled autograd refused, naming the fix.
+        b = r["before_shard"]
+        for form in ("wrap", "inplace_ca", "root_ca"):
+            _same(b[form], b["torch"], form)
+            assert b[f"{form}_bytes_after"] == 0, form
+        assert "enable_compiled_autograd()" in b["inplace"], b["inplace"]
 
 
 @pytest.mark.slow
@@ -223,6 +236,13 @@ def test_conformance_compiled_inductor() -> None:
             for k, v in e[1].items():
                 torch.testing.assert_close(c[1][k], v, rtol=0, atol=atol, msg=f"{name} {k}")
             assert r[f"{name}_compiled_bytes_after"] == 0, name
+        # torchtitan's per-block compile in its older form (each block an
+        # OptimizedModule, then fully_shard), against torch's fully_shard eager.
+        b = r["before_shard"]
+        torch.testing.assert_close(b["wrap"][0], b["torch"][0], rtol=1e-5, atol=0)
+        for k, v in b["torch"][1].items():
+            torch.testing.assert_close(b["wrap"][1][k], v, rtol=0, atol=2e-5, msg=f"wrap {k}")
+        assert b["wrap_bytes_after"] == 0
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ global switches. ``hsdp()`` enters after the first step, through ``shard_unit``.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal, NoReturn, get_args, overload
@@ -898,6 +899,33 @@ def _add_fsdp_class(module: nn.Module) -> None:
         {"forward": forward, "__deepcopy__": _unsupported_deepcopy},
     )
     module.__class__ = new_cls
+    inner = module.__dict__.get("forward")
+    if inner is not None:
+        # See [Note: A forward set on the instance].
+        def instance_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _require_state(self).forward(inner, args, kwargs)
+
+        module.__dict__["forward"] = types.MethodType(instance_forward, module)
+
+
+# [Note: A forward set on the instance]
+# The unit's forward wrapper is a method of its class, and an attribute ``forward``
+# on the instance hides it from ``nn.Module.__call__``. Three common ways put one
+# there before fully_shard: ``torch.compile(module)`` returns an ``OptimizedModule``
+# whose ``forward`` is the compiled call of the module it wraps (torchtitan's
+# per-block compile before fully_shard, in its older form; HF accelerate's FSDP2
+# flow with a dynamo backend, which compiles the whole model and then calls
+# fully_shard on the result); HF accelerate's mixed precision replaces
+# ``model.forward`` with an autocast-wrapped bound method; and user code patches
+# it. torch's fully_shard runs module hooks, which see none of this. Ours then
+# never ran the unit's pre-forward: the modules computed with the sharded DTensors
+# and failed in DTensor's dispatch ("got mixed torch.Tensor and DTensor"). So
+# fully_shard moves such a forward inside the unit's wrapper: the instance gets a
+# bound method that runs the unit's pre-forward, the forward that was there, and
+# its post-forward. For an OptimizedModule that puts the gathers outside the
+# compiled region, as torch's fully_shard has them. A forward assigned after
+# fully_shard replaces the wrapper, unless it calls the one it replaces (HF
+# accelerate's wrapping of ``model.forward.__func__`` does).
 
 
 def _unsupported_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:

@@ -479,6 +479,12 @@ class FSDPState:
                 raise ValueError(state.init_errors[0])
         if self.is_root:
             self._root_pre_forward()
+        elif compiling():
+            # A unit compiled without its root (block.compile(), or a compiled root
+            # whose own pre-forward ran eagerly): its check, as the root's.
+            _check_compile_mode(torch.is_grad_enabled() and any(
+                s.param_group is not None and s.param_group.trainable for s in self.root.states
+            ))
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         if pg is not None:
