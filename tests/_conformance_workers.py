@@ -68,6 +68,13 @@ def _llama_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return _loss(model(x), y)
 
 
+def _two_forwards_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Two forwards of the whole model before one backward (a contrastive pair, or
+    DPO's chosen and rejected batches run apart): every block is gathered again in
+    the second forward while the first one's backward is still to come."""
+    return _loss(model(x), y) + _loss(model(x.flip(1)), y)
+
+
 def _accelerate_autocast(fs: Callable[..., Any]) -> nn.Module:
     """HF accelerate's mixed precision: before fully_shard, ``model.forward`` becomes a
     bound method on the instance that runs the class's forward under
@@ -511,6 +518,9 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
     out["replicate_root"] = _both(rank, world, _replicate_root)
     out["optim_in_backward"] = _both(rank, world, _optim_in_backward)
     out["autocast"] = _both(rank, world, _accelerate_autocast)
+    out["root_twice"] = _both(
+        rank, world, lambda fs: _shard_llama(Llama(CFG), fs), _two_forwards_step
+    )
     return out
 
 

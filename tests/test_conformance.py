@@ -44,7 +44,8 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
 - HF accelerate's mixed precision: ``model.forward`` replaced, before fully_shard,
   by an instance method running it under ``torch.autocast(bfloat16)`` (that
   attribute hid our unit's forward wrapper, so the root never gathered, before
-  2026-11-29).
+  2026-11-29);
+- the root called twice before one backward (two batches, one summed loss).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from _dist import run_ranks
 
 BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "mixed", "mixed_inplace", "cast_float64", "freeze_after_shard",
            "ac_wrap_then_shard", "ac_shard_then_wrap", "ac_selective", "meta_assign", "float8_frozen",
-           "replicate_root", "optim_in_backward", "autocast"]
+           "replicate_root", "optim_in_backward", "autocast", "root_twice"]
 
 
 def _same(a: tuple, b: tuple, what: str) -> None:
