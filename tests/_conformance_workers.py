@@ -140,7 +140,9 @@ def _shard_llama(model: Llama, fs: Callable[..., Any], **kw: Any) -> Llama:
 
 
 # ------------------------------------------------------- optimizer in backward
-def _step_in_backward(model: nn.Module, params: list[nn.Parameter], traced: bool = False) -> nn.Module:
+def _step_in_backward(
+    model: nn.Module, params: list[nn.Parameter], traced: bool = False
+) -> nn.Module:
     """Optimizer in backward, as torchtitan does it: each of ``params`` (the sharded
     parameters, after fully_shard) stepped by a post-accumulate-grad hook on it as
     soon as its gradient is reduced, by an SGD of its own or, with ``traced``, by the
@@ -681,7 +683,9 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
                 # Under autocast Inductor keeps bf16 intermediates in fp32 unless told
                 # to round as eager does; rounded, it is comparable with eager.
                 with torch._inductor.config.patch(emulate_precision_casts=name == "hf_ac"):
-                    out[f"{name}_{mode}"] = _train(model, rank, world, step, before_step=before(model))
+                    out[f"{name}_{mode}"] = _train(
+                        model, rank, world, step, before_step=before(model)
+                    )
             finally:
                 torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = skip
                 if mode == "compiled":
@@ -698,7 +702,9 @@ def _canonical(trained: tuple[list[float], dict[str, torch.Tensor]]) -> tuple:
     """The state dict's names without torch.compile's ``_orig_mod`` (as HF accelerate
     canonicalizes them)."""
     losses, params = trained
-    return losses, {k.replace("_orig_mod.", "").replace("._orig_mod", ""): v for k, v in params.items()}
+    return losses, {
+        k.replace("_orig_mod.", "").replace("._orig_mod", ""): v for k, v in params.items()
+    }
 
 
 def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]:

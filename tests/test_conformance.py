@@ -249,8 +249,9 @@ def test_conformance_compiled_inductor() -> None:
 @pytest.mark.slow
 def test_conformance_hsdp_2x2() -> None:
     """On a 2x2 (replicate, shard) mesh, 4 ranks: the three AC forms, the meta flow
-    and optimizer in backward bitwise against torch's fully_shard (eager); a model built on meta with AC on
-    every block, compiled (aot_eager, plain loop), bitwise equal to the same eager."""
+    and optimizer in backward bitwise against torch's fully_shard (eager); a model
+    built on meta with AC on every block, compiled (aot_eager, plain loop), bitwise
+    equal to the same eager."""
     for r in run_ranks(conformance_2x2, 4):
         for form in ("wrap_then_shard", "shard_then_wrap", "selective"):
             _same(r[f"ac_{form}"]["ours"], r[f"ac_{form}"]["torch"], form)
