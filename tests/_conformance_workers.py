@@ -717,23 +717,26 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
       autograd off: the unit's gathers run around the compiled block, as torch's do
       (see [Note: A forward set on the instance] in traceable_hsdp/_fully_shard.py).
     - "inplace": torchtitan's form today, ``block.compile(fullgraph=True)``: the
-      unit's hooks are traced inside, so compiled autograd is needed; without it the
-      first forward is refused ("inplace", the error's text), with it it trains
-      ("inplace_ca").
-    - "root_ca": HF accelerate's FSDP2 flow with a dynamo backend:
+      unit's hooks are traced inside, so with fullgraph=True compiled autograd is
+      needed; without it the first forward fails with our message ("inplace", the
+      error's text), with it it trains ("inplace_ca").
+    - "root", "root_ca": HF accelerate's FSDP2 flow with a dynamo backend:
       ``torch.compile(model)``, then fully_shard on the blocks and on the compiled
-      model; compiled autograd on.
+      model; compiled autograd off (accelerate's way: the root gathers eagerly, and
+      the blocks' hooks break the graph and run eagerly) and on.
 
     Inductor runs "wrap" only (the others trace as the whole-model compile does)."""
     out: dict[str, Any] = {}
     torch.manual_seed(0)
     out["torch"] = _train(_shard_llama(Llama(CFG1), _fs("torch")), rank, world)
-    forms = ["wrap"] if backend == "inductor" else ["wrap", "inplace", "inplace_ca", "root_ca"]
+    forms = ["wrap"] if backend == "inductor" else [
+        "wrap", "inplace", "inplace_ca", "root", "root_ca"
+    ]
     for form in forms:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model: nn.Module = Llama(CFG1)
-        if form == "root_ca":
+        if form.startswith("root"):
             model = torch.compile(model, backend=backend)
         blocks = model.layers
         for i, block in enumerate(list(blocks)):

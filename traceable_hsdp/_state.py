@@ -67,6 +67,37 @@ COMPILE_FIX = (
 _refuse_compile_without_compiled_autograd = refusal(COMPILE_FIX)
 
 
+UNIT_FULLGRAPH_FIX = (
+    "traceable_hsdp: a fully_shard unit's forward is being compiled with "
+    "fullgraph=True below an eager root while compiled autograd is off, so the hooks "
+    "that re-gather it for backward cannot be put in the graph (torchtitan's "
+    "block.compile(fullgraph=True), for example). Fix: call "
+    "`traceable_hsdp.enable_compiled_autograd()` once before the training loop (the "
+    "unit's gathers are then in the block's graph), or compile the block with "
+    "torch.compile(block) before fully_shard (its gathers then run eagerly around it, "
+    "as torch's fully_shard runs them), or drop fullgraph=True. See docs/compile.md, "
+    "'Compiled before fully_shard'."
+)
+
+
+# [Note: A unit compiled without its root]
+# The root refuses a traced forward that needs a backward while compiled autograd is
+# off (see the module's docstring). Below an eager root, a unit's forward traced on
+# its own (``block.compile()``, ``torch.compile(unit)``, or a compiled model whose
+# root ``fully_shard`` wraps from outside) is not refused: its backward hooks cannot
+# be traced without compiled autograd, so dynamo breaks the graph at them and
+# registers them eagerly, and those cases train correctly
+# (``test_units_compiled_below_an_eager_root_train_correctly``). Under
+# ``fullgraph=True`` there is no graph break to fall back on, and dynamo failed with
+# "HOP: Unsafe side effect" inside our hook, which names neither cause nor fix. So
+# such a unit's traced pre-forward calls a no-op disabled for dynamo whose reason is
+# the fix: under fullgraph=True that is the error the user reads; otherwise it is
+# one more graph break, at the unit's start, before those at its hooks.
+@torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
+def _unit_traced_without_compiled_autograd() -> None:
+    """Nothing, eagerly: see [Note: A unit compiled without its root]."""
+
+
 def _check_compile_mode(needs_backward: bool) -> None:
     # See [Note: Why compiled autograd] in _compile.py.
     if (
@@ -479,12 +510,12 @@ class FSDPState:
                 raise ValueError(state.init_errors[0])
         if self.is_root:
             self._root_pre_forward()
-        elif compiling():
-            # A unit compiled without its root (block.compile(), or a compiled root
-            # whose own pre-forward ran eagerly): its check, as the root's.
-            _check_compile_mode(torch.is_grad_enabled() and any(
+        elif compiling() and not compiled_autograd.compiled_autograd_enabled:
+            # See [Note: A unit compiled without its root].
+            if torch.is_grad_enabled() and any(
                 s.param_group is not None and s.param_group.trainable for s in self.root.states
-            ))
+            ):
+                _unit_traced_without_compiled_autograd()
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         if pg is not None:
