@@ -68,6 +68,36 @@ def _llama_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return _loss(model(x), y)
 
 
+def _fp16_grad_scaler(rank: int, world: int) -> dict[str, Any]:
+    """fp16 training as HF accelerate runs it with FSDP2: fp16 ``MixedPrecisionPolicy``,
+    ``torch.amp.GradScaler``, ``unscale_`` then ``clip_grad_norm_`` on the sharded
+    gradients, ``scaler.step``. The first scale (2**20) overflows fp16: seen, the
+    first two steps skipped and the scale halved twice, two steps taken, then one
+    more overflow. Both paths run."""
+    out: dict[str, Any] = {}
+    for lib in ("torch", "ours"):
+        torch.manual_seed(0)
+        mp = th.MixedPrecisionPolicy if lib == "ours" else torch_fsdp.MixedPrecisionPolicy
+        policy = mp(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        model = _shard_llama(Llama(CFG), functools.partial(_fs(lib), mp_policy=policy))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+        losses, scales = [], []
+        for x, y in _data(world, STEPS + 2):
+            loss = _loss(model(x.chunk(world)[rank]).float(), y.chunk(world)[rank])
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+        out[lib] = (losses, _full(model))
+        out[f"{lib}_scales"] = scales
+    return out
+
+
 def _two_forwards_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Two forwards of the whole model before one backward (a contrastive pair, or
     DPO's chosen and rejected batches run apart): every block is gathered again in
@@ -523,6 +553,7 @@ def conformance_eager(rank: int, world: int) -> dict[str, Any]:
     out["root_twice"] = _both(
         rank, world, lambda fs: _shard_llama(Llama(CFG), fs), _two_forwards_step
     )
+    out["fp16_grad_scaler"] = _fp16_grad_scaler(rank, world)
     return out
 
 

@@ -45,7 +45,9 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
   by an instance method running it under ``torch.autocast(bfloat16)`` (that
   attribute hid our unit's forward wrapper, so the root never gathered, before
   2026-11-29);
-- the root called twice before one backward (two batches, one summed loss).
+- the root called twice before one backward (two batches, one summed loss);
+- fp16 with ``torch.amp.GradScaler``, gradients unscaled and clipped, steps skipped
+  on overflow (HF accelerate's fp16 with FSDP2).
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ def test_conformance_eager_vs_torch_fully_shard() -> None:
             _same(r[name]["ours"], r[name]["torch"], name)
             assert r[name]["bytes_after"] == 0, name  # every placeholder freed
         assert r["cast_dtypes"] == {"torch.float64"}
+        # fp16 with GradScaler: bitwise, with the same scales as torch's; some steps
+        # overflowed (the scale halved) and some were taken (it stayed).
+        g = r["fp16_grad_scaler"]
+        _same(g["ours"], g["torch"], "fp16_grad_scaler")
+        scales = g["ours_scales"]
+        assert scales == g["torch_scales"], (scales, g["torch_scales"])
+        assert scales[0] < 2.0**20 and any(a == b for a, b in zip(scales, scales[1:])), scales
         # Meta flow: same shards as the CPU-built model, bitwise; no rank holds a
         # whole parameter: after to_empty every storage the model keeps is at most a
         # shard, no op wrote more than a shard, and the only full-size allocations
