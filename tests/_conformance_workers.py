@@ -775,7 +775,7 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
                 blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
             elif form.startswith("inplace"):
                 block.compile(backend=backend, fullgraph=True)
-        _shard_children(model, "layers", th.fully_shard)
+        _shard_llama(model, th.fully_shard)  # an OptimizedModule passes .layers through
         if form.endswith("_ca"):
             th.enable_compiled_autograd(backend=backend)
         try:

@@ -271,9 +271,10 @@ none of its rules to specialize ints applies). Inductor lowers symbolic sizes in
 views, narrows and collectives, but not a storage resize: ``resize_storage_bytes_``
 asserts an int ("TODO: dynamic shapes"; torch 2.13), and before 2026-11-29 the
 grow in ``fill_unsharded`` took an int stored at init and failed there. It now takes
-the placeholder's own size (``unsharded_nbytes``): the placeholder is an ``nn.Parameter``, whose shapes
-dynamo keeps static (``force_parameter_static_shapes``), so the product is an int
-in every compile; eagerly it is the same number. (The free is a resize to 0.)
+the placeholder's own size (``unsharded_nbytes``): the placeholder is an
+``nn.Parameter``, whose shapes dynamo keeps static
+(``force_parameter_static_shapes``), so the product is an int in every compile;
+eagerly it is the same number. (The free is a resize to 0.)
 ``tests/test_reliability.py`` trains a unit that breaks the graph, under Inductor.
 
 [Note: Version counters in a traced step]

@@ -510,12 +510,13 @@ class FSDPState:
                 raise ValueError(state.init_errors[0])
         if self.is_root:
             self._root_pre_forward()
-        elif compiling() and not compiled_autograd.compiled_autograd_enabled:
+        elif (
+            compiling()
+            and not compiled_autograd.compiled_autograd_enabled
+            and self.root._needs_backward()
+        ):
             # See [Note: A unit compiled without its root].
-            if torch.is_grad_enabled() and any(
-                s.param_group is not None and s.param_group.trainable for s in self.root.states
-            ):
-                _unit_traced_without_compiled_autograd()
+            _unit_traced_without_compiled_autograd()
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         if pg is not None:
@@ -576,10 +577,15 @@ class FSDPState:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
 
-    def _root_pre_forward(self) -> None:
-        needs_backward = torch.is_grad_enabled() and any(
+    def _needs_backward(self) -> bool:
+        """A root's: whether this forward will need a backward (grad on, and some unit
+        of its tree trainable)."""
+        return torch.is_grad_enabled() and any(
             s.param_group is not None and s.param_group.trainable for s in self.states
         )
+
+    def _root_pre_forward(self) -> None:
+        needs_backward = self._needs_backward()
         _check_compile_mode(needs_backward)
         if (
             needs_backward
