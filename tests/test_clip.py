@@ -20,11 +20,16 @@ Checks and tolerances:
   from shards: another order of the same sums (bitwise in our runs, but nothing
   makes it so). Its compiled loop against its eager run: bitwise, as above.
 - Every run against the one-process reference (plain tensors, the global batch, the
-  same clipping): norms and losses rtol 1e-5, parameters atol 2e-5, the tolerance of
-  test_runtime.py (the reduce-scatter averages in another order than one backward;
-  seen: norms within 1.1e-7 relative, parameters within 3.6e-6). That comparison can
-  fail: the reference trained without clipping ends more than 1e-3 away (seen: 1.2e-2
-  on the 2x2 data, 1.0e-2 on the 1-D data).
+  same clipping): norms and losses rtol 1e-5, parameters atol 1e-4 (REF_PARAM_ATOL).
+  The reduce-scatter averages in another order than one backward, and AdamW divides
+  each update by the root of its second moment, so an element whose gradient is near
+  zero turns that rounding into a visible step: seen on the 2x2 data, norms within
+  1.1e-7 relative and parameters within 3.6e-6 on the CPUs of 2026-11, but one element
+  of 4096 (layers.0.ffn.w2.weight) 3.4e-5 away on an AVX-512/AMX Xeon (2026-12-05),
+  torch's fully_shard and ours alike (they stay bitwise equal). 1e-4 is 1% of the
+  learning rate. That comparison can still fail: the reference trained without
+  clipping ends more than 1e-3 away (seen: 1.2e-2 on the 2x2 data, 1.0e-2 on the
+  1-D data).
 
 The model has one block (``CLIP_CFG``): the root and one unit, so every path below
 (a block re-gathered for backward, the root kept gathered) runs once per step.
@@ -69,7 +74,12 @@ def _check_clipped(run: dict[str, Any], key: str) -> None:
         assert c["max_after_value"] == CLIP_VALUE_F32, (key, c)
 
 
-def _assert_same(run: dict[str, Any], base: dict[str, Any], key: str, bitwise: bool) -> None:
+# Parameters against the one-process reference (see the module docstring).
+REF_PARAM_ATOL = 1e-4
+
+
+def _assert_same(run: dict[str, Any], base: dict[str, Any], key: str, bitwise: bool,
+                 param_atol: float = 2e-5) -> None:
     """Norms, losses and final parameters of ``run`` against ``base``."""
     norms, base_norms = [c["norm"] for c in run["clips"]], [c["norm"] for c in base["clips"]]
     if bitwise:
@@ -80,7 +90,9 @@ def _assert_same(run: dict[str, Any], base: dict[str, Any], key: str, bitwise: b
     torch.testing.assert_close(norms, base_norms, rtol=1e-5, atol=0, msg=key)
     torch.testing.assert_close(run["losses"], base["losses"], rtol=1e-5, atol=0, msg=key)
     for k, v in base["params"].items():
-        torch.testing.assert_close(run["params"][k], v, rtol=0, atol=2e-5, msg=f"{key} {k}")
+        diff = (run["params"][k] - v).abs().max().item()
+        torch.testing.assert_close(run["params"][k], v, rtol=0, atol=param_atol,
+                                   msg=f"{key} {k}: max diff {diff:.3g}")
 
 
 def _check(results: list[dict[str, Any]], world: int, placements: str, sharded: str,
@@ -103,7 +115,8 @@ def _check(results: list[dict[str, Any]], world: int, placements: str, sharded: 
                         if key.startswith("hsdp") else {sharded: N_PARAMS})
                 assert c["grad_placements"] == want, (key, c)
             _check_clipped(run, key)
-            _assert_same(run, ref, f"{key} vs reference", bitwise=False)
+            _assert_same(run, ref, f"{key} vs reference", bitwise=False,
+                         param_atol=REF_PARAM_ATOL)
             mode = key.split()[1]
             if mode != "eager":
                 # The model and its parameters are freed once dropped with the compiled
