@@ -79,7 +79,7 @@ first changed it:
 
 Each :func:`install` sets them again (a ``fully_shard`` after the user changed one
 changes it back), but remembers only the values from before the first change. The
-five other process-wide changes are the runtime's, each with its own undo. Two are
+six other process-wide changes are the runtime's, each with its own undo. Two are
 for the FX graph cache's key, in ``traceable_hsdp/_cache.py``: a ``copyreg`` reducer
 for ``DeviceMesh`` made on import, and ``FxGraphCache.prepare_key`` wrapped by
 ``fully_shard`` to key the forward's ``BackwardState`` input as ``None``. The third is
@@ -88,7 +88,10 @@ nothing reads its messages (``traceable_hsdp/_compile.py``). The fourth is an
 optimizer step pre-hook, registered by ``fully_shard``, that refuses an optimizer
 holding parameters the model no longer trains (``traceable_hsdp/_optim_check.py``). The fifth
 is an ``atexit`` function that frees destroyed process groups before the interpreter
-finalizes (``traceable_hsdp/_exit.py``). Nothing else (not
+finalizes (``traceable_hsdp/_exit.py``). The sixth, by ``fully_shard``, wraps
+compiled autograd's ``AutogradCompilerInstance.is_placeholder`` so that its ordering
+of tensor hooks leaves a hook on no gradient alone instead of failing on it
+(``traceable_hsdp/_compile.py``). Nothing else (not
 ``hsdp()``, not a unit's options) writes process-wide configuration, but for the
 debugging tool ``dump_graphs``, and only for the length of its block: its recorders
 around our pass (which bypass Inductor's FX graph cache), depyf's patches, and

@@ -320,24 +320,40 @@ def _break_after(module: nn.Module) -> None:
     module.forward = forward
 
 
+class _WithLoss(nn.Module):
+    """A model and its loss in one forward that returns both, as HF's causal LMs do
+    when given labels: the log-probabilities and the loss taken from them come out of
+    one graph, so the returned log-probabilities get no gradient of their own ([Note:
+    An output hook that gets no gradient] in traceable_hsdp/_compile.py)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = self.model(x).log_softmax(-1)
+        return F.nll_loss(logprobs.flatten(0, 1), y.flatten()), logprobs
+
+
 def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
-    """A one-block Llama whose block's attention ends with a graph break, trained
-    eagerly, then under ``torch.compile`` (Inductor, ``fullgraph=False``: torch's
-    default) with compiled autograd: GRAPH_BREAK_STEPS AdamW steps each. Returns the
-    losses and parameters of both runs, the placeholder bytes after each compiled
-    step, the graph breaks, and the graphs compiled after each step."""
+    """A one-block Llama whose block's attention ends with a graph break, under a root
+    that returns the loss and the logits (:class:`_WithLoss`), trained eagerly, then
+    under ``torch.compile`` (Inductor, ``fullgraph=False``: torch's default) with
+    compiled autograd: GRAPH_BREAK_STEPS AdamW steps each. Returns the losses and
+    parameters of both runs, the placeholder bytes after each compiled step, the
+    graph breaks, and the graphs compiled after each step."""
     from torch._dynamo.utils import counters
 
-    from _workers import CFG1, _data, _loss, _placeholder_bytes
+    from _workers import CFG1, _data, _placeholder_bytes
 
     mesh = init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = Llama(CFG1)
-        _break_after(model.layers[0].attn)
-        th.fully_shard(model.layers[0], mesh=mesh)
-        th.fully_shard(model, mesh=mesh)
+        llama = Llama(CFG1)
+        _break_after(llama.layers[0].attn)
+        th.fully_shard(llama.layers[0], mesh=mesh)
+        model = th.fully_shard(_WithLoss(llama), mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fwd: Any = model
         if compiled:
@@ -348,7 +364,7 @@ def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
         run: dict[str, Any] = dict(losses=[], bytes_after=[], graphs=[])
         try:
             for x, y in _data(world, GRAPH_BREAK_STEPS):
-                loss = _loss(fwd(x.chunk(world)[rank]), y.chunk(world)[rank])
+                loss, _ = fwd(x.chunk(world)[rank], y.chunk(world)[rank])
                 loss.backward()
                 opt.step()
                 opt.zero_grad()

@@ -267,7 +267,9 @@ def test_compiled_checkpoint_output_saved_and_hook_before_recompute(restore_join
     reason="torch 2.13 compiled autograd: a tensor hook on an output whose gradient is "
     "undefined is recorded as call_hook(hook, None); reorder_tensor_pre_hook_nodes "
     "(torch/_dynamo/compiled_autograd.py) then calls is_placeholder(None). Eager "
-    "autograd calls the hook with None. Strict: tells us when torch fixes it.",
+    "autograd calls the hook with None. Strict: tells us when torch fixes it. "
+    "fully_shard works around it ([Note: An output hook that gets no gradient] in "
+    "traceable_hsdp/_compile.py); the child here imports torch only.",
 )
 def test_torch_compiled_autograd_hook_on_unused_output() -> None:
     # In a child process: the failure leaves torch's compile context entered, and every
@@ -285,6 +287,52 @@ def test_torch_compiled_autograd_hook_on_unused_output() -> None:
         """
     )
     run_child(code, AttributeError)
+
+
+def test_checkpoint_inside_a_unit_run_eagerly_by_compiled_autograd_refused(one_rank) -> None:
+    """A graph break inside a checkpoint_wrapper's region (transformers 5.25 has one in
+    every decoder layer) makes dynamo run the checkpoint eagerly, and its recompute
+    then runs inside the compiled-autograd backward, where the modules hold the
+    sharded parameters: it failed with DTensor's "got mixed torch.Tensor and DTensor".
+    Now the unit's hook on the wrapped module raises, naming the unit, the cause and
+    the fixes (see [Note: A checkpoint inside a unit, run eagerly by compiled
+    autograd] in traceable_hsdp/_state.py). The same model trains eagerly. 1 rank,
+    aot_eager, the one-block Llama with a break at the end of its attention."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    import traceable_hsdp as th
+    from _workers import CFG1
+    from traceable_hsdp.models import Llama
+
+    torch.manual_seed(0)
+    model = Llama(CFG1)
+    attn = model.layers[0].attn
+    inner = attn.forward
+
+    def attn_with_break(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        torch._dynamo.graph_break()
+        return out
+
+    attn.forward = attn_with_break
+    model.layers[0] = checkpoint_wrapper(model.layers[0])
+    th.fully_shard(model.layers[0], mesh=one_rank)
+    th.fully_shard(model, mesh=one_rank)
+    tokens = torch.randint(0, CFG1.vocab_size, (2, 8))
+    model(tokens).sum().backward()  # eager trains: the recompute reads the gathered ones
+    assert all(p.grad is not None for p in model.parameters())
+    model.zero_grad()
+    torch._dynamo.reset()
+    th.enable_compiled_autograd(backend="aot_eager")
+    try:
+        out = torch.compile(model, backend="aot_eager")(tokens).sum()
+        with pytest.raises(RuntimeError, match="runs eagerly inside a compiled-autograd") as err:
+            out.backward()
+        assert "Unit 'layers.0'" in str(err.value), str(err.value)
+        assert "skip_fwd_side_effects_in_bwd_under_checkpoint = True" in str(err.value)
+    finally:
+        th.disable_compiled_autograd()
+        torch._dynamo.reset()
 
 
 def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:

@@ -230,9 +230,14 @@ def test_graph_break_inside_a_unit_compiled_with_inductor() -> None:
     frame once per unit, and on the second (the block after the root) its
     automatic dynamic shapes made the plain ints the runtime reads symbolic. Inductor
     failed to lower the placeholder's resize ("TODO: dynamic shapes") before
-    2026-11-29 ([Note: Ints read while tracing] in _param.py). 2 ranks, Inductor,
-    compiled autograd, 3 AdamW steps, against the same model eager: losses rtol 1e-5,
-    parameters atol 1e-5 (seen: 1 ulp on the losses, 7.7e-7); every placeholder
+    2026-11-29 ([Note: Ints read while tracing] in _param.py). The root returns the
+    loss and the log-probabilities it was taken from, as HF's causal LMs given labels
+    return loss and logits: those get no gradient, and their hook, registered outside
+    the graph after the break, made torch's compiled autograd fail before 2026-12-05
+    (without the fix: "'NoneType' object has no attribute 'op'"; [Note: An output
+    hook that gets no gradient] in _compile.py). 2 ranks, Inductor, compiled
+    autograd, 3 AdamW steps, against the same model eager: losses rtol 1e-5,
+    parameters atol 1e-5 (seen: 1 ulp on a loss, 6.4e-7); every placeholder
     freed after each step; graphs compiled in step 1 only."""
     from _dist import run_ranks
     from _reliability_workers import GRAPH_BREAK_STEPS, graph_break_worker

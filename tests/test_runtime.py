@@ -578,6 +578,34 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         torch._dynamo.reset()
 
 
+def test_compiled_autograd_ordering_tolerates_no_gradient(one_rank) -> None:
+    """fully_shard wraps compiled autograd's ``is_placeholder`` so that its ordering of
+    tensor hooks leaves a hook on a gradient of None alone; the undo puts torch's
+    function back. What it fixes is trained in test_reliability.py
+    (test_graph_break_inside_a_unit_compiled_with_inductor). See [Note: An output
+    hook that gets no gradient] in _compile.py."""
+    from torch._dynamo.compiled_autograd import AutogradCompilerInstance as CA
+
+    from traceable_hsdp import _compile
+
+    _compile.restore_compiled_autograd_ordering()
+    try:
+        torch_fn = CA.is_placeholder
+        with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'op'"):
+            torch_fn(None)  # torch 2.13: the wrapper can go once torch answers None
+        th.fully_shard(nn.Linear(4, 4), mesh=one_rank)
+        assert CA.is_placeholder(None) is True
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        y = graph.call_function(torch.neg, (x,))
+        assert CA.is_placeholder(x) and not CA.is_placeholder(y)  # torch's answers
+        _compile.tolerate_outputs_without_gradient()  # idempotent: not wrapped twice
+        _compile.restore_compiled_autograd_ordering()
+        assert CA.is_placeholder is torch_fn
+    finally:
+        _compile.tolerate_outputs_without_gradient()  # as fully_shard leaves it
+
+
 def test_eager_single_rank_unshard_reshard(one_rank) -> None:
     """FSDPModule.unshard()/reshard() swap the registered parameters and storage."""
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._cache import install_forward_cache_key_from_env
-from ._compile import quiet_side_effect_messages_from_env
+from ._compile import quiet_side_effect_messages_from_env, tolerate_outputs_without_gradient
 from ._exit import install_exit_hook
 from ._init import (
     CollectedParams,
@@ -775,6 +775,9 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     # Dynamo's unread side-effect messages; see [Note: Dynamo's side-effect messages]
     # (_compile.py). TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 leaves torch's default.
     quiet_side_effect_messages_from_env()
+    # Compiled autograd's ordering of a hook on no gradient; see [Note: An output hook
+    # that gets no gradient] (_compile.py).
+    tolerate_outputs_without_gradient()
     install_exit_hook()  # See [Note: Exiting with gloo worker threads] (_exit.py).
     # See [Note: An optimizer must hold the model's sharded parameters] (_optim_check.py).
     install_optimizer_check()

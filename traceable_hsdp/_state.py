@@ -158,6 +158,27 @@ CHECKPOINT_AROUND_UNIT_FIX = (
 _refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 
 
+# [Note: A checkpoint inside a unit, run eagerly by compiled autograd]
+# ``checkpoint_wrapper(block)`` before ``fully_shard`` (torchtitan's order) puts the
+# checkpoint inside the unit. Compiled, dynamo traces the region as a higher-order
+# op and the backward recomputes it inside the compiled graphs. A graph break
+# inside the region makes dynamo run the checkpoint eagerly instead. transformers
+# 5.25 has one in every decoder layer: its attention sets a global of the
+# ``kernels`` package, a side effect the higher-order op refuses ("Mutating a
+# variable from outside the scope of this HOP"). The recompute then runs eagerly,
+# inside the compiled-autograd backward, and reads the modules' parameters. A
+# compiled backward leaves the sharded ones there ([Note: The module holds the
+# placeholder only in forward] in _param.py), and the region failed on them with
+# DTensor's "got mixed torch.Tensor and DTensor", naming neither cause nor fix.
+# So each unit hooks the forward of the module each of its checkpoint_wrappers
+# wraps, when that module holds parameters of the unit. The hook does nothing
+# while dynamo traces or outside a compiled-autograd backward. There, if those
+# parameters are not gathered in the modules, it raises with the fixes: dynamo's
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (here the region's side effects
+# are the library's own, set and undone within one call), or no graph break in the
+# region. Eagerly the modules hold the gathered parameters for the recompute, and
+# the hook passes.
+
 # [Note: A checkpoint around a unit's call]
 # Two common ways of checkpointing put the checkpoint around a unit's whole call,
 # hooks included: Hugging Face's ``activation_checkpointing_enable()`` (its layers
@@ -402,8 +423,47 @@ class FSDPState:
                 )
         for m in modules:
             m.register_load_state_dict_pre_hook(self._before_load_subtree)
+        if param_group is not None:
+            self._hook_eager_recomputes(modules, param_group)
         for m in modules:
             m.__dict__[_STATE_ATTR] = self
+
+    def _hook_eager_recomputes(self, modules: list[nn.Module], pg: FSDPParamGroup) -> None:
+        """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd]."""
+        for m in modules:
+            for path, sub in m.named_modules():
+                if not isinstance(sub, CheckpointWrapper):
+                    continue
+                inner = sub._checkpoint_wrapped_module
+                subtree = set(inner.modules())
+                params = [
+                    fp for fp in pg.fsdp_params
+                    if any(info.module in subtree for info in fp.module_infos)
+                ]
+                if params:
+                    inner.register_forward_pre_hook(
+                        functools.partial(self._check_eager_recompute, path, params)
+                    )
+
+    def _check_eager_recompute(
+        self, path: str, params: list[FSDPParam], module: nn.Module, args: Any
+    ) -> None:
+        """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd]."""
+        if compiling() or not compiled_autograd.in_compiled_autograd_region:
+            return
+        if all(fp.module_holds_unsharded for fp in params):
+            return
+        raise RuntimeError(
+            f"Unit {self._where()!r}: the checkpoint_wrapper around "
+            f"{type(module).__name__}{f' at {path!r}' if path else ''} in it runs "
+            "eagerly inside a compiled-autograd backward, where its recompute "
+            "would read the sharded parameters. Dynamo runs a checkpoint eagerly when its "
+            "region breaks the graph (TORCH_LOGS=graph_breaks names the break; "
+            "transformers 5.25 has one in every decoder layer's attention). Fix, either: "
+            "set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = "
+            "True before the first compiled step, if the region's side effects need not "
+            "run again in the recompute, or remove the graph break from the region."
+        )
 
     # -------------------------------------------------------------------- tree
     def adopt_nested(self) -> None:
