@@ -174,10 +174,11 @@ _refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 # wraps, when that module holds parameters of the unit. The hook does nothing
 # while dynamo traces or outside a compiled-autograd backward. There, if those
 # parameters are not gathered in the modules, it raises with the fixes: dynamo's
-# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (here the region's side effects
-# are the library's own, set and undone within one call), or no graph break in the
-# region. Eagerly the modules hold the gathered parameters for the recompute, and
-# the hook passes.
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (transformers' side effect is
+# a global set and restored within one call, which the recompute need not repeat),
+# or no graph break in the region. (A forward run eagerly under compiled autograd
+# meets the same, and is told to compile the forward.) Eagerly the modules hold the
+# gathered parameters for the recompute, and the hook passes.
 
 # [Note: A checkpoint around a unit's call]
 # Two common ways of checkpointing put the checkpoint around a unit's whole call,
@@ -457,12 +458,14 @@ class FSDPState:
             f"Unit {self._where()!r}: the checkpoint_wrapper around "
             f"{type(module).__name__}{f' at {path!r}' if path else ''} in it runs "
             "eagerly inside a compiled-autograd backward, where its recompute "
-            "would read the sharded parameters. Dynamo runs a checkpoint eagerly when its "
-            "region breaks the graph (TORCH_LOGS=graph_breaks names the break; "
-            "transformers 5.25 has one in every decoder layer's attention). Fix, either: "
-            "set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = "
-            "True before the first compiled step, if the region's side effects need not "
-            "run again in the recompute, or remove the graph break from the region."
+            "would read the sharded parameters. A checkpoint runs eagerly when the forward "
+            "is not compiled, or when its region breaks the graph (TORCH_LOGS=graph_breaks "
+            "names the break; transformers 5.25 has one in every decoder layer's "
+            "attention). Fix, either: set torch._dynamo.config."
+            "skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first "
+            "compiled step, if the region's side effects need not run again in the "
+            "recompute; or remove the graph break from the region; or compile the "
+            "forward (torch.compile(model)) when the backward is compiled."
         )
 
     # -------------------------------------------------------------------- tree
