@@ -337,11 +337,11 @@ class _WithLoss(nn.Module):
 
 def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
     """A one-block Llama whose block's attention ends with a graph break, under a root
-    that returns the loss and the logits (:class:`_WithLoss`), trained eagerly, then
-    under ``torch.compile`` (Inductor, ``fullgraph=False``: torch's default) with
-    compiled autograd: GRAPH_BREAK_STEPS AdamW steps each. Returns the losses and
-    parameters of both runs, the placeholder bytes after each compiled step, the
-    graph breaks, and the graphs compiled after each step."""
+    that returns the loss and its log-probabilities (:class:`_WithLoss`), trained
+    eagerly, then under ``torch.compile`` (Inductor, ``fullgraph=False``: torch's
+    default) with compiled autograd: GRAPH_BREAK_STEPS AdamW steps each. Returns the
+    losses and parameters of both runs, the placeholder bytes after each compiled
+    step, the graph breaks, and the graphs compiled after each step."""
     from torch._dynamo.utils import counters
 
     from _workers import CFG1, _data, _placeholder_bytes
