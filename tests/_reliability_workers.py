@@ -307,19 +307,6 @@ def below_root_worker(rank: int, world: int) -> dict[str, Any]:
 GRAPH_BREAK_STEPS = 3
 
 
-def _break_after(module: nn.Module) -> None:
-    """Makes ``module``'s forward end with a graph break (as a ``print`` or an
-    ``.item()`` in a user's forward does), on this instance only."""
-    inner = module.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        out = inner(*args, **kwargs)
-        torch._dynamo.graph_break()
-        return out
-
-    module.forward = forward
-
-
 class _WithLoss(nn.Module):
     """A model and its loss in one forward that returns both, as HF's causal LMs do
     when given labels: the log-probabilities and the loss taken from them come out of
@@ -344,14 +331,14 @@ def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
     step, the graph breaks, and the graphs compiled after each step."""
     from torch._dynamo.utils import counters
 
-    from _workers import CFG1, _data, _placeholder_bytes
+    from _workers import CFG1, _data, _placeholder_bytes, break_after
 
     mesh = init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
     for compiled in (False, True):
         torch.manual_seed(0)
         llama = Llama(CFG1)
-        _break_after(llama.layers[0].attn)
+        break_after(llama.layers[0].attn)
         th.fully_shard(llama.layers[0], mesh=mesh)
         model = th.fully_shard(_WithLoss(llama), mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

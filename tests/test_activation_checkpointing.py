@@ -301,20 +301,12 @@ def test_checkpoint_inside_a_unit_run_eagerly_by_compiled_autograd_refused(one_r
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     import traceable_hsdp as th
-    from _workers import CFG1
+    from _workers import CFG1, break_after
     from traceable_hsdp.models import Llama
 
     torch.manual_seed(0)
     model = Llama(CFG1)
-    attn = model.layers[0].attn
-    inner = attn.forward
-
-    def attn_with_break(*args: Any, **kwargs: Any) -> Any:
-        out = inner(*args, **kwargs)
-        torch._dynamo.graph_break()
-        return out
-
-    attn.forward = attn_with_break
+    break_after(model.layers[0].attn)
     model.layers[0] = checkpoint_wrapper(model.layers[0])
     th.fully_shard(model.layers[0], mesh=one_rank)
     th.fully_shard(model, mesh=one_rank)
