@@ -422,25 +422,28 @@ class FSDPState:
                 m.register_load_state_dict_pre_hook(
                     functools.partial(self._before_load_own_params, params)
                 )
+            self._hook_eager_recomputes(modules, by_module)
         for m in modules:
             m.register_load_state_dict_pre_hook(self._before_load_subtree)
-        if param_group is not None:
-            self._hook_eager_recomputes(modules, param_group)
         for m in modules:
             m.__dict__[_STATE_ATTR] = self
 
-    def _hook_eager_recomputes(self, modules: list[nn.Module], pg: FSDPParamGroup) -> None:
-        """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd]."""
+    def _hook_eager_recomputes(
+        self, modules: list[nn.Module],
+        by_module: dict[nn.Module, list[tuple[str, FSDPParam]]],
+    ) -> None:
+        """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd].
+        ``by_module``: the unit's parameters by the module that holds them."""
         for m in modules:
             for path, sub in m.named_modules():
                 if not isinstance(sub, CheckpointWrapper):
                     continue
                 inner = sub._checkpoint_wrapped_module
-                subtree = set(inner.modules())
-                params = [
-                    fp for fp in pg.fsdp_params
-                    if any(info.module in subtree for info in fp.module_infos)
-                ]
+                # dict: a parameter held by two modules (tied) is checked once
+                held = {
+                    id(fp): fp for mod in inner.modules() for _, fp in by_module.get(mod, ())
+                }
+                params = list(held.values())
                 if params:
                     inner.register_forward_pre_hook(
                         functools.partial(self._check_eager_recompute, path, params)
