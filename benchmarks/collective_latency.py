@@ -3,7 +3,9 @@
 trade-off that the passes' default bucket cap is sized from (see [Note: The default
 bucket cap] in ``passes/bucket_collectives.py``), and what traceable_hsdp's
 reduce-scatter costs (over two gloo ranks an exchange: see [Note: gloo
-reduce-scatters as an exchange] in ``passes/reduce_scatter_by_exchange.py``).
+reduce-scatters as an exchange] in ``passes/exchange.py``), and,
+over two gloo ranks, what an all-gather costs as compiled graphs issue it (an
+exchange too: [Note: gloo all-gathers as an exchange], the same module).
 
     python benchmarks/collective_latency.py --out DIR [--device auto|cpu|cuda]
                                             [--world N] [--iters N] [--max-mib M]
@@ -12,7 +14,9 @@ Spawns the ranks as ``step_time.py`` does (2 gloo ranks of one thread each on th
 CPU, one NCCL rank per GPU on CUDA) and times ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor`` (average) of float32 tensors, and the same reduction as
 traceable_hsdp issues it (``traceable_hsdp._collectives.reduce_scatter``: torch's
-op, except over two gloo ranks), from 4 KiB to ``--max-mib``
+op, except over two gloo ranks) and, over two gloo ranks, the all-gather as an
+exchange (``all_to_all_single`` of the shard written twice, the doubling included),
+from 4 KiB to ``--max-mib``
 (default 256) MiB of unsharded size (the gathered output, the reduce-scatter input; what
 ``bucket_cap_mb`` counts). Each size runs ``--iters`` times after 2 untimed ones; a
 time is the slowest rank's, the table shows medians. It reports, per collective, the
@@ -48,7 +52,11 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
     device = placement.rank_device(rank)
     ws = placement.world
     group = dist.group.WORLD.group_name
-    out: dict[str, list[list[float]]] = {"all_gather": [], "reduce_scatter": [], "ours": []}
+    out: dict[str, list[list[float]]] = {
+        "all_gather": [], "reduce_scatter": [], "ours": [], "all_gather_exchange": [],
+    }
+    c10d = torch.ops._c10d_functional
+    exchange = ws == 2 and isinstance(dist.group.WORLD._get_backend(device), dist.ProcessGroupGloo)
 
     def timed(fn: Any) -> float:
         dist.barrier()
@@ -77,6 +85,14 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
         out["all_gather"].append(ag[2:])
         out["reduce_scatter"].append(rs[2:])
         out["ours"].append(ours[2:])
+        if exchange:
+            n = numel // ws
+            agx = [
+                timed(lambda: c10d.wait_tensor(
+                    c10d.all_to_all_single(torch.cat([shard, shard]), [n, n], [n, n], group)))
+                for _ in range(iters + 2)
+            ]
+            out["all_gather_exchange"].append(agx[2:])
     return out
 
 
@@ -122,16 +138,22 @@ def main(argv: list[str] | None = None) -> int:
         "after 2 untimed ones. Size: the unsharded tensor (the all-gather's output, the "
         "reduce-scatter's input).",
         "",
-        "| size | all-gather (ms) | reduce-scatter (ms) | traceable_hsdp's reduce-scatter (ms) |",
-        "|---|---|---|---|",
+        "| size | all-gather (ms) | reduce-scatter (ms) | traceable_hsdp's reduce-scatter (ms) "
+        "| all-gather as an exchange (ms) |",
+        "|---|---|---|---|---|",
     ]
+    agx = med["all_gather_exchange"]
     for i, kib in enumerate(sizes):
         lines.append(f"| {_size(kib)} | {1e3 * med['all_gather'][i]:.3f} | "
-                     f"{1e3 * med['reduce_scatter'][i]:.3f} | {1e3 * med['ours'][i]:.3f} |")
+                     f"{1e3 * med['reduce_scatter'][i]:.3f} | {1e3 * med['ours'][i]:.3f} | "
+                     + (f"{1e3 * agx[i]:.3f} |" if agx else "– (two gloo ranks only) |"))
     lines.append("")
     names = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-             "ours": "traceable_hsdp's reduce-scatter"}
+             "ours": "traceable_hsdp's reduce-scatter",
+             "all_gather_exchange": "all-gather as an exchange"}
     for k, name in names.items():
+        if not med[k]:
+            continue
         c = _crossing(sizes, med[k])
         lines.append(
             f"- {name}: latency floor {1e3 * med[k][0]:.3f} ms; twice the floor "

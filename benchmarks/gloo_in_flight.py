@@ -17,7 +17,10 @@ loop, or at the rank's exit). Patterns, each a ``+``-separated list of what is i
 - ``ex``: a reduce-scatter issued as an exchange (``all_to_all_single``, then the
   addition after its wait), as over two gloo ranks traceable_hsdp issues every
   reduce-scatter ([Note: gloo reduce-scatters as an exchange] in
-  ``passes/reduce_scatter_by_exchange.py``).
+  ``passes/exchange.py``);
+- ``exg``: an all-gather issued as an exchange (``all_to_all_single`` of the input
+  sent to every rank), as compiled graphs issue every all-gather over two gloo ranks
+  ([Note: gloo all-gathers as an exchange], the same module).
 
 Example (the rows of the Note's table)::
 
@@ -25,6 +28,7 @@ Example (the rows of the Note's table)::
     python benchmarks/gloo_in_flight.py --pattern rs+ago --runs 4
     python benchmarks/gloo_in_flight.py --pattern ag+ag+ag --runs 6
     python benchmarks/gloo_in_flight.py --pattern ex+ago --runs 4
+    python benchmarks/gloo_in_flight.py --pattern ex+exg --runs 4
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import sys
 import time
 from typing import Any
 
-KINDS = ("ag", "ago", "ar", "rs", "ex")
+KINDS = ("ag", "ago", "ar", "rs", "ex", "exg")
 
 
 def _rank(rank: int, placement: Any, *, pattern: list[str], rounds: int, numel: int) -> None:
@@ -59,7 +63,7 @@ def _rank(rank: int, placement: Any, *, pattern: list[str], rounds: int, numel: 
                 issued.append(c.all_gather_into_tensor_out(x, world, group, out=x.new_empty(world * numel)))
             elif kind == "ar":
                 issued.append(c.all_reduce(x, "sum", group))
-            elif kind == "ex":
+            elif kind in ("ex", "exg"):
                 issued.append(c.all_to_all_single(
                     torch.cat([x] * world), [numel] * world, [numel] * world, group))
             else:
@@ -70,7 +74,7 @@ def _rank(rank: int, placement: Any, *, pattern: list[str], rounds: int, numel: 
             got = c.wait_tensor(t)
             if kind == "ex":
                 got = got.view(world, numel).sum(0)
-            if kind in ("ag", "ago"):
+            if kind in ("ag", "ago", "exg"):
                 want = torch.cat([torch.full((numel,), float(k + i)) for k in range(world)])
             else:
                 want = torch.full((numel,), float(sum(k + i for k in range(world))))

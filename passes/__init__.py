@@ -12,6 +12,9 @@ it in place and does nothing when nothing matches:
   unit's compute), each reduce-scatter waited for just before the next one.
 - :func:`reduce_scatter_by_exchange`: a reduce-scatter over two gloo ranks is
   issued as an all-to-all and an addition (gloo's own is an all-reduce).
+- :func:`all_gather_by_exchange`: an all-gather over two gloo ranks is issued as an
+  all-to-all of the shard sent to both ranks (gloo's own copies the result once
+  more).
 
 and, on every post-grad graph and not switchable, one before them and one after:
 
@@ -36,7 +39,7 @@ the environment variables ``TRACEABLE_HSDP_PASSES`` and
 What each of them matches (an all-gather, a wait, an ``fsdp.copy_``, a resize, a
 unit's annotation) is the graph vocabulary of ``_graph.py``, which the dump tool, the
 benchmarks and the tests use as well. The package imports only torch.
-``docs/passes.md`` describes all nine, their order, switches and memory cost, and
+``docs/passes.md`` describes all ten, their order, switches and memory cost, and
 what :func:`install` changes in torch's configuration.
 """
 
@@ -61,7 +64,7 @@ from .free_after_last_read import free_after_last_read
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
 from .recompute_placeholder_views import recompute_placeholder_views
-from .reduce_scatter_by_exchange import reduce_scatter_by_exchange
+from .exchange import all_gather_by_exchange, reduce_scatter_by_exchange
 from .remove_resize_copy import remove_resize_copy
 from .save_checkpoint_outputs import save_checkpoint_outputs
 
@@ -71,6 +74,7 @@ __all__ = [
     "TraceableHSDPJointPass",
     "TraceableHSDPPass",
     "UnitPassOptions",
+    "all_gather_by_exchange",
     "bucket_all_gathers",
     "bucket_reduce_scatters",
     "config",

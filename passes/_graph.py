@@ -100,6 +100,7 @@ from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
 
 __all__ = [
+    "AG_EXCHANGE_COUNT",
     "ALL_GATHER",
     "ALL_GATHER_OUT",
     "ALL_REDUCE",
@@ -172,19 +173,24 @@ _FSDP_COPY_NAME = ("fsdp", "copy_")
 _RESIZE_NAME = ("inductor", "resize_storage_bytes_")
 _VERSION_COUNTER_NAMES = (("prims", "_tensor_version"), ("prims", "_unsafe_set_version_counter"))
 
-# The meta key that marks an ``all_to_all_single`` node as a reduce-scatter issued
-# as an exchange (see [Note: gloo reduce-scatters as an exchange] in
-# ``reduce_scatter_by_exchange.py``): it counts as a reduce-scatter, and
-# :func:`graph_counts` counts it under :data:`EXCHANGE_COUNT`.
-EXCHANGED = "traceable_hsdp_reduce_scatter_exchange"
+# The meta key that marks an ``all_to_all_single`` node as a reduce-scatter or an
+# all-gather issued as an exchange (see [Note: gloo reduce-scatters as an exchange]
+# and [Note: gloo all-gathers as an exchange] in ``exchange.py``).
+# Its value is the family the node counts in; :func:`graph_counts` counts it under
+# :data:`EXCHANGE_COUNT` or :data:`AG_EXCHANGE_COUNT`.
+EXCHANGED = "traceable_hsdp_exchange"
 EXCHANGE_COUNT = "reduce_scatter_by_exchange"
+AG_EXCHANGE_COUNT = "all_gather_by_exchange"
+_EXCHANGE_COUNTS = {"reduce_scatter": EXCHANGE_COUNT, "all_gather": AG_EXCHANGE_COUNT}
 
 Family = Literal["all_gather", "reduce_scatter", "all_reduce"]
 # Op-name prefix of each collective family: the plain op and its variants
 # (``_out``, ``_coalesced``, the in-place ``all_reduce_``) count alike, and so does
-# a reduce-scatter issued as an exchange (:data:`EXCHANGE_COUNT`).
+# a reduce-scatter or an all-gather issued as an exchange (:data:`EXCHANGE_COUNT`,
+# :data:`AG_EXCHANGE_COUNT`).
 _FAMILIES: tuple[tuple[str, Family], ...] = (
     ("all_gather_into_tensor", "all_gather"),
+    (AG_EXCHANGE_COUNT, "all_gather"),
     ("reduce_scatter_tensor", "reduce_scatter"),
     (EXCHANGE_COUNT, "reduce_scatter"),
     ("all_reduce", "all_reduce"),
@@ -245,8 +251,9 @@ def collective_family(node: fx.Node) -> Family | None:
     exchange: an ``all_to_all_single`` marked :data:`EXCHANGED`); else ``None``."""
     if not is_collective(node):
         return None
-    if node.meta.get(EXCHANGED):
-        return "reduce_scatter"
+    family = node.meta.get(EXCHANGED)
+    if family in _EXCHANGE_COUNTS:
+        return family
     q = op_name(node)
     assert q is not None
     for prefix, family in _FAMILIES:
@@ -684,6 +691,9 @@ class CollectiveRow:
         kernels_before_wait: kernels that run between its issue and its wait in
             the final schedule, the overlap distance (``None``: no schedule or no
             wait).
+        family: what it does (:func:`collective_family`): for an exchange (an
+            ``all_to_all_single`` the passes issue in place of a reduce-scatter or
+            an all-gather) not its op's family; see :attr:`label`.
     """
 
     index: int
@@ -702,6 +712,15 @@ class CollectiveRow:
     issued_at: int | None = None
     waited_at: int | None = None
     kernels_before_wait: int | None = None
+    family: Family | None = None
+
+    @property
+    def label(self) -> str:
+        """The op, and for an exchange what it stands for: ``all_to_all_single as
+        all_gather``."""
+        if self.family is None or _name_family(self.op) == self.family:
+            return self.op
+        return f"{self.op} as {self.family}"
 
 
 def _graph_of(graph: fx.Graph | fx.GraphModule) -> fx.Graph:
@@ -746,6 +765,7 @@ def collective_table(graph: fx.Graph | fx.GraphModule) -> list[CollectiveRow]:
                 out_bytes=_nbytes(out_val),
                 unit=None if ann is None else ann[UNIT],
                 params=() if ann is None else ann[PARAMS],
+                family=collective_family(node),
             )
         )
     return rows
@@ -762,7 +782,7 @@ def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
         if q is None:
             continue
         if q[0] in COLLECTIVE_NAMESPACES:
-            c[EXCHANGE_COUNT if node.meta.get(EXCHANGED) else q[1]] += 1
+            c[_EXCHANGE_COUNTS.get(node.meta.get(EXCHANGED), q[1])] += 1
         elif is_fsdp_copy(node):
             c["fsdp.copy_"] += 1
         elif is_resize(node):
@@ -1015,17 +1035,25 @@ def scheduled_collective_name(op: ScheduledOp) -> str | None:
     return None if parsed is None else parsed[1]
 
 
-def max_in_flight(schedule: Sequence[ScheduledOp]) -> dict[str, int]:
+def max_in_flight(
+    schedule: Sequence[ScheduledOp], rows: Sequence[CollectiveRow] | None = None
+) -> dict[str, int]:
     """The most collectives of each op (``all_gather_into_tensor``, ...) issued and
     not yet waited for at any point of ``schedule``. More than one all-gather in
     flight is what gloo cannot take on torch 2.13 (see [Note: In-flight all-gathers
-    on gloo] in ``traceable_hsdp/_collectives.py``)."""
+    on gloo] in ``traceable_hsdp/_collectives.py``). With ``rows`` (the graph's
+    :func:`collective_table`, in the schedule's order: :func:`with_schedule`), each
+    collective is named by its row's :attr:`~CollectiveRow.label`, so an exchange
+    counts as what it stands for."""
     op_of: dict[int, str] = {}
     now: Counter[str] = Counter()
     most: dict[str, int] = {}
     for op in schedule:
         if op.kind == "collective" and op.collective is not None:
-            name = scheduled_collective_name(op) or op.name
+            if rows is not None and op.collective < len(rows):
+                name = rows[op.collective].label
+            else:
+                name = scheduled_collective_name(op) or op.name
             op_of[op.collective] = name
             now[name] += 1
             most[name] = max(most.get(name, 0), now[name])

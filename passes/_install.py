@@ -167,7 +167,7 @@ from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucke
 from .free_after_last_read import free_after_last_read
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
-from .reduce_scatter_by_exchange import reduce_scatter_by_exchange
+from .exchange import all_gather_by_exchange, reduce_scatter_by_exchange
 from .remove_resize_copy import remove_resize_copy
 from .recompute_placeholder_views import recompute_placeholder_views
 from .save_checkpoint_outputs import save_checkpoint_outputs
@@ -194,6 +194,7 @@ _PASS_NAMES = (
     "bucket_reduce_scatters",
     "overlap",
     "reduce_scatter_by_exchange",
+    "all_gather_by_exchange",
 )
 _ALIASES = {
     "all": _PASS_NAMES,
@@ -217,6 +218,10 @@ class PassConfig:
             as an all-to-all and an addition, the same numbers for less traffic
             (default ``True``), in compiled graphs and eagerly; see [Note: gloo
             reduce-scatters as an exchange].
+        all_gather_by_exchange: issue each all-gather over two gloo ranks as an
+            all-to-all of its input sent to both ranks, the same numbers with one
+            copy fewer (default ``True``), in compiled graphs; see [Note: gloo
+            all-gathers as an exchange].
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
             (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
             cap]); ``None`` keeps one bucket per unit.
@@ -231,6 +236,7 @@ class PassConfig:
     bucket_reduce_scatters: bool = True
     overlap: bool = True
     reduce_scatter_by_exchange: bool = True
+    all_gather_by_exchange: bool = True
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
 
     def __post_init__(self) -> None:
@@ -308,6 +314,7 @@ class PassConfig:
             bucket_reduce_scatters="bucket_reduce_scatters" in on,
             overlap="overlap" in on,
             reduce_scatter_by_exchange="reduce_scatter_by_exchange" in on,
+            all_gather_by_exchange="all_gather_by_exchange" in on,
             bucket_cap_mb=cap,
         )
 
@@ -365,6 +372,8 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
         done["overlap"] = overlap(gm)
     if cfg.reduce_scatter_by_exchange:
         done["reduce_scatter_by_exchange"] = reduce_scatter_by_exchange(gm)
+    if cfg.all_gather_by_exchange:
+        done["all_gather_by_exchange"] = all_gather_by_exchange(gm)
     return done
 
 

@@ -431,7 +431,7 @@ def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
         # An all-gather in either form (on CPU each is issued into a buffer: [Note:
         # CPU all-gathers into buffers] in passes/gather_into_buffers.py), and a
         # reduce-scatter (over two gloo ranks an exchange: [Note: gloo
-        # reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py).
+        # reduce-scatters as an exchange] in passes/exchange.py).
         for key, pred in (("all_gather", _any_all_gather), ("reduce_scatter", _any_reduce_scatter),
                           ("all_reduce", P.is_all_reduce), ("fsdp_copy", P.is_fsdp_copy),
                           ("resize", P.is_resize)):

@@ -400,7 +400,7 @@ def _reduce_scatter_times_3(op: str, world: int, group: str) -> Any:
 
 def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     """The reduce-scatter-as-exchange rewrite on 2 gloo ranks (see [Note: gloo
-    reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py): for
+    reduce-scatters as an exchange] in passes/exchange.py): for
     float32 and bfloat16, "sum" and "avg", a 1-D and a 2-D gradient, a traced graph
     of one reduce-scatter gives the same bits before and after the pass, and so does
     the eager runtime's ``reduce_scatter`` against the functional op; for each
@@ -472,6 +472,79 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
         out["eager_ops"][on] = ops.names
     passes.set_config(config)
     torch._inductor.config.post_grad_custom_post_pass = None
+    return out
+
+
+def _gather_times_3(world: int, group: str) -> Any:
+    c10d = torch.ops._c10d_functional
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        bucket = torch.cat([a.reshape(-1), b])  # a bucket of two shards, as the passes make
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(bucket, world, group)) * 3
+
+    return fn
+
+
+def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
+    """The all-gather-as-exchange rewrite on 2 gloo ranks (see [Note: gloo all-gathers
+    as an exchange] in passes/exchange.py): for float32 and
+    bfloat16, a traced graph of one all-gather of a bucket (a ``cat`` of a 2-D and a
+    1-D shard) and of one of a 2-D shard gives the same bits before and after the
+    pass; the float32 bucket compiled by Inductor (the pass installed, a reader
+    fused after it) gives the bits of the uncompiled op. Records the rewritten
+    graph's op counts, what the exchange reads, and the cases left alone (no wait, a
+    fake GPU input). Returns what each check found; the test asserts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from traceable_hsdp import passes
+    from traceable_hsdp.passes import all_gather_by_exchange
+    from traceable_hsdp.passes._graph import AG_EXCHANGE_COUNT, ALL_GATHER, ALL_TO_ALL
+
+    c10d = torch.ops._c10d_functional
+    group = torch.distributed.group.WORLD.group_name
+    out: dict[str, Any] = {"bitwise": {}, "counts": {}, "exchange_input": {}, "left_alone": {}}
+    gen = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(3, 4, generator=gen).to(dtype)
+        b = torch.randn(5, generator=gen).to(dtype)
+        cases = {
+            "bucket": (_gather_times_3(world, group), (a, b)),
+            "2-D": (lambda t: c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group)), (a,)),
+        }
+        for name, (fn, args) in cases.items():
+            gm = make_fx(fn, tracing_mode="fake")(*args)  # one fake mode for all values
+            ref = gm(*args)
+            n = all_gather_by_exchange(gm)
+            got = gm(*args)
+            key = f"{dtype}/{name}"
+            out["bitwise"][key] = (n, torch.equal(got, ref) and got.shape == ref.shape)
+            out["counts"][key] = graph_counts(gm)
+            (ex,) = [x for x in gm.graph.nodes if x.target is ALL_TO_ALL]
+            cat = ex.args[0]
+            out["exchange_input"][key] = (
+                str(cat.target), [str(p.target) for p in cat.args[0]], list(ex.args[1:3]),
+            )
+    passes.install()  # as fully_shard does: the pass runs on Inductor's graphs
+    compiled = PostGradRecorder()  # the graphs Inductor compiled, after the passes
+    torch._inductor.config.post_grad_custom_post_pass = compiled
+    a, b = torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen)
+    fn = _gather_times_3(world, group)
+    torch._dynamo.reset()
+    same = torch.equal(torch.compile(fn, fullgraph=True)(a, b), fn(a, b))
+    out["inductor"] = (same, graph_counts(compiled.graphs[-1].final_graph()))
+    torch._inductor.config.post_grad_custom_post_pass = None
+    x = torch.randn(8)
+    gm = make_fx(lambda t: c10d.all_gather_into_tensor(t, world, group))(x)
+    out["left_alone"]["no_wait"] = all_gather_by_exchange(gm)
+    gm = make_fx(lambda t: c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group)))(x)
+    with FakeTensorMode():  # the same graph, its input on a GPU (NCCL writes the output)
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                n.meta["val"] = torch.empty(8, device="cuda")
+    out["left_alone"]["gpu"] = all_gather_by_exchange(gm)
+    out["left_alone"]["all_gathers"] = sum(n.target is ALL_GATHER for n in gm.graph.nodes)
+    out["exchange_key"] = AG_EXCHANGE_COUNT
     return out
 
 

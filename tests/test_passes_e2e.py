@@ -52,6 +52,7 @@ bitwise).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -119,88 +120,89 @@ def _code_op(op: Any) -> str:
     return re.escape(f"torch.ops.{op}")
 
 
-def _code_regexes() -> tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]]:
-    """The issue of an all-gather (either form: ``bufN = all_gather_into_tensor(..)``,
-    or on CPU ``all_gather_into_tensor_out(.., out=bufN)``; see [Note: CPU
-    all-gathers into buffers]), of a reduce-scatter (either form: over two gloo
-    ranks an ``all_to_all_single``; see [Note: gloo reduce-scatters as an
-    exchange]), and a wait, in wrapper code; group 1 or 2 is the buffer the wait
-    names."""
+def _code_regexes() -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """The issue of a collective in wrapper code (an all-gather in either form:
+    ``bufN = all_gather_into_tensor(..)`` or on CPU ``all_gather_into_tensor_out(..,
+    out=bufN)``, see [Note: CPU all-gathers into buffers]; a reduce-scatter; over two
+    gloo ranks an ``all_to_all_single`` for either, see [Note: gloo reduce-scatters
+    as an exchange] and [Note: gloo all-gathers as an exchange]), and a wait; group
+    1 or 2 is the buffer the wait names, group 3 the first buffer the issue reads."""
     from traceable_hsdp.passes._graph import (
         ALL_GATHER, ALL_GATHER_OUT, ALL_TO_ALL, REDUCE_SCATTER, WAIT,
     )
 
+    reads = r"(?:reinterpret_tensor\()?(buf\d+|arg\d+_\d+)"
     return (
         re.compile(
-            rf"(buf\d+) = {_code_op(ALL_GATHER)}\(|{_code_op(ALL_GATHER_OUT)}\(.*out=(buf\d+)\)"
+            rf"(buf\d+) = (?:{_code_op(ALL_GATHER)}|{_code_op(REDUCE_SCATTER)}|"
+            rf"{_code_op(ALL_TO_ALL)})\({reads}|{_code_op(ALL_GATHER_OUT)}\({reads}.*out=(buf\d+)\)"
         ),
-        re.compile(rf"(buf\d+) = (?:{_code_op(REDUCE_SCATTER)}|{_code_op(ALL_TO_ALL)})\("),
         re.compile(rf"{_code_op(WAIT)}\((buf\d+)\)"),
     )
 
 _CODE_KERNEL = re.compile(r"extern_kernels\.|cpp_fused_|torch\.ops\.aten\.")
 
 
-def _code_overlap(code: str) -> dict[str, Any]:
+def _code_overlap(code: str, families: list[str | None]) -> dict[str, Any]:
     """The same facts read from Inductor's generated wrapper code: for each
     all-gather but the first and each reduce-scatter but the last, how many kernel
-    calls run between its issue and its wait; the most all-gathers in flight."""
-    ag_issue, rs_issue, wait = _code_regexes()
+    calls run between its issue and its wait; the most all-gathers in flight; how
+    many all-gathers' inputs the code deletes or reuses before their wait.
+    ``families`` names what the code's k-th collective does (the graph's rows, in
+    the order Inductor keeps): an exchange is an ``all_to_all_single`` either way."""
+    issue, wait = _code_regexes()
     lines = code[code.index("def call") :].splitlines()
-    events: list[tuple[str, str]] = []  # (kind, buffer): "all_gather", "wait", "kernel"
-    for line in lines:
-        if m := ag_issue.search(line):
-            events.append(("all_gather_into_tensor", m.group(1) or m.group(2)))
-        elif m := rs_issue.search(line):
-            events.append(("reduce_scatter_tensor", m.group(1)))
+    events: list[tuple[str, str, str, int]] = []  # (kind, buffer, input, line)
+    for n, line in enumerate(lines):
+        if m := issue.search(line):
+            out, inp = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+            events.append((families[sum(e[0] != "wait" and e[0] != "kernel" for e in events)],
+                           out, inp, n))
         elif m := wait.search(line):
-            events.append(("wait", m.group(1)))
+            events.append(("wait", m.group(1), "", n))
         elif _CODE_KERNEL.search(line):
-            events.append(("kernel", ""))
-    between: dict[str, list[int]] = {"all_gather_into_tensor": [], "reduce_scatter_tensor": []}
-    open_: dict[str, tuple[str, int]] = {}
-    in_flight = most = 0
-    for i, (kind, buf) in enumerate(events):
+            events.append(("kernel", "", "", n))
+    assert sum(e[0] not in ("wait", "kernel") for e in events) == len(families), families
+    between: dict[str, list[int]] = {"all_gather": [], "reduce_scatter": []}
+    open_: dict[str, tuple[str, int, str, int]] = {}
+    in_flight = most = freed_early = 0
+    for i, (kind, buf, inp, n) in enumerate(events):
         if kind in between:
-            open_[buf] = (kind, i)
-            if kind == "all_gather_into_tensor":
+            open_[buf] = (kind, i, inp, n)
+            if kind == "all_gather":
                 in_flight += 1
                 most = max(most, in_flight)
         elif kind == "wait" and buf in open_:
-            what, start = open_.pop(buf)
-            between[what].append(sum(1 for k, _ in events[start:i] if k == "kernel"))
-            in_flight -= what == "all_gather_into_tensor"
-    # Each CPU all-gather's input stays alive, not deleted or reused, until the
-    # all-gather's wait: gloo reads it until then ([Note: The input lives until the
-    # wait] in passes/gather_into_buffers.py).
-    ag_out = re.compile(r"all_gather_into_tensor_out\.default\((buf\d+), .*out=(buf\d+)\)")
-    inputs_freed_early = 0
-    for i, line in enumerate(lines):
-        if m := ag_out.search(line):
-            inp, out = m.groups()
-            end = next(
-                j for j in range(i + 1, len(lines)) if f"wait_tensor.default({out})" in lines[j]
-            )
-            inputs_freed_early += any(re.search(rf"\b{inp}\b", ln) for ln in lines[i + 1 : end])
+            what, start, src, first = open_.pop(buf)
+            between[what].append(sum(1 for k, *_ in events[start:i] if k == "kernel"))
+            if what == "all_gather":
+                in_flight -= 1
+                # Its input stays alive, not deleted or reused, until the wait: gloo
+                # reads it until then ([Note: The input lives until the wait] in
+                # passes/gather_into_buffers.py; an exchange is an allocating
+                # collective, whose input Inductor keeps alive itself).
+                freed_early += any(
+                    re.search(rf"\b{src}\b", ln) for ln in lines[first + 1 : n]
+                )
     return dict(
-        ag_inputs_freed_early=inputs_freed_early,
-        ag_kernels=between["all_gather_into_tensor"][1:],
-        rs_kernels=between["reduce_scatter_tensor"][:-1],
+        ag_inputs_freed_early=freed_early,
+        ag_kernels=between["all_gather"][1:],
+        rs_kernels=between["reduce_scatter"][:-1],
         ag_in_flight=most,
-        kind="bwd" if between["reduce_scatter_tensor"] else "fwd" if between["all_gather_into_tensor"] else None,
+        kind="bwd" if between["reduce_scatter"] else "fwd" if between["all_gather"] else None,
     )
 
 
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _graph as P
 
-    keys = ("all_gather", "ag_out", "reduce_scatter", "rs_exchange", "fsdp_copy",
+    keys = ("all_gather", "ag_exchange", "reduce_scatter", "rs_exchange", "fsdp_copy",
             "resize_full", "resize_0")
     c = dict.fromkeys(keys, 0)
     for n in graph.nodes:
-        if P.collective_family(n) == "all_gather":  # either form
+        if P.collective_family(n) == "all_gather":  # any form
             c["all_gather"] += 1
-            c["ag_out"] += n.target is P.ALL_GATHER_OUT
+            c["ag_exchange"] += n.target is P.ALL_TO_ALL
         elif P.collective_family(n) == "reduce_scatter":  # either form
             c["reduce_scatter"] += 1
             c["rs_exchange"] += n.target is P.ALL_TO_ALL
@@ -312,13 +314,19 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
             ref_opt.zero_grad()
             ref_losses.append(ref_loss.item())
         # Every graph of the step compiled in step 1: the generated code that ran.
-        codes = [_code_overlap((dump.out_dir / r.file).read_text()) for r in _scheduled(dump)]
+        codes = [
+            _code_overlap((dump.out_dir / r.file).read_text(), [c.family for c in r.collectives])
+            for r in _scheduled(dump)
+        ]
         step_graphs = dump.graph_names()
         # The tiny model's forward, every pass off, Inductor's default scheduler; the
         # post-pass recorder above counts the step's graphs only.
         torch._inductor.config.post_grad_custom_post_pass = None
         saved = passes.get_config()
-        passes.set_config(passes.PassConfig(False, False, False, False))
+        passes.set_config(passes.PassConfig(**{
+            f.name: False for f in dataclasses.fields(passes.PassConfig)
+            if isinstance(getattr(saved, f.name), bool)
+        }))
         try:
             with torch.no_grad(), torch._inductor.config.patch(reorder_for_peak_memory=True):
                 tiny_x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
@@ -372,12 +380,12 @@ def test_passes_in_compiled_fsdp_step(tmp_path: Path, per_unit_buckets: None) ->
         # reduce-scatter per unit.
         assert fwd[0]["all_gather"] == N_UNITS, fwd[0]
         assert bwd[0]["all_gather"] == N_LAYERS, bwd[0]
-        # Each into a buffer allocated beforehand: CPU tensors (gloo), see [Note: CPU
-        # all-gathers into buffers] in passes/gather_into_buffers.py.
-        assert f["ag_out"] == N_UNITS and b["ag_out"] == N_LAYERS, (f, b)
+        # Each as an exchange: 2 gloo ranks, see [Note: gloo all-gathers as an
+        # exchange] in passes/exchange.py.
+        assert f["ag_exchange"] == N_UNITS and b["ag_exchange"] == N_LAYERS, (f, b)
         assert bwd[0]["reduce_scatter"] == N_UNITS, bwd[0]
         # Each as an exchange: 2 gloo ranks, see [Note: gloo reduce-scatters as an
-        # exchange] in passes/reduce_scatter_by_exchange.py.
+        # exchange] in passes/exchange.py.
         assert b["rs_exchange"] == N_UNITS, b
         # Overlap, in the post-grad graph: every all-gather but the first issued
         # before the previous unit's compute (forward, and the backward's
@@ -445,16 +453,17 @@ def _check_final_schedule(dump_dir: Path, r: dict[str, Any]) -> None:
     # One bucketed all-gather per unit: the root (labelled by its class) first, then
     # the blocks (by their path). Each but the first is issued before the previous
     # unit's compute (prefetch): kernels run before its wait. The first has nothing
-    # to overlap with. On CPU each all-gather is issued into a buffer
-    # (gather_into_buffers).
-    assert [(c["op"], c["unit"]) for c in fwd] == [("all_gather_into_tensor_out", "Llama")] + [
-        ("all_gather_into_tensor_out", f"layers.{i}") for i in range(N_LAYERS)
+    # to overlap with. Over two gloo ranks each all-gather is an exchange
+    # (all_gather_by_exchange).
+    agx = ("all_to_all_single", "all_gather")
+    assert [(c["op"], c["family"], c["unit"]) for c in fwd] == [(*agx, "Llama")] + [
+        (*agx, f"layers.{i}") for i in range(N_LAYERS)
     ], fwd
     assert fwd[0]["kernels_before_wait"] == 0
     assert all(c["kernels_before_wait"] >= 1 for c in fwd[1:]), recs["00_fwd"]["schedule"]
     # Over two gloo ranks each reduce-scatter is an exchange (see [Note: gloo
-    # reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py).
-    rs = [c for c in bwd if c["op"] == "all_to_all_single"]
+    # reduce-scatters as an exchange] in passes/exchange.py).
+    rs = [c for c in bwd if (c["op"], c["family"]) == ("all_to_all_single", "reduce_scatter")]
     assert rs and any(c["kernels_before_wait"] >= 1 for c in rs), recs["01_bwd"]["schedule"]
     # Passes off: one all-gather per parameter, each waited for right after it is
     # issued (the runtime's order; Inductor's scheduler keeps it).
@@ -463,15 +472,15 @@ def _check_final_schedule(dump_dir: Path, r: dict[str, Any]) -> None:
         ("0.weight",), ("0.bias",), ("2.weight",), ("2.bias",)
     ] * 2, off
     assert all(c["kernels_before_wait"] == 0 for c in off), recs["03_fwd"]["schedule"]
-    assert (
-        f"overlap: all_gather_into_tensor_out: {N_UNITS - 1} of {N_UNITS} with >=1 kernel"
-        in r["summary"]
-    ), r["summary"]
+    label = "all_to_all_single as all_gather"
+    assert f"overlap: {label}: {N_UNITS - 1} of {N_UNITS} with >=1 kernel" in r["summary"], (
+        r["summary"])
     assert "wait after" in r["summary"]
-    # The overlap pass keeps one all-gather in flight (gloo needs that), and
-    # Inductor's scheduler does not add one.
-    assert all(rec["in_flight"]["all_gather_into_tensor_out"] == 1 for rec in recs.values()), [
+    # The overlap pass keeps one all-gather in flight, and Inductor's scheduler does
+    # not add one (the passes-off forward's are into buffers: every pass off).
+    assert recs["00_fwd"]["in_flight"][label] == recs["01_bwd"]["in_flight"][label] == 1, [
         rec["in_flight"] for rec in recs.values()]
+    assert recs["03_fwd"]["in_flight"]["all_gather_into_tensor_out"] == 1, recs["03_fwd"]
 
 
 def _storage_events(graph: torch.fx.Graph) -> list[tuple[str, str]]:

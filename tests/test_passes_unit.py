@@ -655,6 +655,7 @@ def test_all_passes_on_a_forward_like_graph() -> None:
         "bucket_reduce_scatters": 0,
         "overlap": 0,  # one unit: nothing to prefetch
         "reduce_scatter_by_exchange": 0,  # no reduce-scatter (and no gloo group here)
+        "all_gather_by_exchange": 0,  # no gloo group here
     }
     c = _counts(gm)
     assert (c["all_gather"], c["copy"], c["resize"]) == (1, 0, 0)
@@ -707,6 +708,7 @@ def test_config_from_env() -> None:
         bucket_reduce_scatters=False,
         overlap=False,
         reduce_scatter_by_exchange=False,
+        all_gather_by_exchange=False,
     )
     assert f({"TRACEABLE_HSDP_PASSES": "none"}) == PassConfig(**off)
     assert f({"TRACEABLE_HSDP_PASSES": "all"}) == PassConfig()
@@ -714,10 +716,13 @@ def test_config_from_env() -> None:
         **{**off, "remove_resize_copy": True}
     )
     assert f({"TRACEABLE_HSDP_PASSES": " Remove_Resize_Copy , bucket , OVERLAP"}) == PassConfig(
-        reduce_scatter_by_exchange=False
+        reduce_scatter_by_exchange=False, all_gather_by_exchange=False
     )
     assert f({"TRACEABLE_HSDP_PASSES": "remove_resize_copy,bucket,reduce_scatter_by_exchange"}) == (
-        PassConfig(overlap=False)
+        PassConfig(overlap=False, all_gather_by_exchange=False)
+    )
+    assert f({"TRACEABLE_HSDP_PASSES": "all_gather_by_exchange"}) == PassConfig(
+        **{**off, "all_gather_by_exchange": True}
     )
     assert f({"TRACEABLE_HSDP_PASSES": "reduce_scatter_by_exchange"}) == PassConfig(
         **{**off, "reduce_scatter_by_exchange": True}
@@ -1321,6 +1326,43 @@ def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
     assert [n.target for n in gpu_gm.graph.nodes if n.op == "call_function"] == [ALL_GATHER, WAIT]
 
 
+# ------------------------------------------------------- all_gather_by_exchange
+def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
+    """On 2 gloo ranks, an all-gather of a bucket (a ``cat`` of a 2-D and a 1-D
+    shard) and of a 2-D shard, in float32 and bfloat16, each becomes one exchange of
+    the shard sent twice, and the graph gives bitwise the same result (nothing is
+    computed: tolerance 0). The bucket's doubled input is one ``cat`` of its pieces
+    twice. Compiled by Inductor with the pass installed (one compile), the bucket
+    gives the bits of the uncompiled op, as one exchange and no all-gather. One with
+    no wait and a GPU one are left alone. See [Note: gloo all-gathers as an
+    exchange] in passes/exchange.py."""
+    from _dist import run_ranks
+    from _workers import gather_exchange_worker
+
+    reshape, view = str(aten.reshape.default), str(aten.view.default)
+    for r in run_ranks(gather_exchange_worker, 2):
+        assert len(r["bitwise"]) == 4, r
+        for key, (n, same) in r["bitwise"].items():
+            counts = r["counts"][key]
+            assert n == 1 and same, (key, n, same)
+            assert passes._graph.family_counts(counts) == {"all_gather": 1}, counts
+            assert counts.get(r["exchange_key"]) == 1 and "all_gather_into_tensor" not in counts
+            target, pieces, splits = r["exchange_input"][key]
+            assert target == str(aten.cat.default), (key, target)
+            if key.endswith("bucket"):  # a's 12 elements and b's 5, twice
+                assert splits == [[17, 17], [17, 17]], (key, splits)
+                assert len(pieces) == 4 and pieces[:2] == pieces[2:], pieces
+                assert pieces[0] in (reshape, view), pieces
+            else:  # the shard flattened, twice
+                assert splits == [[12, 12], [12, 12]], (key, splits)
+                assert pieces == [reshape, reshape], pieces
+        same, counts = r["inductor"]
+        assert same, r["inductor"]
+        assert counts.get(r["exchange_key"]) == 1, counts
+        assert not any(k.startswith("all_gather_into_tensor") for k in counts), counts
+        assert r["left_alone"] == {"no_wait": 0, "gpu": 0, "all_gathers": 1}, r["left_alone"]
+
+
 # ---------------------------------------------------- reduce_scatter_by_exchange
 def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     """On 2 gloo ranks, each float32 reduce-scatter ("sum" and "avg"; a 1-D and a 2-D
@@ -1332,7 +1374,7 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     gives the same bits in both dtypes, as an exchange unless
     ``PassConfig(reduce_scatter_by_exchange=False)``. The exchange counts as a
     reduce-scatter. A "max", one with no wait and a GPU one are left alone. See
-    [Note: gloo reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py."""
+    [Note: gloo reduce-scatters as an exchange] in passes/exchange.py."""
     from _dist import run_ranks
     from _workers import exchange_worker
 

@@ -807,7 +807,7 @@ def test_variable_sequence_lengths_compiled() -> None:
         one_bucket = {"all_gather_into_tensor_out": 1, "wait_tensor": 2}
         train_fwd = {**one_bucket, "fsdp.copy_": 3, "resize_to_full": 3}
         # The reduce-scatter as an exchange (2 gloo ranks): [Note: gloo
-        # reduce-scatters as an exchange] in passes/reduce_scatter_by_exchange.py.
+        # reduce-scatters as an exchange] in passes/exchange.py.
         both = {"all_gather_into_tensor_out": 1, "reduce_scatter_by_exchange": 1,
                 "wait_tensor": 3, "resize_to_0": 3}
         assert r["counts"] == [("fwd", train_fwd), ("bwd", both), ("bwd", both),

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from ._common import compiling
 from .passes import get_config
 from .passes._graph import group_backend
-from .passes.reduce_scatter_by_exchange import is_gloo_group
+from .passes.exchange import is_gloo_group
 
 _c10d = torch.ops._c10d_functional
 
@@ -109,7 +109,7 @@ def reduce_scatter(
     """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
     rank's 1/world_size of dim 0. Eagerly, over two gloo ranks, it is one exchange
     and one addition, the same numbers for less traffic (see [Note: gloo
-    reduce-scatters as an exchange] in ``passes/reduce_scatter_by_exchange.py``; the
+    reduce-scatters as an exchange] in ``passes/exchange.py``; the
     compiled graphs get the same from that pass), unless the pass configuration
     turns ``reduce_scatter_by_exchange`` off."""
     if world_size == 1:

@@ -215,11 +215,11 @@ def overlap_line(rows: Sequence[CollectiveRow]) -> str:
     unwaited: Counter[str] = Counter()
     for r in rows:
         if r.kernels_before_wait is None:
-            unwaited[r.op] += 1
+            unwaited[r.label] += 1
         else:
-            by_op.setdefault(r.op, []).append(r.kernels_before_wait)
+            by_op.setdefault(r.label, []).append(r.kernels_before_wait)
     parts = []
-    for op in dict.fromkeys(r.op for r in rows):
+    for op in dict.fromkeys(r.label for r in rows):
         d = sorted(by_op.get(op, []))
         text = f"{op}: {sum(1 for x in d if x >= 1)} of {len(d)} with >=1 kernel before the wait"
         if d:
@@ -267,7 +267,7 @@ def format_table(rows: Sequence[CollectiveRow]) -> str:
             )
         lines.append((
             str(r.index),
-            r.op,
+            r.label,
             r.reduce_op or "-",
             r.group_name or "?",
             "?" if r.group_size is None else str(r.group_size),
@@ -489,7 +489,7 @@ class GraphDump:
                 + ("-" if op.collective is None else str(op.collective))
                 for op in schedule
             ]
-            record.in_flight = max_in_flight(schedule)
+            record.in_flight = max_in_flight(schedule, record.collectives)
             issues_and_waits = [op.name for op in schedule if op.kind != "kernel"]
             if issues_and_waits:
                 record.schedule_note = "not checked: torch logged no collective schedule"

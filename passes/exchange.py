@@ -1,4 +1,4 @@
-"""Reduce-scatter over two gloo ranks as one exchange and one addition.
+"""Reduce-scatters and all-gathers over two gloo ranks as exchanges (``all_to_all_single``).
 
 [Note: gloo reduce-scatters as an exchange]
 gloo has no reduce-scatter. torch 2.13's ``ProcessGroupGloo`` implements one
@@ -63,6 +63,65 @@ reduce-scatter (:func:`passes._graph.collective_family`). The eager runtime does
 same (``reduce_scatter`` in ``traceable_hsdp/_collectives.py``), and
 ``PassConfig(reduce_scatter_by_exchange=False)`` turns both off.
 
+[Note: gloo all-gathers as an exchange]
+gloo's all-gather into a tensor (``_allgather_base``, which the ``_out`` all-gather
+of [Note: CPU all-gathers into buffers] reaches) gathers into a flat tensor it
+allocates on its worker thread, then copies that into the output: every gathered
+byte is copied once more, and the fresh buffer is paged in on every call. An
+all-to-all writes into its output directly. Over two ranks it is an all-gather when
+each rank sends its shard to both ranks: the input is the shard twice (rank ``r``
+sends chunk ``j`` to rank ``j``) and the output is rank 0's shard then rank 1's,
+the all-gather's layout. That costs writing the shard twice where the bucket is
+packed (half the bytes of the copy it saves), and gloo copies the chunk a rank
+sends itself, as its all-gather copies this rank's shard. Bare ops on 2 gloo ranks
+(``benchmarks/collective_latency.py``, medians, 2026-12-05, 2-core AVX-512 Xeon;
+the exchange's time includes writing the doubled input):
+
+=========  ================================  ==========================
+gathered   ``all_gather_into_tensor_out``    exchange (doubled input)
+=========  ================================  ==========================
+2 MiB      2.01 ms                           1.15 ms
+8 MiB      5.80 ms                           4.24 ms
+16 MiB     11.86 ms                          9.80 ms
+=========  ================================  ==========================
+
+In the compute shape's compiled step (``benchmarks/step_time.py``, the variant
+``ours_compiled_no_all_gather_by_exchange`` beside ``ours_compiled``, in both run
+orders), the step took 0.94x and 0.95x the time it took without this pass (116.1
+against 123.0 ms, 128.6 against 135.2 ms; 2026-12-05).
+
+So :func:`all_gather_by_exchange` rewrites each all-gather of CPU tensors over a
+gloo group of two ranks, read by one wait::
+
+    buf = cat([f0, f1])                             # the bucket: this rank's shards
+    ag  = all_gather_into_tensor(buf, 2, "0")       # buf: (n,)
+    r   = wait_tensor(ag)
+
+into::
+
+    two = cat([f0, f1, f0, f1])                     # the shard, once per rank
+    ex  = all_to_all_single(two, [n, n], [n, n], "0")   # where ag was
+    w   = wait_tensor(ex)                           # where r was
+    r   = view(w, <ag's shape>)
+
+(a bucket's ``cat`` read only by the all-gather gives its pieces, so the doubled
+input is written in one kernel; any other input is flattened and written twice).
+The values are the same bit for bit in every dtype: nothing is computed, only
+moved. It runs after ``overlap`` and before :func:`gather_into_buffers`, which then
+has no all-gather left over two gloo ranks; the exchange is an allocating
+collective, whose input Inductor keeps alive until its wait (as for the
+reduce-scatter's exchange above). In flight with the other collectives of a step:
+``benchmarks/gloo_in_flight.py`` ran ``ex+exg``, ``exg+ex`` and ``exg+exg+exg`` (an
+exchanged reduce-scatter and all-gathers in flight together, 20,000 rounds a run)
+clean in 3 of 3 runs each (2026-12-05). Left alone: more than two ranks (an
+all-to-all of a doubled input would send each shard world-size times), GPU
+all-gathers (NCCL writes into the output), symbolic shapes, and an all-gather not
+read by exactly one wait. The exchange keeps the all-gather's annotation and is
+marked (:data:`EXCHANGED`, ``"all_gather"``), so the graph vocabulary counts it as
+an all-gather, under :data:`~passes._graph.AG_EXCHANGE_COUNT`. Eagerly the runtime
+keeps gloo's ``_out`` all-gather (``traceable_hsdp/_collectives.py``): the numbers
+are the same either way. ``PassConfig(all_gather_by_exchange=False)`` turns it off.
+
 Invariant: the rewritten graph computes the same tensors as before, with its
 collectives issued and waited for at the same positions and over the same groups.
 """
@@ -74,10 +133,19 @@ import logging
 import torch
 from torch import fx
 
-from ._graph import ALL_TO_ALL, EXCHANGED, REDUCE_SCATTER, WAIT, bound_args, group_backend, single_wait
-from ._rewrite import insert_call, tensor_val
+from ._graph import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    EXCHANGED,
+    REDUCE_SCATTER,
+    WAIT,
+    bound_args,
+    group_backend,
+    single_wait,
+)
+from ._rewrite import insert_call, static_numel, tensor_val
 
-__all__ = ["is_gloo_group", "reduce_scatter_by_exchange"]
+__all__ = ["all_gather_by_exchange", "is_gloo_group", "reduce_scatter_by_exchange"]
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +217,7 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
         with graph.inserting_after(wait):
             got = graph.call_function(WAIT, (ex,))
         # The annotation, stack trace and the rest carry over to the exchange.
-        ex.meta.update({**node.meta, "val": val.new_empty(shape), EXCHANGED: True})
+        ex.meta.update({**node.meta, "val": val.new_empty(shape), EXCHANGED: "reduce_scatter"})
         got.meta["val"] = ex.meta["val"]
         with graph.inserting_before(got.next):  # each new node after the last
             lo = insert_call(graph, _aten.slice.Tensor, (got, 0, 0, k), like=node)
@@ -165,3 +233,80 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return done
+
+
+
+def all_gather_by_exchange(gm: fx.GraphModule) -> int:
+    """Rewrites each all-gather of CPU tensors over a gloo group of two ranks into an
+    all-to-all of its input sent to both ranks, in place. See [Note: gloo all-gathers as an
+    exchange].
+
+    Args:
+        gm: a post-grad graph module (``OpOverload`` targets), changed in place.
+
+    Returns:
+        How many all-gathers were rewritten.
+    """
+    graph = gm.graph
+    done = 0
+    for node in list(graph.find_nodes(op="call_function", target=ALL_GATHER)):
+        args = bound_args(node)
+        inp, name = args.get("input"), args.get("group_name")
+        val, out_val = tensor_val(inp), tensor_val(node)
+        if (
+            val is None
+            or out_val is None
+            or val.device.type != "cpu"
+            or args.get("group_size") != 2
+            or not isinstance(name, str)
+        ):
+            continue
+        n = static_numel(val)
+        if n is None or not all(isinstance(s, int) for s in out_val.shape):
+            log.info("all_gather_by_exchange: %s left alone: shape %s", node.name, val.shape)
+            continue
+        wait = single_wait(node)
+        if wait is None:
+            log.info("all_gather_by_exchange: %s left alone: not one wait_tensor", node.name)
+            continue
+        if not is_gloo_group(name):
+            continue
+        with graph.inserting_before(node):
+            pieces = _flat_pieces(graph, inp, node)
+            both = insert_call(graph, _aten.cat.default, ([*pieces, *pieces],), like=node)
+            ex = graph.call_function(ALL_TO_ALL, (both, [n, n], [n, n], name))
+        # The annotation, stack trace and the rest carry over to the exchange.
+        ex.meta.update({**node.meta, "val": val.new_empty(2 * n), EXCHANGED: "all_gather"})
+        with graph.inserting_after(wait):
+            got = graph.call_function(WAIT, (ex,))
+        got.meta["val"] = ex.meta["val"]
+        with graph.inserting_before(got.next):
+            out = insert_call(graph, _aten.view.default, (got, list(out_val.shape)), like=node)
+        wait.replace_all_uses_with(out)
+        graph.erase_node(wait)
+        graph.erase_node(node)
+        if not inp.users and inp.op == "call_function":
+            graph.erase_node(inp)  # a bucket's cat, now read through its pieces
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
+def _flat_pieces(graph: fx.Graph, inp: fx.Node, like: fx.Node) -> list[fx.Node]:
+    """What the all-gather's input is made of, each flat: a bucket's 1-D ``cat`` read
+    only by the all-gather gives its pieces (so the doubled input is one ``cat`` of
+    them, written once); anything else is one piece, flattened."""
+    if (
+        inp.target is _aten.cat.default
+        and len(inp.users) == 1
+        and isinstance(inp.args[0], (list, tuple))
+        and all(
+            isinstance(a, fx.Node) and (v := tensor_val(a)) is not None and v.dim() == 1
+            for a in inp.args[0]
+        )
+        and (len(inp.args) < 2 or inp.args[1] in (0, -1))
+    ):
+        return list(inp.args[0])
+    return [insert_call(graph, _aten.reshape.default, (inp, [-1]), like=like)]
