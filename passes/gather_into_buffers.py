@@ -52,7 +52,9 @@ and it runs on every graph the installed pass sees, a user's own all-gathers
 included: on gloo they are exposed the same way. An all-gather whose output shape
 is symbolic (dynamic shapes), or that is not read by exactly one ``wait_tensor``,
 is left allocating, with a log line: a parameter's all-gather is static and waited
-for once.
+for once. Over two gloo ranks ``all_gather_by_exchange`` (``exchange.py``), which runs
+before this pass, has already issued each all-gather as an exchange, so this pass
+finds the all-gathers of larger groups, and every one where that pass is off.
 
 [Note: The input lives until the wait]
 gloo reads an all-gather's input on its worker thread, any time before the wait.

@@ -100,16 +100,20 @@ def test_reshard_after_forward_int_4_ranks(mode: str) -> None:
             assert r["graph_breaks"] == {}, r["graph_breaks"]
             fwd, bwd = r["post_grad"]
             assert (fwd["kind"], bwd["kind"]) == ("fwd", "bwd")
-            # CPU all-gathers are issued into buffers (the ``_out`` form): [Note: CPU
-            # all-gathers into buffers] in passes/gather_into_buffers.py.
+            # CPU all-gathers over 4 ranks are issued into buffers (the ``_out``
+            # form): [Note: CPU all-gathers into buffers] in
+            # passes/gather_into_buffers.py.
             assert fwd["collectives"] == [
                 ("all_gather_into_tensor_out", 4, "Llama, layers.0, layers.1")
             ], fwd
-            # A compiled-autograd graph carries no unit annotation (torch 2.13).
+            # A compiled-autograd graph carries no unit annotation (torch 2.13). The
+            # re-gather over 2 gloo ranks is an exchange ([Note: gloo all-gathers as
+            # an exchange] in passes/exchange.py); the reduce-scatter over 4 is gloo's.
             assert bwd["collectives"] == [
-                ("all_gather_into_tensor_out", 2, None),
+                ("all_to_all_single", 2, None),
                 ("reduce_scatter_tensor", 4, None),
             ], bwd
+            assert bwd["counts"]["all_gather_by_exchange"] == 1, bwd
             # remove_resize_copy left no placeholder traffic in either graph.
             for g in (fwd, bwd):
                 assert not {"fsdp.copy_", "resize_to_0", "resize_to_full"} & g["counts"].keys(), g
@@ -802,14 +806,13 @@ def test_variable_sequence_lengths_compiled() -> None:
     for rank, r in enumerate(run_ranks(variable_length_worker, 2)):
         assert r["graphs"] == [(1, 1)] + [(1, 2)] * 3 + [(2, 2)], r["graphs"]
         assert r["graph_breaks"] == 0, r
-        # The all-gather in its CPU form, with a second wait that keeps its input
-        # alive: [Note: CPU all-gathers into buffers] in passes/gather_into_buffers.py.
-        one_bucket = {"all_gather_into_tensor_out": 1, "wait_tensor": 2}
+        # The all-gather and the reduce-scatter as exchanges (2 gloo ranks): [Note:
+        # gloo all-gathers as an exchange] and [Note: gloo reduce-scatters as an
+        # exchange] in passes/exchange.py.
+        one_bucket = {"all_gather_by_exchange": 1, "wait_tensor": 1}
         train_fwd = {**one_bucket, "fsdp.copy_": 3, "resize_to_full": 3}
-        # The reduce-scatter as an exchange (2 gloo ranks): [Note: gloo
-        # reduce-scatters as an exchange] in passes/exchange.py.
-        both = {"all_gather_into_tensor_out": 1, "reduce_scatter_by_exchange": 1,
-                "wait_tensor": 3, "resize_to_0": 3}
+        both = {"all_gather_by_exchange": 1, "reduce_scatter_by_exchange": 1,
+                "wait_tensor": 2, "resize_to_0": 3}
         assert r["counts"] == [("fwd", train_fwd), ("bwd", both), ("bwd", both),
                                ("fwd", one_bucket)], r["counts"]
         torch.testing.assert_close(r["losses"], ref_losses, rtol=0, atol=1e-4)
