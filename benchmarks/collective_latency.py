@@ -54,19 +54,24 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
     group = dist.group.WORLD.group_name
     out: dict[str, list[list[float]]] = {
         "all_gather": [], "reduce_scatter": [], "ours": [], "all_gather_exchange": [],
+        "all_gather_cpu": [], "all_gather_exchange_cpu": [],
     }
     c10d = torch.ops._c10d_functional
     exchange = ws == 2 and isinstance(dist.group.WORLD._get_backend(device), dist.ProcessGroupGloo)
+
+    cpu: list[float] = []  # this rank's CPU time of each timed call (see _cpu_s)
 
     def timed(fn: Any) -> float:
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_s(), time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        dt = torch.tensor(time.perf_counter() - t0, device=device)
+        t1 = time.perf_counter()
+        cpu.append(_cpu_s() - c0)
+        dt = torch.tensor(t1 - t0, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return float(dt)
 
@@ -76,7 +81,9 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
         shard = torch.randn(numel // ws, device=device)
         gathered = torch.empty(numel, device=device)
         reduced = torch.empty(numel // ws, device=device)
+        cpu.clear()
         ag = [timed(lambda: dist.all_gather_into_tensor(gathered, shard)) for _ in range(iters + 2)]
+        out["all_gather_cpu"].append(cpu[2:])
         rs = [
             timed(lambda: dist.reduce_scatter_tensor(reduced, full, op=dist.ReduceOp.AVG))
             for _ in range(iters + 2)
@@ -87,13 +94,23 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
         out["ours"].append(ours[2:])
         if exchange:
             n = numel // ws
+            cpu.clear()
             agx = [
                 timed(lambda: c10d.wait_tensor(
                     c10d.all_to_all_single(torch.cat([shard, shard]), [n, n], [n, n], group)))
                 for _ in range(iters + 2)
             ]
             out["all_gather_exchange"].append(agx[2:])
+            out["all_gather_exchange_cpu"].append(cpu[2:])
     return out
+
+
+def _cpu_s() -> float:
+    """This process's CPU time so far, every thread (gloo's too), user and system."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _crossing(sizes_kib: list[int], medians: list[float]) -> int | None:
@@ -128,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-mib must be >= 1, got {a.max_mib}")
     placement = H.placement_from_args(p, a)
     res = H.run_spawned_fn(_rank, placement, iters=a.iters, sizes_kib=sizes)[0]
-    med = {k: [statistics.median(ts) for ts in v] for k, v in res.items()}
+    # CPU times are counted in scheduler ticks on some kernels: a mean, not a median.
+    med = {k: [(statistics.fmean if k.endswith("_cpu") else statistics.median)(ts) for ts in v]
+           for k, v in res.items()}
     where = (f"{placement.world} {placement.backend} ranks on {placement.device_type} "
              f"({H.device_name(placement.rank_device(0))})")
     lines = [
@@ -139,18 +158,26 @@ def main(argv: list[str] | None = None) -> int:
         "reduce-scatter's input).",
         "",
         "| size | all-gather (ms) | reduce-scatter (ms) | traceable_hsdp's reduce-scatter (ms) "
-        "| all-gather as an exchange (ms) |",
-        "|---|---|---|---|---|",
+        "| all-gather as an exchange (ms) | CPU per all-gather, gloo's / exchange (ms) |",
+        "|---|---|---|---|---|---|",
     ]
-    agx = med["all_gather_exchange"]
+    agx, cpu, cpux = (med[k] for k in ("all_gather_exchange", "all_gather_cpu",
+                                       "all_gather_exchange_cpu"))
     for i, kib in enumerate(sizes):
         lines.append(f"| {_size(kib)} | {1e3 * med['all_gather'][i]:.3f} | "
                      f"{1e3 * med['reduce_scatter'][i]:.3f} | {1e3 * med['ours'][i]:.3f} | "
-                     + (f"{1e3 * agx[i]:.3f} |" if agx else "– (two gloo ranks only) |"))
+                     + (f"{1e3 * agx[i]:.3f} | {1e3 * cpu[i]:.3f} / {1e3 * cpux[i]:.3f} |" if agx
+                        else "– (two gloo ranks only) | – |"))
+    lines.append("")
+    lines.append(
+        "CPU per all-gather: the mean of rank 0's process CPU time (every thread, "
+        "gloo's too; user and system) over each call, the exchange's doubling of the "
+        "shard included."
+    )
     lines.append("")
     names = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
              "ours": "traceable_hsdp's reduce-scatter",
-             "all_gather_exchange": "all-gather as an exchange"}
+             "all_gather_exchange": "all-gather as an exchange"}  # times, not CPU
     for k, name in names.items():
         if not med[k]:
             continue
