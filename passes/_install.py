@@ -42,10 +42,11 @@ initial value comes from the environment:
 ``TRACEABLE_HSDP_PASSES``
     Comma-separated pass names to run, the others off: ``remove_resize_copy``,
     ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``bucket`` (both bucketing
-    passes), ``overlap``, ``reduce_scatter_by_exchange``; or ``all`` (every pass,
+    passes), ``overlap``, ``reduce_scatter_by_exchange``,
+    ``all_gather_by_exchange``; or ``all`` (every pass,
     the default when unset or empty) or ``none``. Names are case-insensitive; an unknown one raises ``ValueError``.
     Example: ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket`` (neither
-    ``overlap`` nor ``reduce_scatter_by_exchange``).
+    ``overlap`` nor the exchanges).
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``
     ``bucket_cap_mb``: a number >= 0 (MiB), or ``none`` for one bucket per unit.
     Unset or empty: ``DEFAULT_BUCKET_CAP_MB`` (4). See [Note: Bucket size cap] and
@@ -346,8 +347,9 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
     """Runs the enabled passes on ``gm`` in order: ``remove_resize_copy`` first (see
     [Note: Removing resize/copy regions]), then the two bucketing passes, then
     ``overlap`` (it moves whole buckets; see [Note: Overlap]), then
-    ``reduce_scatter_by_exchange`` (it keeps each collective's and each wait's place;
-    see [Note: gloo reduce-scatters as an exchange]).
+    ``reduce_scatter_by_exchange`` and ``all_gather_by_exchange`` (they keep each
+    collective's and each wait's place; see [Note: gloo reduce-scatters as an
+    exchange] and [Note: gloo all-gathers as an exchange]).
 
     Args:
         gm: a post-grad graph module, changed in place.

@@ -67,28 +67,30 @@ same (``reduce_scatter`` in ``traceable_hsdp/_collectives.py``), and
 gloo's all-gather into a tensor (``_allgather_base``, which the ``_out`` all-gather
 of [Note: CPU all-gathers into buffers] reaches) gathers into a flat tensor it
 allocates on its worker thread, then copies that into the output: every gathered
-byte is copied once more, and the fresh buffer is paged in on every call. An
-all-to-all writes into its output directly. Over two ranks it is an all-gather when
-each rank sends its shard to both ranks: the input is the shard twice (rank ``r``
-sends chunk ``j`` to rank ``j``) and the output is rank 0's shard then rank 1's,
-the all-gather's layout. That costs writing the shard twice where the bucket is
-packed (half the bytes of the copy it saves), and gloo copies the chunk a rank
-sends itself, as its all-gather copies this rank's shard. Bare ops on 2 gloo ranks
-(``benchmarks/collective_latency.py``, medians, 2026-12-05, 2-core AVX-512 Xeon;
-the exchange's time includes writing the doubled input):
+byte is written once more, into a buffer allocated on every call. An all-to-all
+writes into its output directly. Over two ranks it is an all-gather when each rank
+sends its shard to both ranks: the input is the shard twice (rank ``r`` sends chunk
+``j`` to rank ``j``) and the output is rank 0's shard then rank 1's, the
+all-gather's layout. The price is writing the shard twice where the bucket is packed
+(the packing kernel writes ``2n`` elements instead of ``n``; gloo's extra copy wrote
+``2n``), and gloo copies the chunk a rank sends itself, as its all-gather copies
+this rank's shard.
 
-=========  ================================  ==========================
-gathered   ``all_gather_into_tensor_out``    exchange (doubled input)
-=========  ================================  ==========================
-2 MiB      2.01 ms                           1.15 ms
-8 MiB      5.80 ms                           4.24 ms
-16 MiB     11.86 ms                          9.80 ms
-=========  ================================  ==========================
-
-In the compute shape's compiled step (``benchmarks/step_time.py``, the variant
+As bare ops neither form wins (``benchmarks/collective_latency.py --iters 20
+--max-mib 16``, 2 gloo ranks, two runs, 2026-12-05, 2-core AVX-512 Xeon; the second
+is ``benchmarks/results/collective_latency_cpu_agx_1205.md``): the exchange, its
+input doubled by a separate ``torch.cat``, took 0.85x and 1.97x gloo's all-gather's
+wall time at 4 KiB, 1.22x and 1.04x at 1 MiB, 0.71x and 0.95x at 4 MiB, and 0.99x
+and 1.04x at 16 MiB; its CPU time (every thread, the second run) 1.48x, 1.12x,
+1.04x and 0.82x. In a
+training step the doubling is part of the bucket's packing, which the all-gather
+needs anyway, and the gloo thread's copy and allocation no longer compete with the
+compute on the same cores: the compute shape's compiled step took 0.94x and 0.95x
+the time it took without this pass (``benchmarks/step_time.py``, the variant
 ``ours_compiled_no_all_gather_by_exchange`` beside ``ours_compiled``, in both run
-orders), the step took 0.94x and 0.95x the time it took without this pass (116.1
-against 123.0 ms, 128.6 against 135.2 ms; 2026-12-05).
+orders: 116.1 against 123.0 ms and 128.6 against 135.2 ms;
+``benchmarks/results/step_time_compute_demo_agx_{ab,ba}_1205.md``). docs/benchmarks.md
+has it beside the other variants.
 
 So :func:`all_gather_by_exchange` rewrites each all-gather of CPU tensors over a
 gloo group of two ranks, read by one wait::
