@@ -33,6 +33,16 @@ than the step), how many ran, and the ten kernels that took the most time. The
 ``record_function`` ranges that the profiler mirrors onto the GPU's timeline are spans,
 not work, and are left out.
 
+[Note: Where the CPU goes]
+On the CPU the ranks, and gloo's threads that move their bytes, share the machine's
+cores: a collective overlapped with compute still takes CPU from it. So the report
+also gives, over the unprofiled timed steps, the CPU time of rank 0's main thread
+and of all its other threads (gloo's worker and TCP threads), each as user and
+system time (``/proc/self/task/*/stat``, in clock ticks: 10 ms on most kernels, so
+use ``--steps`` of 10 or more). A rank whose threads use about as much CPU as its
+step's wall time, on a machine with one core per rank, is bound by the CPU, not by
+waiting. Only on Linux; elsewhere the table is left out.
+
 Writes ``<out>/profile_<shape>.md`` (printed too) and ``.json`` into the folder
 ``--out`` names (required), with the commit the code ran at; ``--trace`` also writes a
 Chrome trace per variant. Names as in ``_report.py``.
@@ -101,6 +111,7 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
                     x, y = H.batch_for(shape, runner.steps_done, 0, rank, world, device)
                     runner.step(x, y)
                 plain = []
+                threads_before = _thread_cpu()
                 for _ in range(steps):
                     x, y = H.batch_for(shape, runner.steps_done, 0, rank, world, device)
                     H.sync(device)
@@ -108,6 +119,7 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
                     runner.step(x, y)
                     H.sync(device)
                     plain.append(time.perf_counter() - t0)
+                cpu = _cpu_split(threads_before, _thread_cpu(), steps)
                 before = H.compile_counts()
                 walls = []
                 with profile(activities=activities) as prof:
@@ -131,6 +143,7 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
             if rank == 0:
                 results[name] = _breakdown(prof.events(), steps)
                 results[name]["unprofiled_median_ms"] = statistics.median(plain) * 1e3
+                results[name]["cpu_ms_per_step"] = cpu
                 results[name]["profiled_median_ms"] = statistics.median(walls) * 1e3
                 results[name]["compiles_while_profiling"] = [after[0] - before[0], after[1] - before[1]]
                 if trace:
@@ -142,6 +155,45 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
                    "name": H.device_name(device)},
         "variants": results,
     }
+
+
+def _thread_cpu() -> dict[int, tuple[int, int]]:
+    """User and system CPU time of each thread of this process so far, in clock
+    ticks, by thread id (Linux ``/proc/self/task``; empty elsewhere)."""
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[int(tid)] = (int(fields[11]), int(fields[12]))  # utime, stime
+    return out
+
+
+def _cpu_split(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]],
+               steps: int) -> dict[str, float] | None:
+    """CPU ms per step over the unprofiled steps, the main thread (the one that runs
+    the step: the CPU autograd engine runs the backward on it) apart from every other
+    thread (gloo's, on the CPU), each as user and system time. See [Note: Where the
+    CPU goes]."""
+    import threading
+
+    if not after:
+        return None
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    main = threading.get_native_id()
+    out = {"main_user": 0.0, "main_system": 0.0, "other_user": 0.0, "other_system": 0.0}
+    for tid, (u, s) in after.items():
+        u0, s0 = before.get(tid, (0, 0))
+        who = "main" if tid == main else "other"
+        out[f"{who}_user"] += (u - u0) * tick_ms / steps
+        out[f"{who}_system"] += (s - s0) * tick_ms / steps
+    return out
 
 
 def _breakdown(events: Any, steps: int) -> dict[str, Any]:
@@ -288,6 +340,19 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
             f"{r['profiled_median_ms']:.1f} ms; collective calls per step (rank 0): {calls or 'none seen'}; "
             f"compiles while profiling (dynamo, inductor): {r['compiles_while_profiling']}{gpu_part}."
         )
+    cpus = {name: r["cpu_ms_per_step"] for name, r in res.items() if r.get("cpu_ms_per_step")}
+    if cpus:
+        lines += ["", "CPU time per step on rank 0 over the unprofiled steps (ms; see [Note: "
+                  "Where the CPU goes] in `benchmarks/profile_step.py`):", "",
+                  "| variant | main thread: user | main thread: system | other threads: user "
+                  "| other threads: system | all threads | unprofiled median step |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, c in cpus.items():
+            lines.append(
+                f"| {R.row_name(name)} | {c['main_user']:.1f} | {c['main_system']:.1f} | "
+                f"{c['other_user']:.1f} | {c['other_system']:.1f} | {sum(c.values()):.1f} | "
+                f"{res[name]['unprofiled_median_ms']:.1f} |"
+            )
     for name, r in res.items():
         gpu = r.get("gpu_ms_per_step")
         if gpu and gpu.get("top"):
