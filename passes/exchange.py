@@ -84,13 +84,13 @@ wall time at 4 KiB, 1.22x and 1.04x at 1 MiB, 0.71x and 0.95x at 4 MiB, and 0.99
 and 1.04x at 16 MiB; its CPU time (every thread, the second run) 1.48x, 1.12x,
 1.04x and 0.82x. In a
 training step the doubling is part of the bucket's packing, which the all-gather
-needs anyway, and the gloo thread's copy and allocation no longer compete with the
-compute on the same cores: the compute shape's compiled step took 0.94x and 0.95x
-the time it took without this pass (``benchmarks/step_time.py``, the variant
-``ours_compiled_no_all_gather_by_exchange`` beside ``ours_compiled``, in both run
-orders: 116.1 against 123.0 ms and 128.6 against 135.2 ms;
-``benchmarks/results/step_time_compute_demo_agx_{ab,ba}_1205.md``). docs/benchmarks.md
-has it beside the other variants.
+needs anyway. There the step took 0.94x to 1.01x the time it took without this pass
+in six comparisons (``benchmarks/step_time.py`` and ``profile_step.py``, the variant
+``ours_compiled_no_all_gather_by_exchange`` beside ``ours_compiled``, three shapes,
+both run orders; geometric mean 0.97x; docs/benchmarks.md). It moves CPU work more
+than it removes it: over the compute shape's steps (``profile_step.py``, rank 0)
+gloo's threads spent 4.4 ms less user time a step (the copy), while system time grew
+by 5.7 ms on the main thread and 5.0 ms on gloo's. A small gain, kept as the default.
 
 So :func:`all_gather_by_exchange` rewrites each all-gather of CPU tensors over a
 gloo group of two ranks, read by one wait::
