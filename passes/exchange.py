@@ -131,6 +131,8 @@ collectives issued and waited for at the same positions and over the same groups
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import fx
@@ -174,30 +176,69 @@ def is_gloo_group(group_name: str) -> bool:
     return isinstance(group_backend(group_name, torch.device("cpu")), dist.ProcessGroupGloo)
 
 
+def _candidates(
+    graph: fx.Graph, target: torch._ops.OpOverload
+) -> Iterator[tuple[fx.Node, dict[str, Any], torch.Tensor, str]]:
+    """Each ``target`` collective of CPU tensors over a group of two ranks, with its
+    bound arguments, its input's fake value and its group's name. Whether the group
+    is gloo's and the collective has one wait is asked last (:func:`_one_wait`), after
+    each pass's own checks."""
+    for node in list(graph.find_nodes(op="call_function", target=target)):
+        args = bound_args(node)
+        val, name = tensor_val(args.get("input")), args.get("group_name")
+        if (
+            val is not None
+            and val.device.type == "cpu"
+            and args.get("group_size") == 2
+            and isinstance(name, str)
+        ):
+            yield node, args, val, name
+
+
+def _one_wait(node: fx.Node, name: str, pass_name: str) -> fx.Node | None:
+    """The one ``wait_tensor`` that reads ``node``, if its group is gloo's; else
+    ``None`` (logged when the wait is what is missing)."""
+    wait = single_wait(node)
+    if wait is None:
+        log.info("%s: %s left alone: not one wait_tensor", pass_name, node.name)
+        return None
+    return wait if is_gloo_group(name) else None
+
+
+def _exchange(
+    graph: fx.Graph, node: fx.Node, wait: fx.Node, inp: fx.Node, k: int, name: str,
+    family: str, finish: Callable[[fx.Node], fx.Node],
+) -> None:
+    """Puts ``all_to_all_single(inp, [k, k], [k, k], name)`` where ``node`` was and
+    its wait where ``wait`` was; ``finish(got)``, inserted right after that wait,
+    builds what the old wait's readers read. The exchange keeps ``node``'s meta (its
+    annotation and stack trace) and is marked as ``family``; both old nodes go."""
+    with graph.inserting_before(node):
+        ex = graph.call_function(ALL_TO_ALL, (inp, [k, k], [k, k], name))
+    with graph.inserting_after(wait):
+        got = graph.call_function(WAIT, (ex,))
+    sent = tensor_val(inp)
+    assert sent is not None
+    # Equal splits: the exchange returns a tensor of its input's shape.
+    ex.meta.update({**node.meta, "val": sent.new_empty(sent.shape), EXCHANGED: family})
+    got.meta["val"] = ex.meta["val"]
+    with graph.inserting_before(got.next):  # each new node after the last
+        out = finish(got)
+    wait.replace_all_uses_with(out)
+    graph.erase_node(wait)
+    graph.erase_node(node)
+
+
 def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
     """Rewrites each reduce-scatter (``"sum"`` or ``"avg"``) of CPU tensors over a
-    gloo group of two ranks into an all-to-all and an addition. See [Note: gloo
-    reduce-scatters as an exchange].
-
-    Args:
-        gm: a post-grad graph module (``OpOverload`` targets), changed in place.
-
-    Returns:
-        How many reduce-scatters were rewritten.
-    """
+    gloo group of two ranks in ``gm`` (a post-grad graph module, changed in place)
+    into an all-to-all and an addition, and returns how many. See [Note: gloo
+    reduce-scatters as an exchange]."""
     graph = gm.graph
     done = 0
-    for node in list(graph.find_nodes(op="call_function", target=REDUCE_SCATTER)):
-        args = bound_args(node)
-        inp, op, name = args.get("input"), args.get("reduce_op"), args.get("group_name")
-        val = tensor_val(inp)
-        if (
-            val is None
-            or val.device.type != "cpu"
-            or args.get("group_size") != 2
-            or op not in ("sum", "avg")
-            or not isinstance(name, str)
-        ):
+    for node, args, val, name in _candidates(graph, REDUCE_SCATTER):
+        op = args.get("reduce_op")
+        if op not in ("sum", "avg"):
             continue
         if val.dtype not in _SAME_PRECISION:
             # See [Note: Low-precision sums and fusion].
@@ -207,29 +248,20 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
         if not all(isinstance(s, int) for s in shape) or shape[0] % 2:
             log.info("reduce_scatter_by_exchange: %s left alone: shape %s", node.name, shape)
             continue
-        wait = single_wait(node)
+        wait = _one_wait(node, name, "reduce_scatter_by_exchange")
         if wait is None:
-            log.info("reduce_scatter_by_exchange: %s left alone: not one wait_tensor", node.name)
-            continue
-        if not is_gloo_group(name):
             continue
         k = shape[0] // 2
-        with graph.inserting_before(node):
-            ex = graph.call_function(ALL_TO_ALL, (inp, [k, k], [k, k], name))
-        with graph.inserting_after(wait):
-            got = graph.call_function(WAIT, (ex,))
-        # The annotation, stack trace and the rest carry over to the exchange.
-        ex.meta.update({**node.meta, "val": val.new_empty(shape), EXCHANGED: "reduce_scatter"})
-        got.meta["val"] = ex.meta["val"]
-        with graph.inserting_before(got.next):  # each new node after the last
+
+        def add_halves(got: fx.Node, node: fx.Node = node, k: int = k, op: str = op) -> fx.Node:
             lo = insert_call(graph, _aten.slice.Tensor, (got, 0, 0, k), like=node)
             hi = insert_call(graph, _aten.slice.Tensor, (got, 0, k, 2 * k), like=node)
             out = insert_call(graph, _aten.add.Tensor, (lo, hi), like=node)
             if op == "avg":
                 out = insert_call(graph, _aten.div.Tensor, (out, 2), like=node)
-        wait.replace_all_uses_with(out)
-        graph.erase_node(wait)
-        graph.erase_node(node)
+            return out
+
+        _exchange(graph, node, wait, args["input"], k, name, "reduce_scatter", add_halves)
         done += 1
     if done:
         graph.lint()
@@ -237,56 +269,31 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
     return done
 
 
-
 def all_gather_by_exchange(gm: fx.GraphModule) -> int:
-    """Rewrites each all-gather of CPU tensors over a gloo group of two ranks into an
-    all-to-all of its input sent to both ranks, in place. See [Note: gloo all-gathers as an
-    exchange].
-
-    Args:
-        gm: a post-grad graph module (``OpOverload`` targets), changed in place.
-
-    Returns:
-        How many all-gathers were rewritten.
-    """
+    """Rewrites each all-gather of CPU tensors over a gloo group of two ranks in
+    ``gm`` (a post-grad graph module, changed in place) into an all-to-all of its
+    input sent to both ranks, and returns how many. See [Note: gloo all-gathers as
+    an exchange]."""
     graph = gm.graph
     done = 0
-    for node in list(graph.find_nodes(op="call_function", target=ALL_GATHER)):
-        args = bound_args(node)
-        inp, name = args.get("input"), args.get("group_name")
-        val, out_val = tensor_val(inp), tensor_val(node)
-        if (
-            val is None
-            or out_val is None
-            or val.device.type != "cpu"
-            or args.get("group_size") != 2
-            or not isinstance(name, str)
-        ):
-            continue
+    for node, args, val, name in _candidates(graph, ALL_GATHER):
+        inp, out_val = args["input"], tensor_val(node)
         n = static_numel(val)
-        if n is None or not all(isinstance(s, int) for s in out_val.shape):
+        if n is None or out_val is None or not all(isinstance(s, int) for s in out_val.shape):
             log.info("all_gather_by_exchange: %s left alone: shape %s", node.name, val.shape)
             continue
-        wait = single_wait(node)
+        wait = _one_wait(node, name, "all_gather_by_exchange")
         if wait is None:
-            log.info("all_gather_by_exchange: %s left alone: not one wait_tensor", node.name)
-            continue
-        if not is_gloo_group(name):
             continue
         with graph.inserting_before(node):
             pieces = _flat_pieces(graph, inp, node)
             both = insert_call(graph, _aten.cat.default, ([*pieces, *pieces],), like=node)
-            ex = graph.call_function(ALL_TO_ALL, (both, [n, n], [n, n], name))
-        # The annotation, stack trace and the rest carry over to the exchange.
-        ex.meta.update({**node.meta, "val": val.new_empty(2 * n), EXCHANGED: "all_gather"})
-        with graph.inserting_after(wait):
-            got = graph.call_function(WAIT, (ex,))
-        got.meta["val"] = ex.meta["val"]
-        with graph.inserting_before(got.next):
-            out = insert_call(graph, _aten.view.default, (got, list(out_val.shape)), like=node)
-        wait.replace_all_uses_with(out)
-        graph.erase_node(wait)
-        graph.erase_node(node)
+        shape = list(out_val.shape)
+
+        def as_gathered(got: fx.Node, node: fx.Node = node, shape: list[int] = shape) -> fx.Node:
+            return insert_call(graph, _aten.view.default, (got, shape), like=node)
+
+        _exchange(graph, node, wait, both, n, name, "all_gather", as_gathered)
         if not inp.users and inp.op == "call_function":
             graph.erase_node(inp)  # a bucket's cat, now read through its pieces
         done += 1

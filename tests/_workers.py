@@ -393,6 +393,18 @@ def variable_length_worker(rank: int, world: int) -> dict[str, Any]:
                 counts=[(g.kind, graph_counts(g.final_graph())) for g in post_grad.graphs])
 
 
+def _inputs_on_a_fake_gpu(gm: torch.fx.GraphModule) -> None:
+    """Records every input of ``gm`` as a fake GPU tensor of its shape and dtype: the
+    same graph, as the passes would see it on CUDA, for the cases they leave alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                v = n.meta["val"]
+                n.meta["val"] = torch.empty(v.shape, dtype=v.dtype, device="cuda")
+
+
 def _reduce_scatter_times_3(op: str, world: int, group: str) -> Any:
     c10d = torch.ops._c10d_functional
     return lambda t: c10d.wait_tensor(c10d.reduce_scatter_tensor(t, op, world, group)) * 3
@@ -407,7 +419,6 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     (dtype, op), one of the two shapes compiled by Inductor gives the bits of the
     uncompiled op. Cases the pass must leave alone ("max", no wait, a fake GPU input)
     are counted. Returns what each check found; the test asserts."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from traceable_hsdp import passes
@@ -454,10 +465,7 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     gm = make_fx(lambda t: c10d.reduce_scatter_tensor(t, "sum", world, group))(x)
     out["left_alone"]["no_wait"] = reduce_scatter_by_exchange(gm)
     gm = make_fx(lambda t: c10d.wait_tensor(c10d.reduce_scatter_tensor(t, "sum", world, group)))(x)
-    with FakeTensorMode():  # the same graph, its input on a GPU (NCCL: a real reduce-scatter)
-        for n in gm.graph.nodes:
-            if n.op == "placeholder":
-                n.meta["val"] = torch.empty(8, device="cuda")
+    _inputs_on_a_fake_gpu(gm)  # NCCL has a real reduce-scatter
     out["left_alone"]["gpu"] = reduce_scatter_by_exchange(gm)
     out["left_alone"]["reduce_scatters"] = sum(n.target is REDUCE_SCATTER for n in gm.graph.nodes)
     out["exchange_key"] = EXCHANGE_COUNT
@@ -494,7 +502,6 @@ def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
     fused after it) gives the bits of the uncompiled op. Records the rewritten
     graph's op counts, what the exchange reads, and the cases left alone (no wait, a
     fake GPU input). Returns what each check found; the test asserts."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from traceable_hsdp import passes
@@ -538,10 +545,7 @@ def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
     gm = make_fx(lambda t: c10d.all_gather_into_tensor(t, world, group))(x)
     out["left_alone"]["no_wait"] = all_gather_by_exchange(gm)
     gm = make_fx(lambda t: c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group)))(x)
-    with FakeTensorMode():  # the same graph, its input on a GPU (NCCL writes the output)
-        for n in gm.graph.nodes:
-            if n.op == "placeholder":
-                n.meta["val"] = torch.empty(8, device="cuda")
+    _inputs_on_a_fake_gpu(gm)  # NCCL writes the output
     out["left_alone"]["gpu"] = all_gather_by_exchange(gm)
     out["left_alone"]["all_gathers"] = sum(n.target is ALL_GATHER for n in gm.graph.nodes)
     out["exchange_key"] = AG_EXCHANGE_COUNT
