@@ -82,9 +82,8 @@ is ``benchmarks/results/collective_latency_cpu_agx_1205.md``): the exchange, its
 input doubled by a separate ``torch.cat``, took 0.85x and 1.97x gloo's all-gather's
 wall time at 4 KiB, 1.22x and 1.04x at 1 MiB, 0.71x and 0.95x at 4 MiB, and 0.99x
 and 1.04x at 16 MiB; its CPU time (every thread, the second run) 1.48x, 1.12x,
-1.04x and 0.82x. In a
-training step the doubling is part of the bucket's packing, which the all-gather
-needs anyway. There the step took 0.94x to 1.01x the time it took without this pass
+1.04x and 0.82x. In a training step the doubling is part of the bucket's packing,
+which the all-gather needs anyway. There the step took 0.94x to 1.01x the time it took without this pass
 in six comparisons (``benchmarks/step_time.py`` and ``profile_step.py``, the variant
 ``ours_compiled_no_all_gather_by_exchange`` beside ``ours_compiled``, three shapes,
 both run orders; geometric mean 0.97x; docs/benchmarks.md). It moves CPU work more
