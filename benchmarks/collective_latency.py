@@ -48,6 +48,7 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
     import torch.distributed as dist
 
     from traceable_hsdp._collectives import reduce_scatter
+    from traceable_hsdp.passes.exchange import is_gloo_group
 
     device = placement.rank_device(rank)
     ws = placement.world
@@ -57,7 +58,7 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
         "all_gather_cpu": [], "all_gather_exchange_cpu": [],
     }
     c10d = torch.ops._c10d_functional
-    exchange = ws == 2 and isinstance(dist.group.WORLD._get_backend(device), dist.ProcessGroupGloo)
+    exchange = ws == 2 and device.type == "cpu" and is_gloo_group(group)
 
     cpu: list[float] = []  # this rank's CPU time of each timed call (see _cpu_s)
 

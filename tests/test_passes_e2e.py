@@ -153,16 +153,17 @@ def _code_overlap(code: str, families: list[str | None]) -> dict[str, Any]:
     issue, wait = _code_regexes()
     lines = code[code.index("def call") :].splitlines()
     events: list[tuple[str, str, str, int]] = []  # (kind, buffer, input, line)
+    issued = 0
     for n, line in enumerate(lines):
         if m := issue.search(line):
             out, inp = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
-            events.append((families[sum(e[0] != "wait" and e[0] != "kernel" for e in events)],
-                           out, inp, n))
+            events.append((families[issued], out, inp, n))
+            issued += 1
         elif m := wait.search(line):
             events.append(("wait", m.group(1), "", n))
         elif _CODE_KERNEL.search(line):
             events.append(("kernel", "", "", n))
-    assert sum(e[0] not in ("wait", "kernel") for e in events) == len(families), families
+    assert issued == len(families), families
     between: dict[str, list[int]] = {"all_gather": [], "reduce_scatter": []}
     open_: dict[str, tuple[str, int, str, int]] = {}
     in_flight = most = freed_early = 0
