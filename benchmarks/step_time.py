@@ -4,7 +4,7 @@
 
     python benchmarks/step_time.py --out DIR [--shape overhead|compute|both] [--steps N]
                                    [--rounds R] [--processes N] [--smoke] [--backend B]
-                                   [--model demo|hf_llama]
+                                   [--model demo|hf_llama] [--vocab N]
                                    [--device auto|cpu|cuda] [--world N]
 
 Spawns the ranks (``--device auto``: CUDA when ``torch.cuda.is_available()``, else the
@@ -43,7 +43,10 @@ The model (``--model``): ``demo``, the Llama of ``traceable_hsdp.models`` (MLP f
 times the width); ``hf_llama``, Hugging Face ``transformers``' ``LlamaForCausalLM`` of
 the same shape (MLP twice the width, ``use_cache=False``, random weights, nothing
 downloaded; ``_harness.build_hf_llama``, which ``compile_time.py`` builds too). Either
-is sharded per block (decoder layer) then the root, in every variant alike.
+is sharded per block (decoder layer) then the root, in every variant alike. The
+shapes' vocabulary is 256, so their output projection is small; ``--vocab N`` runs
+them with another (the shape is then named ``<shape>_vocab<N>``, and no goal applies),
+for a head as large as a real LM's.
 
 Writes ``<out>/step_time_<shape>_<model>.md`` (the table, also printed), ``.json``
 (every raw step time, every rank, losses, graph and collective counts, the device and
@@ -59,6 +62,7 @@ RSS on the CPU and ``torch.cuda.max_memory_allocated()`` on CUDA (see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -101,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ),
     )
     H.add_placement_args(p)
+    p.add_argument("--vocab", type=int, default=None, metavar="N",
+                   help="the vocabulary (and so the output projection) of the shapes run, "
+                        "named <shape>_vocab<N> in the report, where no goal applies "
+                        "(default: the shape's, 256; a real LM's head is far larger)")
     p.add_argument("--shape", choices=("overhead", "compute", "both"), default="both",
                    help="overhead: 16 layers, dim 64, seq 32; compute: 4 layers, dim 256, "
                         "seq 128; both batch 2 per rank, 4 heads, vocab 256 (default both)")
@@ -631,6 +639,10 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     import _harness as H
 
     shape = H.SHAPES[shape_name]
+    if args.vocab is not None and shape_name != "smoke":
+        # Another shape: its own name, so no goal of GOALS applies to it.
+        shape_name = f"{shape_name}_vocab{args.vocab}"
+        shape = dataclasses.replace(shape, name=shape_name, vocab=args.vocab)
     variants, passes_line = H.all_variants()
     if args.variants:
         try:

@@ -40,6 +40,18 @@ After::
 The backward (compiled autograd) is the same chain: unit k-1's re-gather is issued
 right after unit k's re-gather is waited for, before unit k's gradient compute.
 
+**The first all-gather stays.** In a backward it is the last unit's re-gather, which
+bucketing puts after the head's gradient compute (the loss's, the output
+projection's, the final norm's). Issuing it from the graph's start instead was tried
+on 2 gloo ranks, three alternating runs per form against torch's per-block compile
+(``benchmarks/results/step_time_compute_*firstag*_1205.md``, the patch beside them):
+the compute shape gave 0.71x with it and 0.70x without; the same with a vocabulary
+of 8192 (``step_time.py --vocab 8192``, a head as large as the blocks) 0.73x both.
+Each rank's threads already keep its core busy, so nothing is free to hide the
+re-gather behind; and it would hold a unit's gathered parameters through the head's
+backward, with a large vocabulary the step's memory peak. So it is not done. Where
+collectives do not run on the cores (NCCL) it is worth measuring again.
+
 An all-gather is issued no earlier than the previous one's wait, so at most one
 all-gather is ever in flight (gloo needs that: see the Note cited above), and all-gather
 waits never move. Its new place is pushed later, past any node it must follow:
