@@ -639,7 +639,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     import _harness as H
 
     shape = H.SHAPES[shape_name]
-    if args.vocab is not None and shape_name != "smoke":
+    if args.vocab is not None:
         # Another shape: its own name, so no goal of GOALS applies to it.
         shape_name = f"{shape_name}_vocab{args.vocab}"
         shape = dataclasses.replace(shape, name=shape_name, vocab=args.vocab)

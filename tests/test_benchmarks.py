@@ -213,7 +213,7 @@ def test_step_time_smoke_on_cpu(
     """The CPU harness end to end through its CLI entry point (in this process, which
     has torch imported already; the ranks are spawned): 2 gloo ranks, eager variants
     (no compile), 3 steps each; the report files exist and name the device and the
-    memory metric."""
+    memory metric; ``--vocab`` renames the shape and sizes the model's head."""
     # main() sets these for the ranks; monkeypatch puts them back afterwards.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -222,12 +222,13 @@ def test_step_time_smoke_on_cpu(
     rc = step_time.main([
         "--smoke", "--device", "cpu", "--backend", "aot_eager",
         "--variants", "ours_eager,torch_eager", "--no-graph-count", "--no-progress",
-        "--out", str(out),
+        "--vocab", "512", "--out", str(out),
     ])
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
 
-    md = (out / "step_time_smoke_demo.md").read_text()
+    md = (out / "step_time_smoke_vocab512_demo.md").read_text()
+    assert "### Shape `smoke_vocab512`" in md and "vocab 512," in md
     assert "Device `cpu`" in md and "2 gloo ranks" in md
     assert "demo Llama (`traceable_hsdp.models`), dim 32, MLP 128" in md
     assert "| peak RSS MiB after round 1, r0/r1 |" in md
@@ -241,7 +242,8 @@ def test_step_time_smoke_on_cpu(
     assert row.count(R.NOT_COUNTED) == 2, row  # collectives/step, MiB/step
     assert "not counted (--no-graph-count)" not in row and "-0.0" not in md, md
 
-    report = json.loads((out / "step_time_smoke_demo.json").read_text())
+    report = json.loads((out / "step_time_smoke_vocab512_demo.json").read_text())
+    assert report["shape"]["vocab"] == 512
     dev = report["meta"]["device"]
     assert (dev["type"], dev["backend"], dev["world"]) == ("cpu", "gloo", 2)
     assert len(dev["names"]) == 2
