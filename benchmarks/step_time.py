@@ -163,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.processes < 0:
         p.error(f"--processes must be >= 0, got {a.processes}")
+    if a.vocab is not None and a.vocab < 1:
+        p.error(f"--vocab must be >= 1, got {a.vocab}")
     a.placement = H.placement_from_args(p, a)
     return a
 

@@ -94,6 +94,12 @@ def test_bad_device_value(capsys: pytest.CaptureFixture[str]) -> None:
         H.resolve_device("tpu")
 
 
+def test_bad_vocab_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _parse_error(step_time.parse_args, ["--vocab", "0", *_OUT], capsys)
+    assert "--vocab must be >= 1, got 0" in err
+    assert step_time.parse_args(["--vocab", "8192", *_OUT]).vocab == 8192
+
+
 def test_world_defaults_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_cuda(monkeypatch, 0)
     assert H.resolve_world("cpu", None) == H.CPU_WORLD == 2
