@@ -458,6 +458,9 @@ def all_variants() -> tuple[list[Variant], str]:
             # 2026-11-27, beside today's (the root kept gathered for backward).
             dataclasses.replace(default, name="ours_compiled_reshard_root",
                                 reshard_after_forward=True),
+            # torchtitan's per-block recipe with our fully_shard: the blocks compiled,
+            # the gathers and reductions eager around them (docs/compile.md).
+            Variant("ours_block_compiled", "ours", "blocks"),
             Variant("torch_eager", "torch", "none"),
             Variant("torch_block_compiled", "torch", "blocks"),
             Variant("torch_block_compiled_local_adamw", "torch", "blocks", optimizer="local"),

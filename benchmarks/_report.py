@@ -50,6 +50,7 @@ _LABELS = {
                                  "traceable_hsdp.optim.AdamW",
     "ours_compiled_reshard_root": "traceable_hsdp fully_shard, torch.compile(model), "
                                   "reshard_after_forward=True (the root re-gathered)",
+    "ours_block_compiled": "traceable_hsdp fully_shard, per-block torch.compile",
     "torch_eager": "torch fully_shard, eager",
     "torch_block_compiled": "torch fully_shard, per-block torch.compile",
     "torch_block_compiled_local_adamw": "torch fully_shard, per-block torch.compile, "

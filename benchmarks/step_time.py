@@ -29,6 +29,9 @@ in its own ranks, N times (see [Note: One model per process]):
 - ``ours_compiled_reshard_root``: ``ours_compiled`` with ``reshard_after_forward=True``
   on every unit, the root too (its backward re-gathers the root; the default, ``None``
   as torch's, keeps the root gathered from forward to backward);
+- ``ours_block_compiled``: torchtitan's per-block recipe (below) with
+  ``traceable_hsdp.fully_shard``: the blocks compiled, the unit's gathers and
+  reductions run eagerly around them (no compiled autograd);
 - ``torch_eager``: ``torch.distributed.fsdp.fully_shard`` per block then root, eager;
 - ``torch_block_compiled_local_adamw``: ``torch_block_compiled`` with the same
   optimizer (it steps torch's ``fully_shard`` parameters just as well);
