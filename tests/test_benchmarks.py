@@ -217,9 +217,10 @@ def test_step_time_smoke_on_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The CPU harness end to end through its CLI entry point (in this process, which
-    has torch imported already; the ranks are spawned): 2 gloo ranks, eager variants
-    (no compile), 3 steps each; the report files exist and name the device and the
-    memory metric; ``--vocab`` renames the shape and sizes the model's head."""
+    has torch imported already; the ranks are spawned): 2 gloo ranks, both eager
+    variants and our per-block compile (aot_eager), 3 steps each; the report files
+    exist and name the device and the memory metric; ``--vocab`` renames the shape
+    and sizes the model's head."""
     # main() sets these for the ranks; monkeypatch puts them back afterwards.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -227,8 +228,8 @@ def test_step_time_smoke_on_cpu(
     out = tmp_path / "results"
     rc = step_time.main([
         "--smoke", "--device", "cpu", "--backend", "aot_eager",
-        "--variants", "ours_eager,torch_eager", "--no-graph-count", "--no-progress",
-        "--vocab", "512", "--out", str(out),
+        "--variants", "ours_eager,torch_eager,ours_block_compiled", "--no-graph-count",
+        "--no-progress", "--vocab", "512", "--out", str(out),
     ])
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
@@ -239,14 +240,18 @@ def test_step_time_smoke_on_cpu(
     assert "demo Llama (`traceable_hsdp.models`), dim 32, MLP 128" in md
     assert "| peak RSS MiB after round 1, r0/r1 |" in md
     assert "Memory metric: peak RSS MiB:" in md
-    assert "**OK**" in md  # both variants: the same step-1 loss
-    for name in ("ours_eager", "torch_eager"):
+    assert "**OK**" in md  # every variant: the same step-1 loss
+    for name in ("ours_eager", "torch_eager", "ours_block_compiled"):
         assert f"| {R.label(name)} (`{name}`) |" in md
     # Eager variants: no compile, and collectives that no Inductor graph holds say so.
     row = next(l for l in md.splitlines() if "(`ours_eager`)" in l).split(" | ")
     assert row.count(R.NO_COMPILE) == 2, row  # compile (s), payback
     assert row.count(R.NOT_COUNTED) == 2, row  # collectives/step, MiB/step
     assert "not counted (--no-graph-count)" not in row and "-0.0" not in md, md
+    # Our per-block compile compiles (a time in seconds) and trains like the others.
+    header = next(l for l in md.splitlines() if l.startswith("| variant |")).split(" | ")
+    row = next(l for l in md.splitlines() if "(`ours_block_compiled`)" in l).split(" | ")
+    assert float(row[header.index("compile (s)")]) > 0, (header, row)
 
     report = json.loads((out / "step_time_smoke_vocab512_demo.json").read_text())
     assert report["shape"]["vocab"] == 512
@@ -257,7 +262,8 @@ def test_step_time_smoke_on_cpu(
     assert report["summary"]["memory_metric"]["key"] == "peak_rss_mib"
     assert report["args"]["placement"] == {"device_type": "cpu", "world": 2}
     rows = report["summary"]["rows"]
-    assert set(rows) == {"ours_eager", "torch_eager"} and not report["summary"]["failed"]
+    assert set(rows) == {"ours_eager", "torch_eager", "ours_block_compiled"}
+    assert not report["summary"]["failed"]
     for row in rows.values():
         assert len(row["peak_mem_mib"]) == 2 and all(m > 0 for m in row["peak_mem_mib"])
         assert row["peak_above_block_start_mib"] == [None, None]  # CUDA only
