@@ -220,9 +220,9 @@ class PassConfig:
             (default ``True``), in compiled graphs and eagerly; see [Note: gloo
             reduce-scatters as an exchange].
         all_gather_by_exchange: issue each all-gather over two gloo ranks as an
-            all-to-all of its input sent to both ranks, the same numbers with one
-            copy fewer (default ``True``), in compiled graphs; see [Note: gloo
-            all-gathers as an exchange].
+            all-to-all of its input sent to both ranks, the same numbers without
+            gloo's extra copy of the result, a small gain (default ``True``), in
+            compiled graphs; see [Note: gloo all-gathers as an exchange].
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
             (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
             cap]); ``None`` keeps one bucket per unit.

@@ -57,9 +57,10 @@ input alive until its wait (``_WaitKernel.get_volatile_reads``). An exchange in
 flight with an ``_out`` all-gather issued after it ran clean in 3 of 3 runs of
 ``benchmarks/gloo_in_flight.py --pattern ex+ago`` (20,000 rounds each), where the
 control, a reduce-scatter then an allocating all-gather, crashed in 2 of 2 runs the
-same minutes ([Note: CPU all-gathers into buffers] in ``gather_into_buffers.py``). The rewritten node keeps the reduce-scatter's annotation
-and is marked (:data:`EXCHANGED`), so the graph vocabulary still counts it as a
-reduce-scatter (:func:`passes._graph.collective_family`). The eager runtime does the
+same minutes ([Note: CPU all-gathers into buffers] in ``gather_into_buffers.py``).
+The rewritten node keeps the reduce-scatter's annotation and is marked
+(:data:`EXCHANGED`), so the graph vocabulary still counts it as a reduce-scatter
+(:func:`passes._graph.collective_family`). The eager runtime does the
 same (``reduce_scatter`` in ``traceable_hsdp/_collectives.py``), and
 ``PassConfig(reduce_scatter_by_exchange=False)`` turns both off.
 
@@ -83,10 +84,11 @@ input doubled by a separate ``torch.cat``, took 0.85x and 1.97x gloo's all-gathe
 wall time at 4 KiB, 1.22x and 1.04x at 1 MiB, 0.71x and 0.95x at 4 MiB, and 0.99x
 and 1.04x at 16 MiB; its CPU time (every thread, the second run) 1.48x, 1.12x,
 1.04x and 0.82x. In a training step the doubling is part of the bucket's packing,
-which the all-gather needs anyway. There the step took 0.94x to 1.01x the time it took without this pass
-in six comparisons (``benchmarks/step_time.py`` and ``profile_step.py``, the variant
-``ours_compiled_no_all_gather_by_exchange`` beside ``ours_compiled``, three shapes,
-both run orders; geometric mean 0.97x; docs/benchmarks.md). It moves CPU work more
+which the all-gather needs anyway. There the step took 0.94x to 1.01x the time it
+took without this pass in six comparisons (``benchmarks/step_time.py`` and
+``profile_step.py``, the variant ``ours_compiled_no_all_gather_by_exchange`` beside
+``ours_compiled``, three shapes, both run orders; geometric mean 0.97x;
+docs/benchmarks.md). It moves CPU work more
 than it removes it: over the compute shape's steps (``profile_step.py``, rank 0)
 gloo's threads spent 4.4 ms less user time a step (the copy), while system time grew
 by 5.7 ms on the main thread and 5.0 ms on gloo's. A small gain, kept as the default.
