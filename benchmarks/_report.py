@@ -15,7 +15,8 @@ each block, forward and backward (AOTAutograd compiles the block's backward), wh
 [Note: Cells that cannot be measured]
 A cell is blank only when its number would be wrong. Collective counts come from the
 graphs Inductor compiles, so a variant whose collectives run outside them (eager, or
-torch's per-block recipe, where ``fully_shard`` issues them between the graphs) says
+the per-block recipe, where ``fully_shard``, torch's or ours, issues them between the
+graphs) says
 "not counted: outside Inductor graphs" instead of 0. A compile time of an eager
 variant is "none (eager)", not the noise of first step minus median.
 """

@@ -301,11 +301,14 @@ def _ratio(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}x"
 
 
-def _coll_cells(name: str, c: dict[str, Any] | None) -> tuple[str, str]:
-    # torch's fully_shard issues its collectives between the compiled blocks: outside
-    # any Inductor graph, whatever the graphs hold. See [Note: Cells that cannot be
-    # measured] (_report.py).
-    if name.startswith("torch") or not c or not c.get("inductor_graphs"):
+def _coll_cells(name: str, r: dict[str, Any]) -> tuple[str, str]:
+    # A per-block variant's fully_shard (torch's or ours) issues its collectives
+    # between the compiled blocks: outside any Inductor graph, whatever the graphs
+    # hold. See [Note: Cells that cannot be measured] (_report.py). A row saved
+    # before the compile mode was recorded names it: torch's variants only.
+    c = r["collectives"]
+    between_graphs = r.get("compile", "blocks" if name.startswith("torch") else None) == "blocks"
+    if between_graphs or not c or not c.get("inductor_graphs"):
         return R.NOT_COUNTED, R.NOT_COUNTED
     per = c["per_step"]
     n = "/".join(str(per.get(k, {}).get("count", 0)) for k in ("all_gather", "reduce_scatter", "all_reduce"))
@@ -404,7 +407,7 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         graphs = (f"{gc['dynamo_frames']} / {gc['inductor_graphs']}" if gc
                   else R.NO_COMPILE if not compiled
                   else "not counted (--no-graph-count)" if args.no_graph_count else "–")
-        coll_n, coll_mb = _coll_cells(name, r["collectives"])
+        coll_n, coll_mb = _coll_cells(name, r)
         unsharded = name.startswith("unsharded")
         mem_cell = per_rank_cell(r["peak_mem_mib"], ".0f", idle="idle" if unsharded else None)
         recompiles_cell = per_rank_cell(
@@ -519,7 +522,7 @@ def doc_table(report: dict[str, Any]) -> str:
     ]
     for name, r in rows.items():
         compiled = r.get("compiled", True)
-        coll_n, _ = _coll_cells(name, r["collectives"])
+        coll_n, _ = _coll_cells(name, r)
         lines.append(
             f"| {R.label(name)} | {r['median_s'] * 1e3:.1f} "
             f"| {r['p25_s'] * 1e3:.1f}-{r['p75_s'] * 1e3:.1f} "
@@ -689,6 +692,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     for v in variants:  # eager variants compile nothing: no compile time, no payback
         if v.name in s["rows"]:
             s["rows"][v.name]["compiled"] = v.compiled
+            s["rows"][v.name]["compile"] = v.compile
             if not v.compiled:
                 s["rows"][v.name]["compile_s"] = None
     md = markdown(shape, args, s, meta)

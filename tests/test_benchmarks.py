@@ -487,6 +487,20 @@ def test_guard_cost_table_without_the_floor() -> None:
     assert "| `ours` | 3.00 | 4.00 | 7.00 | +6.00 |" in both and "(the floor)" in both, both
 
 
+def test_collectives_between_graphs_are_not_counted() -> None:
+    """A per-block variant's collectives run between its compiled blocks, so its row
+    says so instead of the 0 its graphs hold, ours as torch's; a whole-step row counts
+    them; a row saved without its compile mode falls back on the name (torch's)."""
+    graphs = {"inductor_graphs": 2, "per_step": {"all_gather": {"count": 3, "bytes": 2**20}}}
+    blocks = step_time._coll_cells("ours_block_compiled", {"compile": "blocks",
+                                                           "collectives": graphs})
+    assert blocks == (R.NOT_COUNTED, R.NOT_COUNTED)
+    whole = step_time._coll_cells("ours_compiled", {"compile": "whole", "collectives": graphs})
+    assert whole == ("3/0/0", "1.00")
+    assert step_time._coll_cells("torch_block_compiled", {"collectives": graphs}) == blocks
+    assert step_time._coll_cells("ours_compiled", {"collectives": graphs}) == whole
+
+
 def test_numbers_names_and_payback() -> None:
     assert R.num(-0.0, ".1f") == "0.0" and R.num(-0.04, ".1f") == "0.0"
     assert R.num(-1.5, ".1f") == "-1.5" and R.num(None, ".1f") == "–"
