@@ -125,6 +125,13 @@ an all-gather, under :data:`~passes._graph.AG_EXCHANGE_COUNT`. Eagerly the runti
 keeps gloo's ``_out`` all-gather (``traceable_hsdp/_collectives.py``): the numbers
 are the same either way. ``PassConfig(all_gather_by_exchange=False)`` turns it off.
 
+Tried and not kept (2026-12-05): both exchanges sending the other rank its part and
+nothing to itself (splits ``[0, k]`` on rank 0, ``[k, 0]`` on rank 1; the copy-out
+reading this rank's bucket and the received one). On the compute shape gloo's
+threads did 11 ms less a step, the waits and the step did not move (four A/B pairs,
+both run orders), and the graphs would differ between the ranks (docs/benchmarks.md,
+"A third lever that did not pay").
+
 Invariant: the rewritten graph computes the same tensors as before, with its
 collectives issued and waited for at the same positions and over the same groups.
 """
