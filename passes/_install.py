@@ -12,7 +12,9 @@ Before our passes (:func:`run_passes`), on every graph and whatever
 :class:`PassConfig` says, :func:`free_after_last_read` moves each placeholder's free
 after its last read (see [Note: Frees after the last read]); after them,
 :func:`gather_into_buffers` issues each CPU all-gather into a buffer allocated
-beforehand (a gloo fix; see [Note: CPU all-gathers into buffers]).
+beforehand (a gloo fix; see [Note: CPU all-gathers into buffers]); last, a graph that
+Inductor's C++ wrapper, when it is on, cannot call is refused (see [Note: Inductor's
+C++ wrapper]).
 
 - Composes: a pass the user already set there is kept and run after ours (a
   ``CustomGraphPass``, a plain callable, or a list of them). The FX graph cache key
@@ -152,17 +154,20 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import fx
 from torch._inductor import custom_graph_pass as _cgp
 
 from ._graph import (
+    EXCHANGED,
     INFERENCE_AWARE,
     InferenceAwareGraphPass,
     annotation_of,
     is_collective,
     is_placeholder_op,
+    is_resize,
 )
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .free_after_last_read import free_after_last_read
@@ -434,6 +439,41 @@ def _warn_if_options_lost(graph: fx.Graph) -> None:
 _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of them
 
 
+# [Note: Inductor's C++ wrapper]
+# With ``torch._inductor.config.cpp_wrapper`` on, Inductor writes a graph's calls in
+# C++, and torch 2.13 has no C++ call for two ops a fully_shard graph holds:
+# ``inductor.resize_storage_bytes_`` (a placeholder's grow or free: the C++ compile
+# fails on an undeclared ``aoti_torch_cpu_resize_storage_bytes_``) and
+# ``_c10d_functional.all_to_all_single``, which the exchanges put there
+# (``NotImplementedError: arg type Any is not yet supported by custom_op_wrapper``).
+# Every fully_shard model meets the first: the root stays gathered from its forward
+# to its backward, so each graph grows or frees its placeholders. Seen on torch
+# 2.13.0+cpu with the demo Llama on 1 and 2 gloo ranks (2026-12-05). Rather than
+# let Inductor fail on a name the user never wrote, the pass refuses the graph,
+# naming the switch and the fix.
+def _refuse_cpp_wrapper(graph: fx.Graph) -> None:
+    """Raises ``RuntimeError`` if Inductor's C++ wrapper is on and ``graph`` holds an
+    op that it cannot call. See [Note: Inductor's C++ wrapper]."""
+    if not inductor_config.cpp_wrapper:
+        return
+    found = sorted(
+        {
+            str(n.target)
+            for n in graph.nodes
+            if n.op == "call_function" and (is_resize(n) or n.meta.get(EXCHANGED))
+        }
+    )
+    if found:
+        raise RuntimeError(
+            "traceable_hsdp: Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) "
+            f"cannot compile this fully_shard graph on torch {torch.__version__}: it holds "
+            f"{', '.join(found)}, which the C++ wrapper has no call for. Fix: compile "
+            "without it: leave torch._inductor.config.cpp_wrapper False, or pass "
+            "options={'cpp_wrapper': False} to torch.compile (and to "
+            "traceable_hsdp.enable_compiled_autograd, which compiles the backward)."
+        )
+
+
 class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-type]
     """The post-grad pre-pass :func:`install` sets: our passes, then the pass the
     user had set (``user_pass``), if any. See [Note: Installing the passes].
@@ -455,6 +495,7 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
             # Always, whatever the configuration: see [Note: CPU all-gathers into
             # buffers].
             gather_into_buffers(gm)
+            _refuse_cpp_wrapper(graph)
         else:
             log.warning("traceable_hsdp passes skipped: the graph has no owning GraphModule")
         for p in _cgp.get_custom_graph_passes(self.user_pass):

@@ -1402,3 +1402,33 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
             True: ["all_to_all_single", "wait_tensor"],
             False: ["reduce_scatter_tensor", "wait_tensor"],
         }, r["eager_ops"]
+
+
+# ------------------------------------------------------------ the C++ wrapper
+def test_cpp_wrapper_refused_on_what_it_cannot_call() -> None:
+    """With Inductor's ``cpp_wrapper`` on, a graph holding a placeholder's resize or
+    one of our exchanges (an ``all_to_all_single`` marked as one) is refused, naming
+    each op once; the same graphs pass with it off, and a user's own
+    ``all_to_all_single`` (not marked) is not ours to refuse. The Inductor case is in
+    test_runtime.py. See [Note: Inductor's C++ wrapper] in passes/_install.py."""
+    from traceable_hsdp.passes._graph import ALL_TO_ALL, EXCHANGED
+    from traceable_hsdp.passes._install import _refuse_cpp_wrapper
+
+    def graph(marked: bool, resize: bool) -> fx.Graph:
+        b = _Builder()
+        x, p = b.input("x", 4), b.input("p", 4)
+        if resize:
+            b(RESIZE, p, 16)
+        ex = b(ALL_TO_ALL, x, [2, 2], [2, 2], "0")
+        if marked:
+            ex.meta[EXCHANGED] = "reduce_scatter"
+        return b.done(b(WAIT, ex)).graph
+
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        with pytest.raises(RuntimeError, match="cpp_wrapper': False") as info:
+            _refuse_cpp_wrapper(graph(marked=True, resize=True))
+        message = str(info.value)
+        assert message.count("_c10d_functional.all_to_all_single.default") == 1, message
+        assert message.count("inductor.resize_storage_bytes_.default") == 1, message
+        _refuse_cpp_wrapper(graph(marked=False, resize=False))  # a user's: not refused
+    _refuse_cpp_wrapper(graph(marked=True, resize=True))  # the wrapper off

@@ -817,3 +817,25 @@ def test_variable_sequence_lengths_compiled() -> None:
                                ("fwd", one_bucket)], r["counts"]
         torch.testing.assert_close(r["losses"], ref_losses, rtol=0, atol=1e-4)
         torch.testing.assert_close(r["eval_logits"], ref_logits.chunk(2)[rank], rtol=0, atol=1e-4)
+
+
+def test_cpp_wrapper_refused_with_the_fix(one_rank) -> None:
+    """Inductor's C++ wrapper has no call for a placeholder's resize on torch 2.13
+    (its C++ compile failed on an undeclared ``aoti_torch_cpu_resize_storage_bytes_``).
+    A fully_shard model compiled with Inductor and ``cpp_wrapper`` is refused at its
+    first forward graph, before any C++ is compiled, naming the switch, the op and
+    the fix. See [Note: Inductor's C++ wrapper] in passes/_install.py."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    th.fully_shard(m[0], mesh=one_rank)
+    th.fully_shard(m, mesh=one_rank)  # the root stays gathered for the backward
+    compiled = torch.compile(m, backend="inductor", options={"cpp_wrapper": True})
+    try:
+        with th.compiled_autograd(backend="inductor"), pytest.raises(
+            Exception, match=r"C\+\+ wrapper"
+        ) as info:
+            compiled(torch.randn(3, 4))
+        message = str(info.value)
+        assert "inductor.resize_storage_bytes_" in message, message
+        assert "options={'cpp_wrapper': False}" in message, message
+    finally:
+        torch._dynamo.reset()
