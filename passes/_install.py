@@ -446,8 +446,9 @@ _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of
 # fails on an undeclared ``aoti_torch_cpu_resize_storage_bytes_``) and
 # ``_c10d_functional.all_to_all_single``, which the exchanges put there
 # (``NotImplementedError: arg type Any is not yet supported by custom_op_wrapper``).
-# Every fully_shard model meets the first: the root stays gathered from its forward
-# to its backward, so each graph grows or frees its placeholders. Seen on torch
+# A model whose root keeps torch's default meets the first in both graphs: the root
+# stays gathered from its forward to its backward, so the forward grows its
+# placeholders and the backward frees them. Seen on torch
 # 2.13.0+cpu with the demo Llama on 1 and 2 gloo ranks (2026-12-05). Rather than
 # let Inductor fail on a name the user never wrote, the pass refuses the graph,
 # naming the switch and the fix.
