@@ -163,6 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "LlamaForCausalLM (default demo)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
+    p.add_argument("--device", choices=H.DEVICE_CHOICES, default="auto",
+                   help="auto: cuda when torch.cuda.is_available(), else cpu (default auto); "
+                        "the one rank runs on cuda:0 or the CPU")
     p.add_argument("--timeout", type=int, default=3600,
                    help="seconds one process may take before it counts as failed (default 3600)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one process
@@ -180,6 +183,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--repeats must be >= 1, got {a.repeats}")
         if a.compile_threads < 1:
             p.error(f"--compile-threads must be >= 1, got {a.compile_threads}")
+        try:
+            a.device_type = H.resolve_device(a.device)
+        except ValueError as e:
+            p.error(str(e))
     return a
 
 
@@ -201,14 +208,16 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     v = BY_NAME[spec["variant"]]
     shape = shape_for(spec["layers"])
     backend, seed = spec["backend"], spec["seed"]
-    device = torch.device("cpu")
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="compile_time_") as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                                init_method=f"file://{d}/store", rank=0, world_size=1)
         try:
             import traceable_hsdp
 
-            mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+            mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("shard",))
             model, fwd = H.build_model(v.harness_variant(), shape, mesh, device, backend, seed,
                                        model=spec["model"])
             opt = torch.optim.AdamW(model.parameters(), lr=H.LR)
@@ -224,6 +233,8 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
+                if cuda:
+                    torch.cuda.synchronize()
                 steps.append(time.perf_counter() - t0)
                 losses.append(float(loss))
                 if step == 0:
@@ -252,7 +263,7 @@ def spawn_child(
     env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
     spec = dict(variant=v.name, layers=layers, backend=args.backend, seed=args.seed,
-                model=args.model)
+                model=args.model, device=args.device_type)
     t0 = time.time()
     try:
         proc = subprocess.run(
@@ -346,8 +357,9 @@ def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) 
     model = ("demo Llama (`traceable_hsdp.models`), dim 64" if args.model == "demo"
              else "HF `LlamaForCausalLM`, hidden 64, MLP 128")
     lines = [
-        f"### Compile time, first training step, 1 rank ({meta['cpu']}, {meta['cpus']} cores; "
-        f"torch {meta['torch']}, Python {meta['python']})",
+        f"### Compile time, first training step, 1 rank on {meta.get('device', 'the CPU')} "
+        f"({meta['cpu']}, "
+        f"{meta['cpus']} cores; torch {meta['torch']}, Python {meta['python']})",
         "",
         f"Model: {model}, 4 heads, vocab 256, seq 32, batch 2; backend `{args.backend}`; "
         f"`TORCHINDUCTOR_COMPILE_THREADS={args.compile_threads}`; medians over "
@@ -487,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(
         code=_code_state(), torch=torch.__version__, python=platform.python_version(),
         cpu=R.cpu_name(), cpus=os.cpu_count(), machine=platform.platform(),
+        device=(torch.cuda.get_device_name(0) if args.device_type == "cuda" else "the CPU"),
         wall_s=time.time() - t_start, loadavg_before=load_before, loadavg_after=os.getloadavg(),
     )
     s = summarize(runs)
@@ -497,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         args={k: v for k, v in vars(args).items() if k != "variant_list"},
         variants=[v.name for v in args.variant_list], meta=meta, summary=s, raw=runs))
     png = plot(s, stem + ".png",
-               f"first-step compile time, {args.model} model, 1 rank, torch {meta['torch']}")
+               f"first-step compile time, {args.model} model, 1 rank on {meta['device']}, "
+               f"torch {meta['torch']}")
     print(f"wrote {stem}.md, {stem}.json" + (f", {png}" if png else " (no matplotlib: no plot)"))
     failed = any(row["errors"] for row in s["rows"].values())
     return 1 if failed else 0

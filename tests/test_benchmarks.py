@@ -583,8 +583,11 @@ def test_compile_time_summary_ratios_and_goals() -> None:
     args = compile_time.parse_args(["--layers", "4,8", *_OUT])
     meta = dict(torch="2.13", python="3.11", cpu="cpu", cpus=2, wall_s=1.0,
                 loadavg_before=(0.0, 0.0, 0.0), loadavg_after=(0.0, 0.0, 0.0),
-                code=dict(head="abc1234", dirty_runtime=""))
+                code=dict(head="abc1234", dirty_runtime=""), device="NVIDIA H100 80GB HBM3")
     md = compile_time.markdown(s, meta, args)
+    assert md.startswith("### Compile time, first training step, 1 rank on NVIDIA H100"), md
+    del meta["device"]  # a report written before the device was recorded: the CPU
+    assert "1 rank on the CPU (cpu, 2 cores" in compile_time.markdown(s, meta, args)
     assert ("| 8 | traceable_hsdp fully_shard, torch.compile(model) (`ours_compiled`) | 50.0 "
             "| 25.0 | 1.25x | 2.50x |") in md
     assert "| 0/1/1 | 1/0/1 | 0/0/2 |" in md  # FX cold, FX warm, AOT warm
@@ -603,6 +606,10 @@ def test_compile_time_argument_errors(capsys: pytest.CaptureFixture[str]) -> Non
     assert "comma-separated layer counts" in err
     err = _parse_error(compile_time.parse_args, ["--repeats", "0"], capsys)
     assert "--repeats must be >= 1" in err
+    assert compile_time.parse_args([*_OUT, "--device", "cpu"]).device_type == "cpu"
+    if not torch.cuda.is_available():  # the error says why there is no GPU
+        err = _parse_error(compile_time.parse_args, [*_OUT, "--device", "cuda"], capsys)
+        assert "--device cuda, but torch.cuda.is_available() is False" in err, err
 
 
 @pytest.mark.slow
