@@ -358,8 +358,7 @@ def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) 
              else "HF `LlamaForCausalLM`, hidden 64, MLP 128")
     lines = [
         f"### Compile time, first training step, 1 rank on {meta.get('device', 'the CPU')} "
-        f"({meta['cpu']}, "
-        f"{meta['cpus']} cores; torch {meta['torch']}, Python {meta['python']})",
+        f"({meta['cpu']}, {meta['cpus']} cores; torch {meta['torch']}, Python {meta['python']})",
         "",
         f"Model: {model}, 4 heads, vocab 256, seq 32, batch 2; backend `{args.backend}`; "
         f"`TORCHINDUCTOR_COMPILE_THREADS={args.compile_threads}`; medians over "
