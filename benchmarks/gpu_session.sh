@@ -19,8 +19,9 @@
 # .json and .png). The library is installed into a folder of its own and every step
 # runs outside the checkout, so the installed package is the one imported. Where
 # torch lacks what the passes need from torch 2.13 (the GPU image holds torch 2.11),
-# benchmarks/gpu_shim/ goes first on PYTHONPATH; torch 2.11 is not a supported
-# torch, and its figures say so (docs/benchmarks.md, "On GPUs").
+# benchmarks/gpu_shim/ goes first on PYTHONPATH and the log says so; torch 2.11 is
+# not a supported torch, which its figures must say where they are recorded
+# (docs/benchmarks.md, "On GPUs").
 #
 # A dry run of the same steps on the CPU, with the smallest shapes, checks the
 # script itself: DEVICE=cpu SMOKE=1 OUT=/tmp/x bash benchmarks/gpu_session.sh 900
