@@ -208,16 +208,20 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     v = BY_NAME[spec["variant"]]
     shape = shape_for(spec["layers"])
     backend, seed = spec["backend"], spec["seed"]
-    cuda = spec["device"] == "cuda"
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    # One rank placed as the step-time harness places its ranks: cuda:0 on NCCL, or the
+    # CPU on gloo.
+    placement = H.Placement(spec["device"], 1)
+    device = placement.rank_device(0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="compile_time_") as d:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                                init_method=f"file://{d}/store", rank=0, world_size=1)
+        dist.init_process_group(placement.backend, init_method=f"file://{d}/store", rank=0,
+                                world_size=1)
         try:
             import traceable_hsdp
 
-            mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("shard",))
+            mesh = init_device_mesh(placement.device_type, (1,), mesh_dim_names=("shard",))
             model, fwd = H.build_model(v.harness_variant(), shape, mesh, device, backend, seed,
                                        model=spec["model"])
             opt = torch.optim.AdamW(model.parameters(), lr=H.LR)
@@ -233,8 +237,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-                if cuda:
-                    torch.cuda.synchronize()
+                H.sync(device)
                 steps.append(time.perf_counter() - t0)
                 losses.append(float(loss))
                 if step == 0:
