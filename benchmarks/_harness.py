@@ -17,7 +17,11 @@ per-rank batch, so every rank keeps its per-rank shape whatever the world size.
 
 [Note: Memory per variant]
 CPU: the process's peak RSS (``ru_maxrss``), which cannot be reset, read after the
-variant's first round: a high-water mark in run order. CUDA:
+variant's first round: a high-water mark in run order. CPU with ``--heap``: the live
+heap of the rank's process, counted by the shim of ``_heap.py`` ([Note: A heap peak on
+the CPU] there), its peak reset at each block's start as CUDA's; the figure is the
+largest peak above a block's start over the variant's blocks after its first (which
+holds its compile). CUDA:
 ``torch.cuda.reset_peak_memory_stats()`` at the start of each of the variant's blocks
 and ``torch.cuda.max_memory_allocated()`` at its end, the variant's figure being the
 largest over its blocks. Either way every variant's tensors live in the same process,
@@ -107,6 +111,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import _heap
+
 CPU_WORLD = 2  # gloo ranks on the CPU. See [Note: Where the ranks run]
 LR = 1e-3
 PASSES_ENV = "TRACEABLE_HSDP_PASSES"
@@ -140,6 +146,13 @@ PEAK_RSS = MemoryMetric(
     "the process's peak resident set size after the variant's first round (a high-water "
     "mark: every variant shares the process, in run order)",
 )
+HEAP_PEAK = MemoryMetric(
+    "heap_peak_above_start_mib", "heap peak above the block's start MiB",
+    "heap peak above block start MiB",
+    "the most live heap (glibc's blocks, every thread; benchmarks/_heap.py) above its "
+    "size at the start of each of the variant's blocks after the first, the largest "
+    "over those blocks: what the variant's steps add at most",
+)
 GPU_MAX_ALLOCATED = MemoryMetric(
     "gpu_max_allocated_mib", "GPU max allocated MiB", "GPU max allocated MiB",
     "torch.cuda.max_memory_allocated() over each of the variant's blocks, reset at the "
@@ -156,10 +169,13 @@ class Placement:
         device_type: ``"cpu"`` (gloo ranks) or ``"cuda"`` (NCCL, rank ``r`` on
             ``cuda:r``).
         world: the number of ranks.
+        heap: on the CPU, whether the ranks count their heap (``step_time.py --heap``;
+            see [Note: Memory per variant]).
     """
 
     device_type: DeviceType
     world: int
+    heap: bool = False
 
     @property
     def backend(self) -> str:
@@ -167,7 +183,9 @@ class Placement:
 
     @property
     def memory_metric(self) -> MemoryMetric:
-        return GPU_MAX_ALLOCATED if self.device_type == "cuda" else PEAK_RSS
+        if self.device_type == "cuda":
+            return GPU_MAX_ALLOCATED
+        return HEAP_PEAK if self.heap else PEAK_RSS
 
     def rank_device(self, rank: int) -> torch.device:
         """This rank's device: ``cuda:rank`` or the CPU."""
@@ -276,24 +294,32 @@ def sync(device: torch.device) -> None:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Starts a new CUDA peak; the CPU's peak RSS cannot be reset (a no-op there).
-    See [Note: Memory per variant]."""
+    """Starts a new CUDA peak, or heap peak on a CPU rank that counts its heap; the
+    CPU's peak RSS cannot be reset (a no-op there). See [Note: Memory per variant]."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    elif _heap.active():
+        _heap.reset_peak()
 
 
 def peak_memory_mib(device: torch.device) -> float:
     """The placement's memory metric now: CUDA max allocated since the last
-    :func:`reset_peak_memory`, or the process's peak RSS on the CPU."""
+    :func:`reset_peak_memory`, the most live heap since then on a CPU rank that counts
+    its heap, or else the process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    if _heap.active():
+        return _heap.peak_mib()
     return peak_rss_mib()
 
 
 def allocated_mib(device: torch.device) -> float | None:
-    """CUDA bytes allocated now, in MiB; ``None`` on the CPU."""
+    """CUDA bytes allocated now, or live heap bytes on a CPU rank that counts its heap,
+    in MiB; ``None`` on another CPU rank."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
+    if _heap.active():
+        return _heap.live_mib()
     return None
 
 

@@ -4,7 +4,7 @@
 
     python benchmarks/step_time.py --out DIR [--shape overhead|compute|both] [--steps N]
                                    [--rounds R] [--processes N] [--smoke] [--backend B]
-                                   [--model demo|hf_llama] [--vocab N]
+                                   [--model demo|hf_llama] [--vocab N] [--heap]
                                    [--device auto|cpu|cuda] [--world N]
 
 Spawns the ranks (``--device auto``: CUDA when ``torch.cuda.is_available()``, else the
@@ -58,13 +58,15 @@ time per variant, the torch version and CPU in its title) into the folder ``--ou
 names (required). Tables and plots name the variants as ``_report.label`` does ([Note:
 Report names] in ``_report.py``), and a cell that cannot be measured says why ([Note:
 Cells that cannot be measured]). The memory column is the peak
-RSS on the CPU and ``torch.cuda.max_memory_allocated()`` on CUDA (see
-[Note: Memory per variant] in ``_harness.py``).
+RSS on the CPU (with ``--heap``, each variant's heap peak above its blocks' start) and
+``torch.cuda.max_memory_allocated()`` on CUDA (see [Note: Memory per variant] in
+``_harness.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -152,6 +154,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use the usual Inductor cache dir instead of a fresh one (compile "
                         "times then depend on earlier runs)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--heap", action="store_true",
+                   help="CPU: the memory column is each variant's heap peak above its "
+                        "blocks' start, counted in the ranks by benchmarks/heap_peak.c "
+                        "(built with the C compiler, loaded with LD_PRELOAD; see [Note: A "
+                        "heap peak on the CPU] in _heap.py) instead of the process's peak RSS")
     a = p.parse_args(argv)
     if a.out is None and a.table_from is None:
         p.error("the following arguments are required: --out")
@@ -169,6 +176,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.vocab is not None and a.vocab < 1:
         p.error(f"--vocab must be >= 1, got {a.vocab}")
     a.placement = H.placement_from_args(p, a)
+    if a.heap:
+        if a.placement.device_type != "cpu":
+            p.error("--heap is for the CPU (on CUDA the memory column is "
+                    "torch.cuda.max_memory_allocated() already)")
+        if a.processes:
+            p.error("--heap takes the variants round-robin in one set of ranks; "
+                    "leave out --processes")
+        a.placement = dataclasses.replace(a.placement, heap=True)
     return a
 
 
@@ -197,17 +212,24 @@ def _q(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _variant_memory(v: dict[str, Any], device_type: str) -> tuple[float | None, float | None]:
-    """(the variant's memory figure, its peak above the block's start) on one rank. See
-    [Note: Memory per variant] in ``_harness.py``: the CPU's peak RSS after round 1
-    (no second number); on CUDA the largest max-allocated over the variant's blocks and
-    the largest peak above a block's start."""
-    peaks = v["peak_mem_mib"]
+def _variant_memory(v: dict[str, Any], metric_key: str) -> tuple[float | None, float | None]:
+    """(the variant's memory figure, its peak above the block's start) on one rank, for
+    the run's memory metric (its ``key``). See [Note: Memory per variant] in
+    ``_harness.py``: the CPU's peak RSS after round 1 (no second number); on CUDA the
+    largest max-allocated over the variant's blocks and the largest peak above a block's
+    start; the CPU's heap peak both times the largest peak above a block's start over
+    the blocks after the first (the compile's), or the first when there is no other."""
+    import _harness as H
+
+    peaks, starts = v["peak_mem_mib"], v["allocated_at_start_mib"]
     if not peaks:
         return None, None
-    if device_type != "cuda":
+    if metric_key == H.PEAK_RSS.key:
         return peaks[0], None
-    above = [p - a for p, a in zip(peaks, v["allocated_at_start_mib"]) if a is not None]
+    above = [p - a for p, a in zip(peaks, starts) if a is not None]
+    if metric_key == H.HEAP_PEAK.key:
+        figure = max(above[1:] or above) if above else None
+        return figure, figure
     return max(peaks), (max(above) if above else None)
 
 
@@ -239,7 +261,7 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], placement: Any) -> dict[s
         unsharded = name.startswith("unsharded")
         tokens = shape.batch * shape.seq * (1 if unsharded else world)
         recompiles = [v["compiles_after"][0] + v["compiles_after"][1] for v in vs]
-        mem = [_variant_memory(v, placement.device_type) for v in vs]
+        mem = [_variant_memory(v, placement.memory_metric.key) for v in vs]
         rows[name] = dict(
             median_s=med,
             p25_s=_q(times, 0.25),
@@ -409,7 +431,8 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
                   else "not counted (--no-graph-count)" if args.no_graph_count else "–")
         coll_n, coll_mb = _coll_cells(name, r)
         unsharded = name.startswith("unsharded")
-        mem_cell = per_rank_cell(r["peak_mem_mib"], ".0f", idle="idle" if unsharded else None)
+        mem_spec = ".1f" if metric["key"] == H.HEAP_PEAK.key else ".0f"
+        mem_cell = per_rank_cell(r["peak_mem_mib"], mem_spec, idle="idle" if unsharded else None)
         recompiles_cell = per_rank_cell(
             r["recompiles_after_warmup"], "d", sep=", ", idle="–" if unsharded else None
         )
@@ -464,7 +487,7 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
         name: r["peak_above_block_start_mib"][0] for name, r in rows.items()
         if r["peak_above_block_start_mib"][0] is not None
     }
-    if above:
+    if above and metric["key"] == H.GPU_MAX_ALLOCATED.key:
         lines.append(
             "GPU peak above the allocation at the block's start (the variant's own model, "
             "optimizer state and activations in its first block), rank 0: "
@@ -667,10 +690,17 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         backend=args.backend, seed=args.seed, progress=not args.no_progress,
         count_graphs=not args.no_graph_count, model=args.model,
     )
-    if args.processes:
-        ranks = H.run_isolated(placement, variants, args.processes, **run_args)
-    else:
-        ranks = H.run_spawned(placement, variants=variants, **run_args)
+    with contextlib.ExitStack() as stack:
+        if placement.heap:
+            import _heap
+
+            # The ranks are spawned: they start with the shim preloaded.
+            lib = _heap.build(os.path.join(tempfile.gettempdir(), "traceable_hsdp_heap_peak"))
+            stack.enter_context(_heap.preloaded(lib))
+        if args.processes:
+            ranks = H.run_isolated(placement, variants, args.processes, **run_args)
+        else:
+            ranks = H.run_spawned(placement, variants=variants, **run_args)
     wall = time.time() - t0
     device = dict(
         type=placement.device_type, backend=placement.backend, world=placement.world,

@@ -7,10 +7,12 @@ with ``torch.cuda.is_available``/``device_count`` monkeypatched; nothing here to
 a GPU, and the CUDA run itself is not tested (CI has no GPU).
 
 End-to-end smokes of the CPU harness: ``step_time.py --smoke`` on 2 spawned gloo
-ranks, two eager variants, checking the markdown and json it writes; and the same with
-``--model hf_llama`` (transformers' ``LlamaForCausalLM``) for ours and torch's eager
-and compiled variants, whose losses must agree. Never a timing assertion: these are
-checks of the harness, not of speed.
+ranks, two eager variants, checking the markdown and json it writes; the same with
+``--heap`` (each variant's heap peak, counted by ``benchmarks/heap_peak.c``, whose
+counts are checked against a tensor of known size in a child process); and the same
+with ``--model hf_llama`` (transformers' ``LlamaForCausalLM``) for ours and torch's
+eager and compiled variants, whose losses must agree. Never a timing assertion: these
+are checks of the harness, not of speed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +34,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import _harness as H  # noqa: E402
+import _heap  # noqa: E402
 import _report as R  # noqa: E402
 import collective_latency  # noqa: E402
 import compile_ab  # noqa: E402
@@ -146,6 +151,59 @@ def test_placement_backend_device_and_memory_metric() -> None:
     )
     assert cpu.memory_metric.column.startswith(cpu.memory_metric.label)
     assert cuda.memory_metric.column.startswith(cuda.memory_metric.label)
+    assert H.Placement("cpu", 2, heap=True).memory_metric is H.HEAP_PEAK
+    assert H.HEAP_PEAK.key == "heap_peak_above_start_mib"
+
+
+def test_heap_is_refused_with_processes_or_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert "leave out --processes" in _parse_error(
+        step_time.parse_args, ["--device", "cpu", "--heap", "--processes", "2"], capsys
+    )
+    _fake_cuda(monkeypatch, 2)
+    assert "--heap is for the CPU" in _parse_error(
+        step_time.parse_args, ["--device", "cuda", "--heap"], capsys
+    )
+    assert step_time.parse_args(["--device", "cpu", "--heap", *_OUT]).placement.heap
+
+
+_HEAP_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch, _heap
+assert _heap.active()
+torch.empty(1)  # torch's own first allocations, before the measurement
+_heap.reset_peak()
+start = _heap.live_mib()
+x = torch.empty(64 * 2**20 // 4)  # 64 MiB
+mid = _heap.live_mib()
+del x
+end = _heap.live_mib()
+print(_heap.peak_mib() - start, mid - start, end - start)
+_heap.reset_peak()
+print(_heap.peak_mib() - _heap.live_mib())
+"""
+
+
+def test_heap_shim_counts_a_tensor_and_its_peak(tmp_path: Path) -> None:
+    """The shim, built and preloaded into a fresh interpreter, counts a 64 MiB tensor
+    while it lives (torch's CPU allocator takes it from posix_memalign), keeps it in
+    the peak after its free, and starts a new peak at the live count on reset."""
+    lib = _heap.build(str(tmp_path))
+    assert _heap.build(str(tmp_path)) == lib  # built once per source
+    assert not _heap.active()  # this process was not started with it
+    with _heap.preloaded(lib):
+        assert os.environ["LD_PRELOAD"].split(":")[0] == lib
+        out = subprocess.run([sys.executable, "-c", _HEAP_CHILD, str(BENCH)],
+                             capture_output=True, text=True, check=False, timeout=120)
+    assert "LD_PRELOAD" not in os.environ or lib not in os.environ["LD_PRELOAD"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = out.stdout.split("\n")[:2]
+    peak, mid, end = map(float, first.split())
+    assert 64.0 <= peak < 64.5 and 64.0 <= mid < 64.5, (peak, mid)
+    assert abs(end) < 0.5, end
+    assert float(second) == 0.0
 
 
 def test_cpu_memory_helpers() -> None:
@@ -201,13 +259,20 @@ def test_device_line_names_the_device() -> None:
 def test_variant_memory_per_device() -> None:
     """The per-variant figure from a rank's per-block readings (hand-written, see
     [Note: Memory per variant]): CPU the reading after round 1, CUDA the largest over
-    the blocks and the largest rise above a block's start."""
+    the blocks and the largest rise above a block's start, the CPU's heap the largest
+    rise after the first block."""
     cpu_v = dict(peak_mem_mib=[300.0, 310.0, 320.0], allocated_at_start_mib=[None] * 3)
-    assert step_time._variant_memory(cpu_v, "cpu") == (300.0, None)
+    assert step_time._variant_memory(cpu_v, H.PEAK_RSS.key) == (300.0, None)
     cuda_v = dict(peak_mem_mib=[900.0, 950.0], allocated_at_start_mib=[100.0, 700.0])
-    assert step_time._variant_memory(cuda_v, "cuda") == (950.0, 800.0)
+    assert step_time._variant_memory(cuda_v, H.GPU_MAX_ALLOCATED.key) == (950.0, 800.0)
     assert step_time._variant_memory(dict(peak_mem_mib=[], allocated_at_start_mib=[]),
-                                      "cuda") == (None, None)
+                                      H.GPU_MAX_ALLOCATED.key) == (None, None)
+    # The CPU's heap: the largest rise above a block's start after the first block
+    # (the compile's), both numbers; the first block's when there is no other.
+    heap_v = dict(peak_mem_mib=[900.0, 140.0, 150.0], allocated_at_start_mib=[100.0, 110.0, 115.0])
+    assert step_time._variant_memory(heap_v, H.HEAP_PEAK.key) == (35.0, 35.0)
+    one = dict(peak_mem_mib=[900.0], allocated_at_start_mib=[100.0])
+    assert step_time._variant_memory(one, H.HEAP_PEAK.key) == (800.0, 800.0)
 
 
 # ---------------------------------------------------------- end-to-end smoke
@@ -260,7 +325,7 @@ def test_step_time_smoke_on_cpu(
     assert len(dev["names"]) == 2
     assert report["meta"]["memory_metric"]["label"] == "peak RSS MiB"
     assert report["summary"]["memory_metric"]["key"] == "peak_rss_mib"
-    assert report["args"]["placement"] == {"device_type": "cpu", "world": 2}
+    assert report["args"]["placement"] == {"device_type": "cpu", "world": 2, "heap": False}
     rows = report["summary"]["rows"]
     assert set(rows) == {"ours_eager", "torch_eager", "ours_block_compiled"}
     assert not report["summary"]["failed"]
@@ -269,6 +334,43 @@ def test_step_time_smoke_on_cpu(
         assert row["peak_above_block_start_mib"] == [None, None]  # CUDA only
     assert [r["device"]["type"] for r in report["raw"]] == ["cpu", "cpu"]
     assert report["meta"]["model"] == "demo" and report["meta"]["torch"] == torch.__version__
+
+
+def test_step_time_heap_smoke_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--heap``: the ranks start with the shim, and the memory column is each
+    variant's heap peak above its blocks' start. Ours and torch's eager step gather,
+    compute and reduce the same tensors, so their peaks are close (they were within 1%
+    on the compute shape); the peak RSS, read instead, would be the same high-water
+    mark for both or grow with the run order."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
+    out = tmp_path / "results"
+    rc = step_time.main([
+        "--smoke", "--device", "cpu", "--variants", "ours_eager,torch_eager", "--rounds", "3",
+        "--no-graph-count", "--no-progress", "--heap", "--out", str(out),
+    ])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
+    md = (out / "step_time_smoke_demo.md").read_text()
+    assert "| heap peak above block start MiB, r0/r1 |" in md
+    assert "Memory metric: heap peak above the block's start MiB:" in md
+    assert "GPU peak above" not in md
+    report = json.loads((out / "step_time_smoke_demo.json").read_text())
+    assert report["args"]["placement"]["heap"] is True
+    assert report["summary"]["memory_metric"]["key"] == H.HEAP_PEAK.key
+    rows = report["summary"]["rows"]
+    for row in rows.values():
+        assert row["peak_mem_mib"] == row["peak_above_block_start_mib"]
+        assert all(0 < m < 64 for m in row["peak_mem_mib"]), row["peak_mem_mib"]
+    for raw in report["raw"]:  # the live heap at every block's start was read
+        for v in raw["variants"].values():
+            assert len(v["allocated_at_start_mib"]) == 3
+            assert all(isinstance(a, float) and a > 0 for a in v["allocated_at_start_mib"])
+    ours, theirs = rows["ours_eager"]["peak_mem_mib"], rows["torch_eager"]["peak_mem_mib"]
+    for a, b in zip(ours, theirs):
+        assert abs(a - b) <= 0.25 * max(a, b), (ours, theirs)
 
 
 def test_step_time_hf_llama_smoke_on_cpu(
