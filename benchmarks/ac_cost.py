@@ -12,6 +12,8 @@ that saves the matmuls and recomputes the rest) it builds, from the same seed an
 the same batches:
 
 - ``torch_eager_<ac>``: ``torch.distributed.fsdp.fully_shard`` per block then root;
+- ``torch_block_<ac>``: torchtitan's recipe, each (wrapped) block
+  ``torch.compile(block, fullgraph=True)`` and then torch's ``fully_shard``;
 - ``ours_eager_<ac>``: ``traceable_hsdp.fully_shard`` the same way;
 - ``ours_compiled_<ac>``: ours with ``enable_compiled_autograd()`` and
   ``torch.compile(model)`` (Inductor, every pass on; the plain loop).
@@ -19,16 +21,22 @@ the same batches:
 and times each step (forward, cross-entropy, backward, AdamW, zero_grad), alternating
 round-robin between the variants so that the machine's drift hits them all alike. It
 reports the median step (the slowest rank's time per step), the first step of the
-compiled variants (their compile time), and for each compiled variant the bytes of
-activations its forward graphs save for the backward, read from the partitioner's
-output (parameters and inputs not counted). Writes ``<out>/ac_cost_<model>_<shape>.md``
-and ``.json``.
+compiled variants (their compile time), what a step holds at its peak, and for each of
+our compiled variants the bytes of activations its forward graphs save for the
+backward, read from the partitioner's output (parameters and inputs not counted). The
+memory of a step is the most memory above its start, on rank 0, the largest over the
+timed steps: on CUDA from ``torch.cuda.max_memory_allocated()``, on the CPU from the
+heap shim of ``_heap.py`` (built with the C compiler and preloaded into the ranks; see
+[Note: A heap peak on the CPU] there). Writes ``<out>/ac_cost_<model>_<shape>.md`` and
+``.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import gc
 import os
 import platform
 import statistics
@@ -71,17 +79,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _build(model: str, shape: Any, ac: str, impl: str, mesh: Any, device: torch.device) -> Any:
     """The model from seed 0, every block wrapped for ``ac`` and sharded with ``impl``'s
-    ``fully_shard``, then the root."""
+    ``fully_shard`` (``"ours"``, ``"torch"``, or ``"torch_block"``: torch's, each block
+    compiled first), then the root."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     # The policy of ``traceable-hsdp train --ac selective``: the benchmark measures it.
     from traceable_hsdp._train import _save_matmuls
 
-    if impl == "torch":
-        from torch.distributed.fsdp import fully_shard
-    else:
+    if impl == "ours":
         from traceable_hsdp import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     if model == "demo":
@@ -106,6 +115,9 @@ def _build(model: str, shape: Any, ac: str, impl: str, mesh: Any, device: torch.
             if ac == "selective":
                 kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
             block = checkpoint_wrapper(block, **kw)
+            blocks[i] = block
+        if impl == "torch_block":  # torchtitan's order: AC, compile, then fully_shard
+            block = torch.compile(block, fullgraph=True)
             blocks[i] = block
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -180,22 +192,27 @@ def _rank(rank: int, placement: Any, model: str, shape_name: str, steps: int, ro
     variants = [
         (f"{impl}_{mode}_{ac}", impl, mode, ac)
         for ac in AC_KINDS
-        for impl, mode in (("torch", "eager"), ("ours", "eager"), ("ours", "compiled"))
+        for impl, mode in (("torch", "eager"), ("torch_block", "compiled"), ("ours", "eager"),
+                           ("ours", "compiled"))
     ]
     runs: dict[str, dict[str, Any]] = {}
     saved = _SavedBytes()
     with saved:
         for name, impl, mode, ac in variants:
             net = _build(model, shape, ac, impl, mesh, device)
-            fwd = torch.compile(net) if mode == "compiled" else net
-            runs[name] = dict(net=net, fwd=fwd, compiled=mode == "compiled",
+            whole = impl == "ours" and mode == "compiled"
+            runs[name] = dict(net=net, fwd=torch.compile(net) if whole else net, compiled=whole,
+                              first_compiles=mode == "compiled",
                               opt=torch.optim.AdamW(net.parameters(), lr=1e-3),
-                              times=[], losses=[], step=0, first=None)
+                              times=[], peaks=[], losses=[], step=0, first=None)
 
-        def step(name: str) -> float:
+        def step(name: str, timed: bool = False) -> float:
             r = runs[name]
             x, y = batch(r["step"])
+            gc.collect()
             dist.barrier()
+            H.reset_peak_memory(device)
+            start = H.allocated_mib(device)
             t0 = time.perf_counter()
             if r["compiled"]:
                 traceable_hsdp.enable_compiled_autograd()
@@ -210,6 +227,8 @@ def _rank(rank: int, placement: Any, model: str, shape_name: str, steps: int, ro
             r["opt"].zero_grad()
             sync()
             dt = torch.tensor(time.perf_counter() - t0)
+            if timed and start is not None:
+                r["peaks"].append(H.peak_memory_mib(device) - start)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's step
             r["losses"].append(loss.item())
             r["step"] += 1
@@ -220,9 +239,11 @@ def _rank(rank: int, placement: Any, model: str, shape_name: str, steps: int, ro
         for _ in range(rounds):
             for name in runs:
                 step(name)  # warm-up
-                runs[name]["times"].extend(step(name) for _ in range(steps))
+                runs[name]["times"].extend(step(name, timed=True) for _ in range(steps))
     return {
         name: dict(first=r["first"], times=r["times"], losses=r["losses"],
+                   first_compiles=r["first_compiles"],
+                   peak_above_start_mib=max(r["peaks"]) if r["peaks"] else None,
                    saved_bytes=sum(saved.by_variant.get(name, [])) if r["compiled"] else None)
         for name, r in runs.items()
     }
@@ -233,24 +254,30 @@ def _rank(rank: int, placement: Any, model: str, shape_name: str, steps: int, ro
 
 def report(res: dict[str, Any], a: argparse.Namespace, device: str) -> str:
     med = {n: statistics.median(r["times"]) for n, r in res.items()}
+    mem = "GPU max allocated" if a.placement.device_type == "cuda" else "heap"
     lines = [
         f"# Activation checkpointing cost: {a.model} model, {a.shape} shape",
         "",
         f"torch {torch.__version__}, {device}, {a.placement.world} ranks; "
         f"{a.rounds} rounds x {a.steps} timed steps per variant, round-robin; "
-        "median of the slowest rank's step.",
+        "median of the slowest rank's step. Memory: rank 0's peak above each timed "
+        f"step's start ({mem}), the largest over its timed steps.",
         "",
         "| variant | median step (s) | vs the same system without AC | first step (s) "
+        "| step's memory peak (MiB) | vs without AC "
         "| forward's saved activations (KiB) | vs without AC |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, r in res.items():
         base = n.rsplit("_", 1)[0] + "_none"
         sb, sb0 = r["saved_bytes"], res[base]["saved_bytes"]
+        pk, pk0 = r["peak_above_start_mib"], res[base]["peak_above_start_mib"]
+        first = f"{r['first']:.1f}" if r["first_compiles"] else "(eager)"
         lines.append(
-            f"| {n} | {med[n]:.4f} | {med[n] / med[base]:.2f}x | {r['first']:.1f} | "
+            f"| {n} | {med[n]:.4f} | {med[n] / med[base]:.2f}x | {first} | "
+            + (f"{pk:.1f} | {pk / pk0:.2f}x | " if pk is not None and pk0 else "– | | ")
             + (f"{sb / 1024:.0f} | {sb / sb0:.2f}x |" if sb is not None and sb0
-               else "not counted: eager (no compiled graph) | |")
+               else "not counted: not ours compiled whole | |")
         )
     lines += ["", "Losses of the last step (every variant trains the same model on the "
               "same batches):", ""]
@@ -264,11 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     import _report as R
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="ac_cost_inductor_"))
-    res = H.run_spawned_fn(_rank, a.placement, model=a.model, shape_name=a.shape,
-                           steps=a.steps, rounds=a.rounds)[0]
+    with contextlib.ExitStack() as stack:
+        if a.placement.device_type == "cpu":
+            import _heap
+
+            lib = _heap.build(os.path.join(tempfile.gettempdir(), "traceable_hsdp_heap_peak"))
+            stack.enter_context(_heap.preloaded(lib))  # the spawned ranks count their heap
+        res = H.run_spawned_fn(_rank, a.placement, model=a.model, shape_name=a.shape,
+                               steps=a.steps, rounds=a.rounds)[0]
     device = f"{platform.processor() or platform.machine()} CPU" if a.placement.device_type == "cpu" \
         else torch.cuda.get_device_name(0)
-    text = report(res, a, device)
+    from step_time import _code_state
+
+    text = report(res, a, device) + "\n\n" + R.code_line(_code_state()) + "."
     print(text)
     if a.out:
         R.write_report(a.out, f"ac_cost_{a.model}_{a.shape}", text, res)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(BENCH))
 import _harness as H  # noqa: E402
 import _heap  # noqa: E402
 import _report as R  # noqa: E402
+import ac_cost  # noqa: E402
 import collective_latency  # noqa: E402
 import compile_ab  # noqa: E402
 import compile_time  # noqa: E402
@@ -528,6 +529,29 @@ def test_out_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     assert "the following arguments are required: --out" in capsys.readouterr().err
     assert compile_time.parse_args(["--child", "{}"]).out is None  # a child writes nothing
     assert guard_cost.parse_args(["--one", "ours"]).out is None
+
+
+def test_ac_cost_table_compares_each_system_with_itself() -> None:
+    """``ac_cost.py``'s table from hand-written results: every ratio is against the
+    same system without checkpointing (time, memory peak, saved bytes), eager variants
+    say they compiled nothing, and only our whole-model compile has saved bytes."""
+    res: dict[str, Any] = {}
+    for ac, scale in (("none", 1.0), ("full", 0.5)):
+        for impl in ("torch_eager", "torch_block_compiled", "ours_eager", "ours_compiled"):
+            res[f"{impl}_{ac}"] = dict(
+                first=3.0, times=[0.1 / scale], losses=[5.0],
+                first_compiles=impl.endswith("compiled"),
+                peak_above_start_mib=40.0 * scale,
+                saved_bytes=4096 * scale if impl == "ours_compiled" else None,
+            )
+    args = ac_cost.parse_args(["--device", "cpu"])
+    table = ac_cost.report(res, args, "test CPU")
+    row = next(l for l in table.splitlines() if l.startswith("| torch_eager_full |"))
+    assert row.split(" | ")[1:7] == ["0.2000", "2.00x", "(eager)", "20.0", "0.50x",
+                                     "not counted: not ours compiled whole"], row
+    row = next(l for l in table.splitlines() if l.startswith("| ours_compiled_full |"))
+    assert row.split(" | ")[3:7] == ["3.0", "20.0", "0.50x", "2"] and row.endswith(" 0.50x |"), row
+    assert "| torch_block_compiled_none | 0.1000 | 1.00x | 3.0 | 40.0 | 1.00x |" in table
 
 
 def test_guard_cost_filters_drop_only_their_kind() -> None:
