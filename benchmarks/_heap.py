@@ -32,6 +32,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heap_peak.c")
@@ -59,6 +60,15 @@ def build(folder: str) -> str:
         raise RuntimeError(f"building {SOURCE} with {cc} failed:\n{r.stderr[-2000:]}")
     os.replace(tmp, lib)
     return lib
+
+
+@contextlib.contextmanager
+def counting_children() -> Iterator[None]:
+    """The processes started inside count their heap: the shim is built (once) in the
+    temporary directory's ``traceable_hsdp_heap_peak`` folder and preloaded for them.
+    The benchmarks spawn their ranks inside this."""
+    with preloaded(build(os.path.join(tempfile.gettempdir(), "traceable_hsdp_heap_peak"))):
+        yield
 
 
 @contextlib.contextmanager

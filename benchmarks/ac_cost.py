@@ -12,7 +12,7 @@ that saves the matmuls and recomputes the rest) it builds, from the same seed an
 the same batches:
 
 - ``torch_eager_<ac>``: ``torch.distributed.fsdp.fully_shard`` per block then root;
-- ``torch_block_<ac>``: torchtitan's recipe, each (wrapped) block
+- ``torch_block_compiled_<ac>``: torchtitan's recipe, each (wrapped) block
   ``torch.compile(block, fullgraph=True)`` and then torch's ``fully_shard``;
 - ``ours_eager_<ac>``: ``traceable_hsdp.fully_shard`` the same way;
 - ``ours_compiled_<ac>``: ours with ``enable_compiled_autograd()`` and
@@ -295,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.placement.device_type == "cpu":
             import _heap
 
-            lib = _heap.build(os.path.join(tempfile.gettempdir(), "traceable_hsdp_heap_peak"))
-            stack.enter_context(_heap.preloaded(lib))  # the spawned ranks count their heap
+            stack.enter_context(_heap.counting_children())  # the ranks are spawned
         res = H.run_spawned_fn(_rank, a.placement, model=a.model, shape_name=a.shape,
                                steps=a.steps, rounds=a.rounds)[0]
     device = f"{platform.processor() or platform.machine()} CPU" if a.placement.device_type == "cpu" \

@@ -694,9 +694,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         if placement.heap:
             import _heap
 
-            # The ranks are spawned: they start with the shim preloaded.
-            lib = _heap.build(os.path.join(tempfile.gettempdir(), "traceable_hsdp_heap_peak"))
-            stack.enter_context(_heap.preloaded(lib))
+            stack.enter_context(_heap.counting_children())  # the ranks are spawned
         if args.processes:
             ranks = H.run_isolated(placement, variants, args.processes, **run_args)
         else:
