@@ -7,17 +7,17 @@ each block's start, so each variant gets its own peak although every variant liv
 the same process. The CPU has no such counter: the process's peak RSS cannot be reset,
 and the profiler's memory timeline (``torch.profiler._memory_profiler``) read the peak
 of one 1024x1024 matmul (its two inputs and its output, 12 MiB) as 8 MiB when checked
-(2026-12-05). ``heap_peak.c`` counts
-instead the usable size of every live block that glibc's allocator hands out, in every
-thread, and keeps the peak; the harness resets the peak where it resets CUDA's, so
-``peak - live at the block's start`` is what the variant's steps added at most: its
-activations, gathered parameters, gradients, collective buffers and temporaries. It is
-heap bytes, not RSS: pages that glibc keeps after a free are not counted, and a block
-counts whole from its allocation, touched or not. Everything the process allocates
-counts, Python's arenas and gloo's threads included, so the figure of a compiled
-variant's first block (its compile) is not its steps': the harness leaves that block
-out. The wrappers cost two atomic operations and a ``malloc_usable_size`` per call, so
-``step_time.py`` loads them only with ``--heap``.
+(2026-12-05). ``heap_peak.c`` counts instead the usable size of every live block that
+glibc's allocator hands out, in every thread, and keeps the peak; the harness resets the
+peak where it resets CUDA's, so ``peak - live at the block's start`` is what the
+variant's steps added at most: its activations, gathered parameters, gradients,
+collective buffers and temporaries. It is heap bytes, not RSS: pages that glibc keeps
+after a free are not counted, and a block counts whole from its allocation, touched or
+not. Everything the process allocates counts, Python's arenas and gloo's threads
+included, so the figure of a compiled variant's first block (its compile) is not its
+steps': the harness leaves that block out. The wrappers cost two atomic operations and a
+``malloc_usable_size`` per call, so ``step_time.py`` loads them only with ``--heap``
+(``ac_cost.py``, whose table always has a memory column, on every CPU run).
 
 Needs glibc and a C compiler (``$CC``, else ``cc`` or ``gcc``; Inductor's CPU backend
 needs one too). :func:`build` compiles the shim once per source into the folder it is

@@ -106,10 +106,10 @@ Relative to the graph before the pass, the extra memory alive at any point is at
 - one all-gather bucket's output (a unit's unsharded parameters; with
   ``bucket_cap_mb``, the merged units) plus its input (the sharded parameters; once
   ``all_gather_by_exchange`` rewrites it, this rank's shard written twice, the
-  output's size): an all-gather's output
-  is now allocated from the previous all-gather's wait instead of from its old place,
-  and these windows do not overlap (each ends before the next one starts), so at most
-  two units' gathered parameters are alive where the graph before had one;
+  output's size): an all-gather's output is now allocated from the previous
+  all-gather's wait instead of from its old place, and these windows do not overlap
+  (each ends before the next one starts), so at most two units' gathered parameters
+  are alive where the graph before had one;
 - per group, one reduce-scatter bucket's input (a unit's unsharded gradients, and
   once ``reduce_scatter_by_exchange`` rewrites it, its output of the same size), kept
   alive until the wait: a wait moves at most to the next reduce-scatter on its group,
