@@ -204,7 +204,8 @@ def test_heap_shim_counts_a_tensor_and_its_peak(tmp_path: Path) -> None:
     peak, mid, end = map(float, first.split())
     assert 64.0 <= peak < 64.5 and 64.0 <= mid < 64.5, (peak, mid)
     assert abs(end) < 0.5, end
-    assert float(second) == 0.0
+    assert 0.0 <= float(second) < 0.01  # a new peak at the live count (ctypes' own calls
+    # between the two reads may add a few bytes)
 
 
 def test_cpu_memory_helpers() -> None:
