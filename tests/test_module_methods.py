@@ -493,3 +493,23 @@ def test_share_comm_ctx_and_state(one_rank) -> None:
     assert state is a._traceable_hsdp_state and state.is_root
     assert [fp.fqn for fp in state.param_group.fsdp_params] == ["weight", "bias"]
     assert th.fully_shard.state(nn.Linear(2, 2)) is None
+
+
+def test_fully_shard_under_torch_public_name(one_rank) -> None:
+    """A library that calls torch's public name (HF accelerate's fsdp2_prepare_model
+    imports ``torch.distributed.fsdp.fully_shard`` when it runs) is switched by patching
+    that name with ours. Ours then still registers the unit where torch's
+    ``fully_shard.state`` looks (it keyed by the public name's ``__wrapped__``, and
+    raised an AttributeError when the name was ours)."""
+    from unittest import mock
+
+    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fs
+
+    with mock.patch("torch.distributed.fsdp.fully_shard", th.fully_shard):
+        m = torch_fsdp.fully_shard(nn.Linear(2, 2), mesh=one_rank)
+    assert torch_fsdp.fully_shard is torch_fs
+    assert isinstance(m, th.FSDPModule) and th.fully_shard.state(m).is_root
+    # torch's own accessor (pipelining's) finds the view of our state.
+    assert torch_fs.state(m) is not None
+    m(torch.randn(1, 2)).sum().backward()
+    assert isinstance(m.weight.grad, DTensor)

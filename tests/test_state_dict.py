@@ -200,3 +200,43 @@ def test_llama_config_tie_embeddings() -> None:
     assert len(list(m.parameters())) == N_PARAMS - 1
     with pytest.raises(TypeError, match="tie_embeddings must be a bool"):
         type(CFG)(tie_embeddings=1)  # type: ignore[arg-type]
+
+
+def test_list_unit_built_on_meta_loads_with_assign(one_rank) -> None:
+    """A list unit whose modules load one after the other: torch's rank-0 broadcast
+    flow (HF accelerate's cpu_ram_efficient_loading) builds on meta, shards, and loads
+    DTensors with load_state_dict(assign=True). The unit's hook after its first
+    module's load once refused the others as still on meta, though the same load
+    was about to reach them. Now each one is adopted as it loads, and a shard still
+    on meta at the forward is refused there. Values are compared bitwise with the
+    state dict loaded."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 4))
+
+    torch.manual_seed(0)
+    full = build().state_dict()
+    with torch.device("meta"):
+        model = build()
+    th.fully_shard([model[0], model[3]], mesh=one_rank)  # first and last: not adjacent
+    th.fully_shard(model, mesh=one_rank)
+    meta_sd = model.state_dict()
+    sharded = {
+        k: distribute_tensor(full[k], v.device_mesh, v.placements) for k, v in meta_sd.items()
+    }
+    # All but the list unit's last module: that one stays on meta until the forward.
+    partial = {k: v for k, v in sharded.items() if not k.startswith("3.")}
+    model.load_state_dict(partial, assign=True, strict=False)
+    with pytest.raises(ValueError, match=r"'weight' is on meta.*to_empty"):
+        model(torch.randn(2, 4))
+    model.load_state_dict(sharded, assign=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.full_tensor(), full[k]), k
+    x = torch.randn(2, 4)
+    ref = build()
+    ref.load_state_dict(full)
+    out = model(x)
+    assert torch.equal(out, ref(x))
+    out.sum().backward()
+    assert all(p.grad is not None and not p.is_meta for p in model.parameters())

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+from torch.distributed.fsdp._fully_shard import _fully_shard as _torch_fully_shard_impl
 from torch.distributed.tensor import Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
@@ -139,9 +140,11 @@ def _expose_to_torch(modules: list[nn.Module], state: FSDPState) -> None:
     fully_shard's parameters alone (without it, it turned our sharded parameters into
     plain ones and handed them to DDP). See [Note: A subclass of torch's FSDPModule]."""
     from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    key = torch_fully_shard.__wrapped__  # what torch's contract keys the state by
+    # torch's contract keys the state by the function it wraps. Read from the module
+    # that defines it: users switch a library that calls torch's public name (HF
+    # accelerate) by patching that name with ours, and ours wraps nothing.
+    key = _torch_fully_shard_impl.fully_shard.__wrapped__
     view = TorchStateView(state)
     for m in modules:
         m.__dict__.setdefault(STATE_KEY, {})[key] = view

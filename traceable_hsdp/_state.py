@@ -1026,8 +1026,12 @@ class FSDPState:
         if self.param_group is not None:
             # assign=True gives each registration of a shared parameter its own
             # tensor; the unit keeps the first one and every registration gets it
-            # back, so the parameter stays shared (reset_sharded_param).
-            self._apply_user_changes()
+            # back, so the parameter stays shared (reset_sharded_param). The device
+            # is not checked here: this hook runs after each of a list unit's modules
+            # loads, when the next ones may still hold their meta shards (HF
+            # accelerate loads its [final norm, head] unit so). A shard still on meta
+            # at the next forward is refused there, naming the fix.
+            self._apply_user_changes(check_device=False)
 
 
 # [Note: state_dict and load_state_dict]
