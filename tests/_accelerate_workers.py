@@ -27,12 +27,15 @@ from torch import nn
 
 import traceable_hsdp as th
 from _conformance_workers import STEPS, _full
-from _workers import CFG, LR, GraphRecorder, _data, _placeholder_bytes
+from _workers import CFG, LR, GraphRecorder, _data, _managed, _placeholder_bytes
 
-# (model, cpu_ram_efficient_loading): GPT-2 ties its embedding and head (accelerate puts
-# both in the tail unit with the final norm), Llama does not (the embedding is a unit of
-# its own).
-EAGER_CASES = [("gpt2", False), ("gpt2", True), ("llama", False), ("llama", True)]
+# (model, cpu_ram_efficient_loading, accelerate's mixed_precision): GPT-2 ties its
+# embedding and head (accelerate puts both in the tail unit with the final norm), Llama
+# does not (the embedding is a unit of its own). With "bf16" accelerate keeps fp32
+# parameters and passes torch's MixedPrecisionPolicy(param_dtype=bfloat16,
+# reduce_dtype=bfloat16).
+EAGER_CASES = [("gpt2", False, "no"), ("gpt2", True, "no"), ("llama", False, "no"),
+               ("llama", True, "no"), ("llama", True, "bf16")]
 
 
 def hf_model(kind: str, layers: int = 2) -> nn.Module:
@@ -59,7 +62,10 @@ def hf_model(kind: str, layers: int = 2) -> nn.Module:
     return model
 
 
-def prepare(model: nn.Module, lib: str, rank: int, efficient: bool, ac: bool = False) -> nn.Module:
+def prepare(
+    model: nn.Module, lib: str, rank: int, efficient: bool, ac: bool = False,
+    mixed_precision: str = "no",
+) -> nn.Module:
     """``model`` sharded by accelerate's FSDP2 preparation with torch's ``fully_shard``
     or, patched into torch's public name, ours."""
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -69,9 +75,11 @@ def prepare(model: nn.Module, lib: str, rank: int, efficient: bool, ac: bool = F
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
         cpu_ram_efficient_loading=efficient, reshard_after_forward=True,
     )
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)  # as accelerate's state does
     accelerator = types.SimpleNamespace(
         state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
-        is_main_process=rank == 0, mixed_precision="no", device=torch.device("cpu"),
+        is_main_process=rank == 0, mixed_precision=mixed_precision, device=torch.device("cpu"),
     )
     plugin.set_auto_wrap_policy(model)  # as Accelerator.prepare does first
     if ac:
@@ -109,16 +117,17 @@ def accelerate_eager(rank: int, world: int) -> dict[str, Any]:
     """Each of ``EAGER_CASES`` prepared by accelerate with torch's ``fully_shard`` and
     with ours, trained alike."""
     out: dict[str, Any] = {}
-    for kind, efficient in EAGER_CASES:
+    for kind, efficient, mixed_precision in EAGER_CASES:
         case: dict[str, Any] = {}
         for lib in ("torch", "ours"):
             torch.manual_seed(0)
-            model = prepare(hf_model(kind), lib, rank, efficient)
+            model = prepare(hf_model(kind), lib, rank, efficient, mixed_precision=mixed_precision)
             case[f"units_{lib}"] = units(model)
             case[lib] = train(model, rank, world)
             if lib == "ours":
                 case["bytes_after"] = _placeholder_bytes(model)
-        out[f"{kind}_{efficient}"] = case
+                case["compute_dtypes"] = {fp.unsharded_param.dtype for fp in _managed(model)}
+        out[f"{kind}_{efficient}_{mixed_precision}"] = case
     return out
 
 

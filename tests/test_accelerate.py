@@ -42,18 +42,22 @@ def test_accelerate_fsdp2_prepare_eager() -> None:
     with accelerate's plain preparation and with its rank-0 broadcast load
     (``cpu_ram_efficient_loading``: every rank's model moved to meta and sharded
     there, rank 0's weights broadcast and loaded with ``load_state_dict(assign=True)``).
+    Llama also with accelerate's bf16 mixed precision (its policy, torch's class).
     Same units as torch's, bitwise equal to torch's over 3 AdamW steps with HF's loss
     and accelerate's clipping. Before 2026-12-05 ours failed both ways: under torch's
     patched name (AttributeError on ``__wrapped__``), and in the broadcast load (the
     tail unit refused its head as still on meta after loading its norm)."""
     for r in run_ranks(accelerate_eager, 2):
-        for kind, efficient in EAGER_CASES:
-            case = r[f"{kind}_{efficient}"]
+        for kind, efficient, mixed_precision in EAGER_CASES:
+            what = f"{kind} efficient={efficient} mixed_precision={mixed_precision}"
+            case = r[f"{kind}_{efficient}_{mixed_precision}"]
             expected = GPT2_UNITS if kind == "gpt2" else LLAMA_UNITS
             assert case["units_torch"] == expected, case["units_torch"]
             assert case["units_ours"] == expected, case["units_ours"]
-            _bitwise(case["ours"], case["torch"], f"{kind} efficient={efficient}")
-            assert case["bytes_after"] == 0, (kind, efficient)
+            _bitwise(case["ours"], case["torch"], what)
+            assert case["bytes_after"] == 0, what
+            dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+            assert case["compute_dtypes"] == {dtype}, (what, case["compute_dtypes"])
 
 
 @pytest.mark.slow
