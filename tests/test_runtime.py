@@ -151,7 +151,9 @@ def test_meta_params_refused_until_materialized(one_rank) -> None:
         m = nn.Linear(2, 2)
     th.fully_shard(m, mesh=one_rank)
     assert m.weight.is_meta and isinstance(m.weight, DTensor)
-    with pytest.raises(ValueError, match=r"'weight' is on meta.*to_empty"):
+    with pytest.raises(
+        ValueError, match=r"'weight' of the fully_shard unit Linear is on meta.*to_empty"
+    ):
         m(torch.randn(1, 2))
     m.to_empty(device="cpu")
     m.reset_parameters()

@@ -949,7 +949,7 @@ class FSDPParam:
             return UserChange.OTHER if sp.requires_grad else UserChange.FROZEN
         return UserChange.NONE
 
-    def reset_sharded_param(self, check_device: bool = True) -> None:
+    def reset_sharded_param(self, check_device: bool = True, unit: str = "") -> None:
         """Re-reads the sharded parameter after the user changed it, as torch's FSDP2
         does: adopts a DTensor assigned to the module (``load_state_dict(assign=True)``
         or ``module.weight = ...``), follows a cast (``model.to(torch.float64)``) and
@@ -957,8 +957,9 @@ class FSDPParam:
 
         Args:
             check_device: raise when the shard is not on the mesh's device (default
-                ``True``; ``nn.Module._apply`` passes ``False``, since a list unit's
-                other modules may not be moved yet).
+                ``True``; ``nn.Module._apply`` and the load post-hook pass ``False``,
+                since a list unit's other modules may not be moved or loaded yet).
+            unit: the unit's label, for the message ("layers.0" under a root).
 
         Raises:
             TypeError: a module now holds something other than a DTensor.
@@ -990,9 +991,10 @@ class FSDPParam:
                 else "Move the model before fully_shard, or build the mesh on "
                 f"{sp.device.type!r}."
             )
+            of_unit = f" of the fully_shard unit {unit}" if unit else ""
             raise ValueError(
-                f"Parameter {self.fqn!r} is on {sp.device} but its fully_shard unit "
-                f"gathers it from {where}. {fix}"
+                f"Parameter {self.fqn!r}{of_unit} is on {sp.device} but its fully_shard "
+                f"unit gathers it from {where}. {fix}"
             )
         if sp.dtype != self.orig_dtype:
             self._set_dtypes(sp.dtype)

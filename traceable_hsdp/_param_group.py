@@ -300,7 +300,7 @@ class FSDPParamGroup:
         [Note: Changes after fully_shard] in ``_param.py``."""
         self.reshard()
         for fp in self.fsdp_params:
-            fp.reset_sharded_param(check_device)
+            fp.reset_sharded_param(check_device, unit=self.label)
         self.refresh_trainable()
 
     # --------------------------------------------------------------- lifecycle

@@ -488,11 +488,12 @@ class FSDPState:
                     nested.append(s)
         self.states = [*nested, self]
         regions: list[str] = []
+        paths: dict[FSDPState, list[str]] = {}
         for m in self.modules:
             for name, sub in m.named_modules():
                 s = state_of(sub)
                 if name and s is not None and s is not self:
-                    s._label_as(name)
+                    paths.setdefault(s, []).append(name)
                 if _marks_compile_region(sub):
                     regions.append(name or type(sub).__name__)
                 for child_name, child in sub._modules.items():
@@ -500,6 +501,9 @@ class FSDPState:
                     if held is not None and held is not self:
                         # See [Note: A checkpoint around a unit's call].
                         held.slots.append((sub, name, child_name))
+        for s, names in paths.items():
+            # A list unit is labelled by all its modules' paths, as it was built.
+            s._label_as(names[0] if len(names) == 1 else f"[{', '.join(names)}]")
         self.checkpoint_suspects = [s for s in self.states if s.slots or s.hf_checkpointing_modules]
         # See [Note: A compile region inside a unit]. Built here: a refusal's message
         # is all dynamo shows (no details).
