@@ -162,3 +162,30 @@ def accelerate_compiled(rank: int, world: int) -> dict[str, Any]:
         if rec is not None:
             out["graphs"] = (rec.forward, rec.backward)
     return out
+
+
+def accelerate_regional(rank: int, world: int) -> dict[str, Any]:
+    """HF Llama compiled by accelerate's regional compilation for FSDP2
+    (``compile_regions_fsdp2``: ``.compile()`` in place on each decoder layer and each
+    other leaf module, aot_eager, with the two dynamo settings accelerate sets for it),
+    then prepared by accelerate, with torch's ``fully_shard`` and with ours, 2 and 10
+    layers. No compiled autograd (accelerate's way): the root runs eagerly. Per case:
+    the losses and parameters, and dynamo's frame and graph counts."""
+    from accelerate.utils.other import compile_regions_fsdp2
+    from torch._dynamo.utils import counters
+
+    out: dict[str, Any] = {}
+    with torch._dynamo.config.patch(
+        capture_scalar_outputs=True, skip_fwd_side_effects_in_bwd_under_checkpoint=True
+    ):
+        for layers in (2, 10):
+            for lib in ("torch", "ours"):
+                torch._dynamo.reset()
+                counters.clear()
+                torch.manual_seed(0)
+                model = compile_regions_fsdp2(hf_model("llama", layers), backend="aot_eager")
+                model = prepare(model, lib, rank, efficient=False)
+                out[f"{lib}_{layers}"] = train(model, rank, world)
+                out[f"{lib}_{layers}_frames"] = counters["frames"]["total"]
+                out[f"{lib}_{layers}_graphs"] = counters["stats"]["unique_graphs"]
+    return out

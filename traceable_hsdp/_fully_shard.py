@@ -39,7 +39,7 @@ from ._init import (
 from ._optim_check import install_optimizer_check
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
-from ._state import FSDPState, state_of
+from ._state import FSDPState, _marks_compile_region, state_of
 from .passes import install as _install_passes
 from .passes import track_unit_options
 
@@ -878,32 +878,47 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             raise ValueError(f"Expects list of FSDPModules but got {module}")
 
 
-# [Note: One FSDP class per unit]
-# Every unit gets a class of its own, where torch's fully_shard makes one per module
-# class. Tried on 2026-11-29: one shared class per module class took a graph break
-# inside every block of a 10-block Llama from 22 graphs to 15 (the forward wrapper's
-# frame no longer recompiled per unit on its type guard), but with blocks whose
-# forward is a torch.compiler.nested_compile_region the compiled forward then
-# segfaulted inside invoke_subgraph (test_hooks_run_eagerly_by_compiled_autograd_
-# reduce_every_gradient in tests/test_reliability.py), most likely because the
-# region, traced once, was then reused across units (not confirmed). Not kept. See
-# docs/compile.md, "A graph break inside a unit".
+# [Note: One FSDP class per module class]
+# As torch's fully_shard, every unit of one module class gets the same FSDP<Class>
+# (cached in _FSDP_CLASSES). Dynamo guards the type of the module whose forward it
+# traces, so with a class per unit (until 2026-12-05) each unit's forward frame
+# recompiled: a model compiled per block in place (torchtitan's ``block.compile()``,
+# HF accelerate's regional compilation) compiled its blocks one by one and, past
+# dynamo's recompile_limit (8), ran the further blocks eagerly; a graph break inside
+# every block of a 10-block Llama compiled 22 graphs, 15 with the class shared.
+# The exception is a unit whose forward is marked torch.compiler.nested_compile_region
+# (its own or its class's): it keeps a class of its own. With the class shared, the
+# compiled forward of such blocks segfaulted inside invoke_subgraph
+# (test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient in
+# tests/test_reliability.py, seen 2026-11-29 and again 2026-12-05), most likely
+# because the region, traced once, was reused across units (not confirmed). See
+# [Note: A unit compiled without its root] in _state.py for the other per-unit
+# guards such a block met.
+_FSDP_CLASSES: dict[type, type] = {}
+
+
 def _add_fsdp_class(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
         return
-    orig_forward = cls.forward
+    # See [Note: One FSDP class per module class].
+    shared = not _marks_compile_region(module)
+    new_cls = _FSDP_CLASSES.get(cls) if shared else None
+    if new_cls is None:
+        orig_forward = cls.forward
 
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # See [Note: Forward wrapper, not module hooks].
-        state = _require_state(self)
-        return state.forward(functools.partial(orig_forward, self), args, kwargs)
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # See [Note: Forward wrapper, not module hooks].
+            state = _require_state(self)
+            return state.forward(functools.partial(orig_forward, self), args, kwargs)
 
-    new_cls = type(
-        f"FSDP{cls.__name__}",
-        (FSDPModule, cls),
-        {"forward": forward, "__deepcopy__": _unsupported_deepcopy},
-    )
+        new_cls = type(
+            f"FSDP{cls.__name__}",
+            (FSDPModule, cls),
+            {"forward": forward, "__deepcopy__": _unsupported_deepcopy},
+        )
+        if shared:
+            _FSDP_CLASSES[cls] = new_cls
     module.__class__ = new_cls
     inner = module.__dict__.get("forward")
     if inner is not None:

@@ -90,12 +90,30 @@ UNIT_FULLGRAPH_FIX = (
 # (``test_units_compiled_below_an_eager_root_train_correctly``). Under
 # ``fullgraph=True`` there is no graph break to fall back on, and dynamo failed with
 # "HOP: Unsafe side effect" inside our hook, which names neither cause nor fix. So
-# such a unit's traced pre-forward calls a no-op disabled for dynamo whose reason is
-# the fix: under fullgraph=True that is the error the user reads; otherwise it is
-# one more graph break, at the unit's start, before those at its hooks.
+# such a unit runs its pre-forward and its post-forward eagerly, as functions
+# disabled for dynamo whose reason is the fix: under fullgraph=True that is the
+# error the user reads; otherwise dynamo breaks the graph around each, and traces
+# only the module's own forward between them, as around torch's fully_shard hooks.
+# Traced, the runtime had put per-unit values in the guards (the unit's label in
+# its collectives' annotations, its parameter count): the blocks of a model
+# compiled per block in place (``block.compile()``, torchtitan's form, or HF
+# accelerate's regional compilation of a fully_shard model) recompiled for each
+# unit, and past dynamo's ``recompile_limit`` (8) the further blocks ran eagerly.
+# Now one graph serves every block of a kind, as with torch's fully_shard
+# (``tests/test_accelerate.py``). See also [Note: One FSDP class per module class]
+# in _fully_shard.py.
 @torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
-def _unit_traced_without_compiled_autograd() -> None:
-    """Nothing, eagerly: see [Note: A unit compiled without its root]."""
+def _pre_forward_untraced(
+    state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The unit's pre-forward, eagerly: see [Note: A unit compiled without its root]."""
+    return state._pre_forward(args, kwargs)
+
+
+@torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
+def _post_forward_untraced(state: FSDPState, output: Any, inputs: Any) -> Any:
+    """The unit's post-forward, eagerly: see [Note: A unit compiled without its root]."""
+    return state._post_forward(output, inputs)
 
 
 def _check_compile_mode(needs_backward: bool) -> None:
@@ -557,6 +575,16 @@ class FSDPState:
     def forward(self, orig_forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs the unit's forward between its pre- and post-forward.
         See [Note: Forward wrapper, not module hooks]."""
+        if (
+            compiling()
+            and not self.is_root
+            and not compiled_autograd.compiled_autograd_enabled
+            and self.root._needs_backward()
+        ):
+            # See [Note: A unit compiled without its root].
+            args, kwargs = _pre_forward_untraced(self, args, kwargs)
+            output = orig_forward(*args, **kwargs)
+            return _post_forward_untraced(self, output, (args, kwargs))
         args, kwargs = self._pre_forward(args, kwargs)
         output = orig_forward(*args, **kwargs)
         return self._post_forward(output, (args, kwargs))
@@ -580,13 +608,6 @@ class FSDPState:
                 raise ValueError(state.init_errors[0])
         if self.is_root:
             self._root_pre_forward()
-        elif (
-            compiling()
-            and not compiled_autograd.compiled_autograd_enabled
-            and self.root._needs_backward()
-        ):
-            # See [Note: A unit compiled without its root].
-            _unit_traced_without_compiled_autograd()
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
         if pg is not None:
