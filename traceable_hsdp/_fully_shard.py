@@ -39,7 +39,7 @@ from ._init import (
 from ._optim_check import install_optimizer_check
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
-from ._state import FSDPState, _marks_compile_region, state_of
+from ._state import FSDPState, marks_compile_region, state_of
 from .passes import install as _install_passes
 from .passes import track_unit_options
 
@@ -902,7 +902,7 @@ def _add_fsdp_class(module: nn.Module) -> None:
     if issubclass(cls, FSDPModule):
         return
     # See [Note: One FSDP class per module class].
-    shared = not _marks_compile_region(module)
+    shared = not marks_compile_region(module)
     new_cls = _FSDP_CLASSES.get(cls) if shared else None
     if new_cls is None:
         orig_forward = cls.forward

@@ -262,7 +262,7 @@ COMPILE_REGION_FIX = (
 # inside a forward is not seen.
 
 
-def _marks_compile_region(module: nn.Module) -> bool:
+def marks_compile_region(module: nn.Module) -> bool:
     """Whether ``module``'s forward (its own, or its classes') is marked with
     ``torch.compiler.nested_compile_region``. See [Note: A compile region inside a
     unit]."""
@@ -512,7 +512,7 @@ class FSDPState:
                 s = state_of(sub)
                 if name and s is not None and s is not self:
                     paths.setdefault(s, []).append(name)
-                if _marks_compile_region(sub):
+                if marks_compile_region(sub):
                     regions.append(name or type(sub).__name__)
                 for child_name, child in sub._modules.items():
                     held = state_of(child) if child is not None else None
