@@ -103,8 +103,8 @@ def test_accelerate_regional_compilation() -> None:
     pre- and post-forward run eagerly around its traced forward, and the units of
     one class share their class, so 10 layers compile what 2 do. Before 2026-12-05
     every layer recompiled (a per-unit class, its label in the traced annotations):
-    41 frames and 19 graphs at 10 layers against torch's 5 and 3, the layers after the
-    8th run eagerly past dynamo's recompile_limit, and 2.3x torch's step time."""
+    41 frames and 19 graphs at 10 layers against torch's 5 and 3, and the layers after
+    the 8th ran eagerly past dynamo's recompile_limit."""
     for r in run_ranks(accelerate_regional, 2):
         for layers in (2, 10):
             _bitwise(r[f"ours_{layers}"], r[f"torch_{layers}"], f"{layers} layers")
