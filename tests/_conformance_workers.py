@@ -21,6 +21,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -747,46 +748,56 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
       ``torch.compile(block, fullgraph=True)`` (an ``OptimizedModule``), compiled
       autograd off: the unit's gathers run around the compiled block, as torch's do
       (see [Note: A forward set on the instance] in traceable_hsdp/_fully_shard.py).
-    - "inplace": torchtitan's form today, ``block.compile(fullgraph=True)``: the
-      unit's hooks are traced inside, so with fullgraph=True compiled autograd is
-      needed; without it the first forward fails with our message ("inplace", the
-      error's text), with it it trains ("inplace_ca").
+    - "inplace": torchtitan's form today, ``block.compile(fullgraph=True)``, compiled
+      autograd off: the unit's pre- and post-forward run eagerly and the block's own
+      forward is compiled, as around torch's hooks (see [Note: A unit compiled in
+      place] in traceable_hsdp/_fully_shard.py; before 2026-12-05 ours refused it);
+      "inplace_after": the same with ``block.compile`` called after fully_shard;
+      "inplace_ca": compiled autograd on, the unit's gathers traced in the block's
+      graph.
     - "root", "root_ca": HF accelerate's FSDP2 flow with a dynamo backend:
       ``torch.compile(model)``, then fully_shard on the blocks and on the compiled
       model; compiled autograd off (accelerate's way: the root gathers eagerly, and
-      the blocks' hooks break the graph and run eagerly) and on.
+      the blocks' hooks break the graph and run eagerly) and on. "root_fullgraph":
+      the same with fullgraph=True and compiled autograd off, which cannot hold the
+      blocks' eager hooks: the first forward fails with our message (its text).
 
     Inductor runs "wrap" only (the others trace as the whole-model compile does)."""
     out: dict[str, Any] = {}
     torch.manual_seed(0)
     out["torch"] = _train(_shard_llama(Llama(CFG1), _fs("torch")), rank, world)
     forms = ["wrap"] if backend == "inductor" else [
-        "wrap", "inplace", "inplace_ca", "root", "root_ca"
+        "wrap", "inplace", "inplace_after", "inplace_ca", "root", "root_ca", "root_fullgraph"
     ]
     for form in forms:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model: nn.Module = Llama(CFG1)
         if form.startswith("root"):
-            model = torch.compile(model, backend=backend)
+            model = torch.compile(model, backend=backend, fullgraph=form == "root_fullgraph")
         blocks = model.layers
         for i, block in enumerate(list(blocks)):
             if form == "wrap":
                 blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
-            elif form.startswith("inplace"):
+            elif form in ("inplace", "inplace_ca"):
                 block.compile(backend=backend, fullgraph=True)
         _shard_llama(model, th.fully_shard)  # an OptimizedModule passes .layers through
+        if form == "inplace_after":
+            for block in blocks:
+                block.compile(backend=backend, fullgraph=True)
         if form.endswith("_ca"):
             th.enable_compiled_autograd(backend=backend)
         try:
-            if form == "inplace":
+            if form == "root_fullgraph":
                 try:
                     _train(model, rank, world)
                     out[form] = "trained"
                 except Exception as e:  # noqa: BLE001 - the test reads the text
                     out[form] = str(e)
                 continue
+            counters.clear()
             out[form] = _canonical(_train(model, rank, world))
+            out[f"{form}_graphs"] = counters["stats"]["unique_graphs"]
             out[f"{form}_bytes_after"] = _placeholder_bytes(model)
         finally:
             th.disable_compiled_autograd()

@@ -217,13 +217,16 @@ def test_conformance_compiled_aot_eager() -> None:
         assert bwd[0]["reduce_scatter_tensor"] == MIXED_ROOT + 2 * 4 + 2, bwd
         assert bwd[1]["reduce_scatter_tensor"] == MIXED_ROOT + 2 * 4 + 2 - 4 - 1, bwd
         # Compiled before fully_shard (torchtitan's per-block forms, HF accelerate's
-        # compiled root): bitwise equal to torch's fully_shard eager;
-        # block.compile(fullgraph=True) without compiled autograd fails naming the fix.
+        # compiled root): bitwise equal to torch's fully_shard eager. torchtitan's
+        # block.compile(fullgraph=True) without compiled autograd (refused before
+        # 2026-12-05), before or after fully_shard, compiles the block's forward alone:
+        # one graph for the one block, as with torch's fully_shard.
         b = r["before_shard"]
-        for form in ("wrap", "inplace_ca", "root", "root_ca"):
+        for form in ("wrap", "inplace", "inplace_after", "inplace_ca", "root", "root_ca"):
             _same(b[form], b["torch"], form)
             assert b[f"{form}_bytes_after"] == 0, form
-        assert "fullgraph=True below an eager root" in b["inplace"], b["inplace"]
+        assert b["inplace_graphs"] == b["inplace_after_graphs"] == 1, b
+        assert "fullgraph=True below an eager root" in b["root_fullgraph"], b["root_fullgraph"]
 
 
 @pytest.mark.slow

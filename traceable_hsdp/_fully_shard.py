@@ -18,6 +18,7 @@ from typing import Any, Literal, NoReturn, get_args, overload
 
 import torch
 from torch import nn
+from torch._dynamo import compiled_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp._fully_shard import _fully_shard as _torch_fully_shard_impl
@@ -39,6 +40,7 @@ from ._init import (
 from ._optim_check import install_optimizer_check
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
+from ._common import compiling
 from ._state import FSDPState, marks_compile_region, state_of
 from .passes import install as _install_passes
 from .passes import track_unit_options
@@ -165,6 +167,12 @@ class FSDPModule(_TorchFSDPModule):
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile`` (compiles this module's call in place), for a unit:
+        see [Note: A unit compiled in place]."""
+        nn.Module.compile(self, *args, **kwargs)
+        _dispatch_compiled_call(self)
 
     def _get_fsdp_state(self) -> TorchStateView:
         """torch's private accessor, for torch's helpers that call it (see [Note: A
@@ -910,13 +918,18 @@ def _add_fsdp_class(module: nn.Module) -> None:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             # See [Note: Forward wrapper, not module hooks].
             state = _require_state(self)
-            return state.forward(functools.partial(orig_forward, self), args, kwargs)
+            fwd = orig_forward
+            if not compiling():
+                # See [Note: A unit compiled in place].
+                fwd = self.__dict__.get(_COMPILED_FORWARD, orig_forward)
+            return state.forward(functools.partial(fwd, self), args, kwargs)
 
         new_cls = type(
             f"FSDP{cls.__name__}",
             (FSDPModule, cls),
             {"forward": forward, "__deepcopy__": _unsupported_deepcopy},
         )
+        new_cls._traceable_hsdp_orig_forward = orig_forward
         if shared:
             _FSDP_CLASSES[cls] = new_cls
     module.__class__ = new_cls
@@ -927,6 +940,75 @@ def _add_fsdp_class(module: nn.Module) -> None:
             return _require_state(self).forward(inner, args, kwargs)
 
         module.__dict__["forward"] = types.MethodType(instance_forward, module)
+    _dispatch_compiled_call(module)
+
+
+# [Note: A unit compiled in place]
+# torchtitan compiles each block in place before sharding it (``block.compile(
+# fullgraph=True)``), without compiled autograd; HF accelerate's regional compilation
+# does the same without fullgraph. ``nn.Module.compile`` stores
+# ``torch.compile(module._call_impl)`` as ``module._compiled_call_impl``, and dynamo
+# skips ``_call_impl`` (a torch file) as a top frame: with torch's fully_shard the
+# hooks run eagerly there and only the block's forward is compiled. Ours puts the
+# unit's pre- and post-forward in its forward wrapper, which dynamo then compiles as
+# the top frame. So without compiled autograd, whose absence leaves the backward hooks
+# untraceable, fullgraph=True was refused (naming the fix) and without it dynamo broke
+# the graph around them. Now, below its root and with compiled autograd off, a unit
+# compiled in place calls its ``_call_impl`` eagerly: its pre- and post-forward run
+# eagerly and its module's own forward is compiled, with the same ``torch.compile``
+# settings (the ``OptimizeContext`` that nn.Module.compile's function closes over,
+# applied to the class's original forward, one code for every unit of the class).
+# Where that context is not found (another torch), or the module has a forward of
+# its own on the instance, the unit keeps the compiled call and its refusal. A root
+# compiled in place, and any unit while compiled autograd is on, keep the compiled
+# call: the whole step traced, as with torch.compile(model).
+_COMPILED_FORWARD = "_traceable_hsdp_compiled_forward"
+
+
+def _optimize_context(compiled: Any) -> Any:
+    """The dynamo ``OptimizeContext`` that ``torch.compile``'s result closes over, or
+    None."""
+    from torch._dynamo.eval_frame import OptimizeContext
+
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, OptimizeContext):
+            return value
+    return None
+
+
+def _dispatch_compiled_call(module: nn.Module) -> None:
+    """Routes the in-place compiled call of ``module``, if any, through
+    :func:`_compiled_call`. See [Note: A unit compiled in place]."""
+    compiled = module.__dict__.get("_compiled_call_impl")
+    if compiled is None or getattr(compiled, "_traceable_hsdp_dispatch", False):
+        return
+    ctx = _optimize_context(compiled)
+    if ctx is None or "forward" in module.__dict__:
+        return
+    module.__dict__[_COMPILED_FORWARD] = ctx(type(module)._traceable_hsdp_orig_forward)
+    dispatch = functools.partial(_compiled_call, module, compiled)
+    dispatch._traceable_hsdp_dispatch = True  # type: ignore[attr-defined]
+    module._compiled_call_impl = dispatch
+
+
+def _compiled_call(
+    module: nn.Module, compiled: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """What ``nn.Module.__call__`` calls for a unit compiled in place. See [Note: A
+    unit compiled in place]."""
+    state = state_of(module)
+    if (
+        state is not None
+        and not state.is_root
+        and not compiled_autograd.compiled_autograd_enabled
+        and not compiling()
+    ):
+        return module._call_impl(*args, **kwargs)
+    return compiled(*args, **kwargs)
 
 
 # [Note: A forward set on the instance]

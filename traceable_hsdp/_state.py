@@ -70,12 +70,15 @@ _refuse_compile_without_compiled_autograd = refusal(COMPILE_FIX)
 UNIT_FULLGRAPH_FIX = (
     "traceable_hsdp: a fully_shard unit's forward is being compiled with "
     "fullgraph=True below an eager root while compiled autograd is off, so the hooks "
-    "that re-gather it for backward cannot be put in the graph (torchtitan's "
-    "block.compile(fullgraph=True), for example). Fix: call "
+    "that re-gather it for backward cannot be put in the graph (torch.compile(model, "
+    "fullgraph=True) with fully_shard applied to the compiled model, for example). "
+    "Fix: call "
     "`traceable_hsdp.enable_compiled_autograd()` once before the training loop (the "
-    "unit's gathers are then in the block's graph), or compile the block with "
-    "torch.compile(block) before fully_shard (its gathers then run eagerly around it, "
-    "as torch's fully_shard runs them), or drop fullgraph=True. See docs/compile.md, "
+    "unit's gathers are then in the block's graph), or compile each block instead "
+    "(block.compile(), before or after fully_shard, or torch.compile(block) before "
+    "it: its gathers then run eagerly around it, as torch's fully_shard runs them), "
+    "or drop "
+    "fullgraph=True. See docs/compile.md, "
     "'Compiled before fully_shard'."
 )
 
@@ -83,25 +86,23 @@ UNIT_FULLGRAPH_FIX = (
 # [Note: A unit compiled without its root]
 # The root refuses a traced forward that needs a backward while compiled autograd is
 # off (see the module's docstring). Below an eager root, a unit's forward traced on
-# its own (``block.compile()``, ``torch.compile(unit)``, or a compiled model whose
-# root ``fully_shard`` wraps from outside) is not refused: its backward hooks cannot
-# be traced without compiled autograd, so dynamo breaks the graph at them and
-# registers them eagerly, and those cases train correctly
-# (``test_units_compiled_below_an_eager_root_train_correctly``). Under
-# ``fullgraph=True`` there is no graph break to fall back on, and dynamo failed with
-# "HOP: Unsafe side effect" inside our hook, which names neither cause nor fix. So
-# such a unit runs its pre-forward and its post-forward eagerly, as functions
-# disabled for dynamo whose reason is the fix: under fullgraph=True that is the
-# error the user reads; otherwise dynamo breaks the graph around each, and traces
-# only the module's own forward between them, as around torch's fully_shard hooks.
-# Traced, the runtime had put per-unit values in the guards (the unit's label in
-# its collectives' annotations, its parameter count): the blocks of a model
-# compiled per block in place (``block.compile()``, torchtitan's form, or HF
-# accelerate's regional compilation of a fully_shard model) recompiled for each
-# unit, and past dynamo's ``recompile_limit`` (8) the further blocks ran eagerly.
-# Now one graph serves every block of a kind, as with torch's fully_shard
-# (``tests/test_accelerate.py``). See also [Note: One FSDP class per module class]
-# in _fully_shard.py.
+# its own (``torch.compile(unit)`` after fully_shard, a compiled model whose root
+# ``fully_shard`` wraps from outside, HF accelerate's FSDP2 flow with a dynamo
+# backend) is not refused: its backward hooks cannot be traced without compiled
+# autograd, so they are registered eagerly, and those cases train correctly
+# (``test_units_compiled_below_an_eager_root_train_correctly``). Such a unit runs its
+# pre-forward and its post-forward eagerly, as functions disabled for dynamo whose
+# reason is the fix: dynamo breaks the graph around each and traces only the
+# module's own forward between them, as around torch's fully_shard hooks. Under
+# ``fullgraph=True`` there is no graph break to fall back on, and that reason is the
+# error the user reads (dynamo had failed with "HOP: Unsafe side effect" inside our
+# hook, which names neither cause nor fix). Until 2026-12-05 the pre-forward was
+# traced after one such break: the unit's label (in its collectives' annotations)
+# and its parameter count went into the guards, so per-block compiles recompiled
+# for each unit, and past dynamo's ``recompile_limit`` (8) the further blocks ran
+# eagerly. A unit compiled in place (``block.compile()``) does not get here: see
+# [Note: A unit compiled in place] and [Note: One FSDP class per module class] in
+# _fully_shard.py.
 @torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
 def _pre_forward_untraced(
     state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
