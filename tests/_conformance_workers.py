@@ -762,11 +762,12 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
       the same with fullgraph=True and compiled autograd off, which cannot hold the
       blocks' eager hooks: the first forward fails with our message (its text).
 
-    Inductor runs "wrap" only (the others trace as the whole-model compile does)."""
+    Inductor runs "wrap" and "inplace" only (the others trace as the whole-model
+    compile does)."""
     out: dict[str, Any] = {}
     torch.manual_seed(0)
     out["torch"] = _train(_shard_llama(Llama(CFG1), _fs("torch")), rank, world)
-    forms = ["wrap"] if backend == "inductor" else [
+    forms = ["wrap", "inplace"] if backend == "inductor" else [
         "wrap", "inplace", "inplace_after", "inplace_ca", "root", "root_ca", "root_fullgraph"
     ]
     for form in forms:

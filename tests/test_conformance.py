@@ -249,13 +249,15 @@ def test_conformance_compiled_inductor() -> None:
             for k, v in e[1].items():
                 torch.testing.assert_close(c[1][k], v, rtol=0, atol=atol, msg=f"{name} {k}")
             assert r[f"{name}_compiled_bytes_after"] == 0, name
-        # torchtitan's per-block compile in its older form (each block an
-        # OptimizedModule, then fully_shard), against torch's fully_shard eager.
+        # torchtitan's per-block compile in its two forms (each block an
+        # OptimizedModule, or block.compile(fullgraph=True) in place, then
+        # fully_shard; no compiled autograd), against torch's fully_shard eager.
         b = r["before_shard"]
-        torch.testing.assert_close(b["wrap"][0], b["torch"][0], rtol=1e-5, atol=0)
-        for k, v in b["torch"][1].items():
-            torch.testing.assert_close(b["wrap"][1][k], v, rtol=0, atol=2e-5, msg=f"wrap {k}")
-        assert b["wrap_bytes_after"] == 0
+        for form in ("wrap", "inplace"):
+            torch.testing.assert_close(b[form][0], b["torch"][0], rtol=1e-5, atol=0)
+            for k, v in b["torch"][1].items():
+                torch.testing.assert_close(b[form][1][k], v, rtol=0, atol=2e-5, msg=f"{form} {k}")
+            assert b[f"{form}_bytes_after"] == 0, form
 
 
 @pytest.mark.slow
