@@ -26,6 +26,7 @@ from torch.distributed.tensor import Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._cache import install_forward_cache_key_from_env
+from ._common import compiling
 from ._compile import quiet_side_effect_messages_from_env, tolerate_outputs_without_gradient
 from ._exit import install_exit_hook
 from ._init import (
@@ -40,7 +41,6 @@ from ._init import (
 from ._optim_check import install_optimizer_check
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
-from ._common import compiling
 from ._state import FSDPState, marks_compile_region, state_of
 from .passes import install as _install_passes
 from .passes import track_unit_options

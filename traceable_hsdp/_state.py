@@ -72,14 +72,12 @@ UNIT_FULLGRAPH_FIX = (
     "fullgraph=True below an eager root while compiled autograd is off, so the hooks "
     "that re-gather it for backward cannot be put in the graph (torch.compile(model, "
     "fullgraph=True) with fully_shard applied to the compiled model, for example). "
-    "Fix: call "
-    "`traceable_hsdp.enable_compiled_autograd()` once before the training loop (the "
-    "unit's gathers are then in the block's graph), or compile each block instead "
-    "(block.compile(), before or after fully_shard, or torch.compile(block) before "
-    "it: its gathers then run eagerly around it, as torch's fully_shard runs them), "
-    "or drop "
-    "fullgraph=True. See docs/compile.md, "
-    "'Compiled before fully_shard'."
+    "Fix: call `traceable_hsdp.enable_compiled_autograd()` once before the training "
+    "loop (the unit's gathers are then in the block's graph), or compile each block "
+    "instead (block.compile(), before or after fully_shard, or torch.compile(block) "
+    "before it: its gathers then run eagerly around it, as torch's fully_shard runs "
+    "them), or drop fullgraph=True. See docs/compile.md, 'Compiled before "
+    "fully_shard'."
 )
 
 
