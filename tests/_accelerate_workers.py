@@ -26,7 +26,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 
 import traceable_hsdp as th
-from _conformance_workers import STEPS, _full
+from _conformance_workers import STEPS, _full, _hf_config
 from _workers import CFG, LR, GraphRecorder, _data, _managed, _placeholder_bytes
 
 # (model, cpu_ram_efficient_loading, accelerate's mixed_precision): GPT-2 ties its
@@ -50,11 +50,7 @@ def hf_model(kind: str, layers: int = 2) -> nn.Module:
             bos_token_id=0, eos_token_id=0,
         )
     else:
-        cfg = AutoConfig.for_model(
-            "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-            vocab_size=CFG.vocab_size, tie_word_embeddings=False,
-        )
+        cfg = _hf_config(layers)  # the conformance tests' HF Llama, untied
     model = AutoModelForCausalLM.from_config(cfg)
     # GPT-2's class name names no loss, so HF warns at each loss (a logger call, which
     # fullgraph=True cannot trace) unless the model names it.

@@ -729,6 +729,15 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     return out
 
 
+def assert_same_run(a: tuple, b: tuple, what: str) -> None:
+    """Two runs' ``(losses, final parameters)``, as the workers return them, equal
+    bitwise (the tests' side of the comparison)."""
+    assert a[0] == b[0], (what, a[0], b[0])
+    assert a[1].keys() == b[1].keys(), what
+    for k, v in b[1].items():
+        torch.testing.assert_close(a[1][k], v, rtol=0, atol=0, msg=f"{what}: {k}")
+
+
 # ---------------------------------------------- compiled before fully_shard
 def _canonical(trained: tuple[list[float], dict[str, torch.Tensor]]) -> tuple:
     """The state dict's names without torch.compile's ``_orig_mod`` (as HF accelerate

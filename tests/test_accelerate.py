@@ -22,6 +22,7 @@ from _accelerate_workers import (
     accelerate_eager,
     accelerate_regional,
 )
+from _conformance_workers import assert_same_run
 from _dist import run_ranks
 
 # accelerate's layout of a 2-layer model: the root, a unit per decoder layer, and the
@@ -32,13 +33,6 @@ GPT2_UNITS = ["", "transformer.wte", "transformer.h.0", "transformer.h.1", "tran
               "lm_head"]
 LLAMA_UNITS = ["", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm",
                "lm_head"]
-
-
-def _bitwise(a: tuple, b: tuple, what: str) -> None:
-    assert a[0] == b[0], (what, a[0], b[0])
-    assert a[1].keys() == b[1].keys(), what
-    for k, v in b[1].items():
-        assert torch.equal(a[1][k], v), f"{what}: {k}"
 
 
 def test_accelerate_fsdp2_prepare_eager() -> None:
@@ -59,7 +53,7 @@ def test_accelerate_fsdp2_prepare_eager() -> None:
             expected = GPT2_UNITS if kind == "gpt2" else LLAMA_UNITS
             assert case["units_torch"] == expected, case["units_torch"]
             assert case["units_ours"] == expected, case["units_ours"]
-            _bitwise(case["ours"], case["torch"], what)
+            assert_same_run(case["ours"], case["torch"], what)
             assert case["bytes_after"] == 0, what
             dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
             assert case["compute_dtypes"] == {dtype}, (what, case["compute_dtypes"])
@@ -79,8 +73,8 @@ def test_accelerate_fsdp2_prepare_compiled() -> None:
             assert r[f"{mode}_checkpointed"] == 2, mode  # both blocks wrapped
         for mode in ("eager", "aot_eager", "inductor"):
             assert r[f"{mode}_bytes_after"] == 0, mode
-        _bitwise(r["eager"], r["torch"], "ours eager vs torch's")
-        _bitwise(r["aot_eager"], r["eager"], "aot_eager vs eager")
+        assert_same_run(r["eager"], r["torch"], "ours eager vs torch's")
+        assert_same_run(r["aot_eager"], r["eager"], "aot_eager vs eager")
         torch.testing.assert_close(r["inductor"][0], r["eager"][0], rtol=1e-5, atol=0)
         for k, v in r["eager"][1].items():
             torch.testing.assert_close(r["inductor"][1][k], v, rtol=0, atol=1e-4, msg=k)
@@ -107,7 +101,7 @@ def test_accelerate_regional_compilation() -> None:
     the 8th ran eagerly past dynamo's recompile_limit."""
     for r in run_ranks(accelerate_regional, 2):
         for layers in (2, 10):
-            _bitwise(r[f"ours_{layers}"], r[f"torch_{layers}"], f"{layers} layers")
+            assert_same_run(r[f"ours_{layers}"], r[f"torch_{layers}"], f"{layers} layers")
         for lib in ("torch", "ours"):
             assert r[f"{lib}_10_frames"] == r[f"{lib}_2_frames"], (lib, r)
             assert r[f"{lib}_10_graphs"] == r[f"{lib}_2_graphs"], (lib, r)

@@ -57,6 +57,7 @@ import torch
 
 from _conformance_workers import (
     MOE_LAYERS,
+    assert_same_run,
     conformance_2x2,
     conformance_compiled,
     conformance_eager,
@@ -69,25 +70,18 @@ BITWISE = ["reuse_raf_True", "reuse_raf_False", "dataclass", "prefix", "mixed", 
            "replicate_root", "optim_in_backward", "autocast", "root_twice"]
 
 
-def _same(a: tuple, b: tuple, what: str) -> None:
-    assert a[0] == b[0], (what, a[0], b[0])
-    assert a[1].keys() == b[1].keys(), what
-    for k, v in b[1].items():
-        torch.testing.assert_close(a[1][k], v, rtol=0, atol=0, msg=f"{what}: {k}")
-
-
 @pytest.mark.slow
 def test_conformance_eager_vs_torch_fully_shard() -> None:
     results = run_ranks(conformance_eager, 2)
     for r in results:
         for name in BITWISE:
-            _same(r[name]["ours"], r[name]["torch"], name)
+            assert_same_run(r[name]["ours"], r[name]["torch"], name)
             assert r[name]["bytes_after"] == 0, name  # every placeholder freed
         assert r["cast_dtypes"] == {"torch.float64"}
         # fp16 with GradScaler: bitwise, with the same scales as torch's; some steps
         # overflowed (the scale halved) and some were taken (it stayed).
         g = r["fp16_grad_scaler"]
-        _same(g["ours"], g["torch"], "fp16_grad_scaler")
+        assert_same_run(g["ours"], g["torch"], "fp16_grad_scaler")
         scales = g["ours_scales"]
         assert scales == g["torch_scales"], (scales, g["torch_scales"])
         assert scales[0] < 2.0**20 and any(a == b for a, b in zip(scales, scales[1:])), scales
@@ -102,8 +96,8 @@ def test_conformance_eager_vs_torch_fully_shard() -> None:
         assert m["largest_live"] <= m["largest_shard"] < m["largest_param"], m
         assert m["largest_written"] <= m["largest_shard"], m
         assert m["full_size_allocs"] <= {"aten.empty.memory_format"}, m["full_size_allocs"]
-        _same(r["meta_ours"]["run"], r["meta_torch"]["run"], "meta")
-        _same(r["meta_random_ours"], r["meta_random_torch"], "meta_random")
+        assert_same_run(r["meta_ours"]["run"], r["meta_torch"]["run"], "meta")
+        assert_same_run(r["meta_random_ours"], r["meta_random_torch"], "meta_random")
         # Freezing between steps: the frozen parameters did not move, got no
         # gradient, and the run matches a one-process model on the global batch
         # (sharded reductions sum in another order: atol 2e-5, as the parity tests).
@@ -130,16 +124,16 @@ def test_conformance_hf_llama_vs_torch_fully_shard() -> None:
     blocks pass the position bias through (its all-gathers counted for one eager
     step). Bitwise against torch's fully_shard."""
     for r in run_ranks(conformance_hf, 2):
-        _same(r["t5"]["ours"], r["t5"]["torch"], "t5")
+        assert_same_run(r["t5"]["ours"], r["t5"]["torch"], "t5")
         assert r["t5"]["bytes_after"] == 0
         # One flat all-gather per unit forward (4 blocks and the root) and one per
         # block backward; the position bias each block passes through gathered no
         # block again after its backward (6 in the backward before 2026-11-28).
         assert r["t5_units"] == 5, r["t5_units"]
         assert r["t5_all_gathers"] == 5 + 4, r["t5_all_gathers"]
-        _same(r["hf_ac"]["ours"], r["hf_ac"]["torch"], "hf_ac")
+        assert_same_run(r["hf_ac"]["ours"], r["hf_ac"]["torch"], "hf_ac")
         assert r["hf_ac"]["bytes_after"] == 0
-        _same(r["hf_meta_ours"], r["hf_meta_torch"], "hf_meta")
+        assert_same_run(r["hf_meta_ours"], r["hf_meta_torch"], "hf_meta")
 
 
 # _Mixed: the root's parameters (embedding, prefix, head weight and bias), and the
@@ -166,17 +160,17 @@ def test_conformance_compiled_aot_eager() -> None:
     per-block forms and HF accelerate's compiled root, against torch's fully_shard."""
     for r in run_ranks(conformance_compiled, 2, "aot_eager"):
         for name in ("mixed", "moe", "moe_bf16", "hf_ac"):
-            _same(r[f"{name}_compiled"], r[f"{name}_eager"], name)
+            assert_same_run(r[f"{name}_compiled"], r[f"{name}_eager"], name)
             assert r[f"{name}_compiled_bytes_after"] == 0, name
         # No version-counter op in any graph dynamo captured: [Note: Version counters
         # in a traced step] (traceable_hsdp/_param.py).
         for name in ("mixed", "moe", "moe_bf16", "hf_ac"):
             fwd, bwd = r[f"{name}_graphs"]
             assert fwd and bwd and not any("version_counter" in g for g in fwd + bwd), name
-        _same(r["moe_eager"], r["moe_torch"], "moe vs torch's fully_shard")
+        assert_same_run(r["moe_eager"], r["moe_torch"], "moe vs torch's fully_shard")
         # bf16 mixed precision: the saved views of the expert weights are recomputed
         # in the backward (they failed on the freed placeholder before).
-        _same(r["moe_bf16_eager"], r["moe_bf16_torch"], "moe bf16 vs torch's fully_shard")
+        assert_same_run(r["moe_bf16_eager"], r["moe_bf16_torch"], "moe bf16 vs torch's fully_shard")
         assert [len(g) for g in r["moe_bf16_graphs"]] == [1, 1], r["moe_bf16_graphs"]
         # Mixtral: 9 parameters per layer (4 attention projections, 2 norms, the
         # router, the two 3-D expert weights) and 3 on the root; one forward and one
@@ -223,7 +217,7 @@ def test_conformance_compiled_aot_eager() -> None:
         # one graph for the one block, as with torch's fully_shard.
         b = r["before_shard"]
         for form in ("wrap", "inplace", "inplace_after", "inplace_ca", "root", "root_ca"):
-            _same(b[form], b["torch"], form)
+            assert_same_run(b[form], b["torch"], form)
             assert b[f"{form}_bytes_after"] == 0, form
         assert b["inplace_graphs"] == b["inplace_after_graphs"] == 1, b
         assert "fullgraph=True below an eager root" in b["root_fullgraph"], b["root_fullgraph"]
@@ -268,16 +262,16 @@ def test_conformance_hsdp_2x2() -> None:
     equal to the same eager."""
     for r in run_ranks(conformance_2x2, 4):
         for form in ("wrap_then_shard", "shard_then_wrap", "selective"):
-            _same(r[f"ac_{form}"]["ours"], r[f"ac_{form}"]["torch"], form)
+            assert_same_run(r[f"ac_{form}"]["ours"], r[f"ac_{form}"]["torch"], form)
             assert r[f"ac_{form}"]["bytes_after"] == 0, form
         for lib in ("torch", "ours"):
             assert r[f"meta_{lib}"]["same_shards"], lib
         m = r["meta_ours"]
         assert m["largest_live"] <= m["largest_shard"] < m["largest_param"], m
         assert m["largest_written"] <= m["largest_shard"], m
-        _same(r["meta_ours"]["run"], r["meta_torch"]["run"], "meta 2x2")
-        _same(r["meta_ac_loop"], r["meta_ac_eager"], "meta + AC compiled vs eager")
+        assert_same_run(r["meta_ours"]["run"], r["meta_torch"]["run"], "meta 2x2")
+        assert_same_run(r["meta_ac_loop"], r["meta_ac_eager"], "meta + AC compiled vs eager")
         # Optimizer in backward: the hooks run once the gradient is all-reduced over
         # the replicas too.
-        _same(r["optim_in_backward"]["ours"], r["optim_in_backward"]["torch"], "optim_in_backward")
+        assert_same_run(r["optim_in_backward"]["ours"], r["optim_in_backward"]["torch"], "optim_in_backward")
         assert r["optim_in_backward"]["bytes_after"] == 0
