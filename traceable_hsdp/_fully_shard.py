@@ -770,13 +770,15 @@ def shard_unit(module: nn.Module | list[nn.Module], options: UnitOptions) -> Any
 
 def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     """fully_shard's steps after its arguments are checked: collect the parameters,
-    build the unit, wire the tree, swap the classes, install the global switches."""
+    build the unit, wire the tree, swap the classes (and route a call compiled in
+    place), install the global switches."""
     collected = collect_params(modules, options)
     state = _build_unit(modules, collected, options)
     state.adopt_nested()
     _expose_to_torch(modules, state)
     for m in modules:
         _add_fsdp_class(m)
+        _dispatch_compiled_call(m)  # See [Note: A unit compiled in place].
     # Inductor's post-grad passes and the other switches of [Note: Global switches]
     # (passes/_install.py), each undone by traceable_hsdp.passes.uninstall().
     _install_passes()
@@ -940,7 +942,6 @@ def _add_fsdp_class(module: nn.Module) -> None:
             return _require_state(self).forward(inner, args, kwargs)
 
         module.__dict__["forward"] = types.MethodType(instance_forward, module)
-    _dispatch_compiled_call(module)
 
 
 # [Note: A unit compiled in place]
