@@ -323,23 +323,27 @@ class _WithLoss(nn.Module):
 
 
 def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
-    """A one-block Llama whose block's attention ends with a graph break, under a root
-    that returns the loss and its log-probabilities (:class:`_WithLoss`), trained
+    """A two-block Llama whose blocks' attention each end with a graph break, under a
+    root that returns the loss and its log-probabilities (:class:`_WithLoss`), trained
     eagerly, then under ``torch.compile`` (Inductor, ``fullgraph=False``: torch's
     default) with compiled autograd: GRAPH_BREAK_STEPS AdamW steps each. Returns the
     losses and parameters of both runs, the placeholder bytes after each compiled
-    step, the graph breaks, and the graphs compiled after each step."""
+    step, the graph breaks, the graphs compiled after each step, and how many
+    compiled entries dynamo holds for the units' forward (``FSDPState.forward``)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
-    from _workers import CFG1, _data, _placeholder_bytes, break_after
+    from _workers import CFG, _data, _placeholder_bytes, break_after
+    from traceable_hsdp._state import FSDPState
 
     mesh = init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
     for compiled in (False, True):
         torch.manual_seed(0)
-        llama = Llama(CFG1)
-        break_after(llama.layers[0].attn)
-        th.fully_shard(llama.layers[0], mesh=mesh)
+        llama = Llama(CFG)
+        for block in llama.layers:
+            break_after(block.attn)
+            th.fully_shard(block, mesh=mesh)
         model = th.fully_shard(_WithLoss(llama), mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fwd: Any = model
@@ -365,6 +369,7 @@ def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
                 th.disable_compiled_autograd()
         run["params"] = {k: full_tensor(v) for k, v in model.state_dict().items()}
         run["graph_breaks"] = sum(counters["graph_break"].values())
+        run["unit_forward_entries"] = len(_debug_get_cache_entry_list(FSDPState.forward.__code__))
         out["compiled" if compiled else "eager"] = run
     return out
 

@@ -225,9 +225,12 @@ def test_units_compiled_below_an_eager_root_train_correctly() -> None:
 # ------------------------------------------- a graph break inside a unit's forward
 @pytest.mark.slow
 def test_graph_break_inside_a_unit_compiled_with_inductor() -> None:
-    """``torch.compile(model)`` without ``fullgraph`` on a model whose block (a unit)
-    breaks the graph in its forward: dynamo then compiles the units' shared forward
-    frame once per unit, and on the second (the block after the root) its
+    """``torch.compile(model)`` without ``fullgraph`` on a model whose blocks (units)
+    break the graph in their forward: dynamo then compiles the units' forward as a
+    frame of its own, once for the root and once for both blocks (once per block
+    before 2026-12-05, and past dynamo's recompile limit the further blocks ran
+    eagerly: [Note: One graph for every unit of a class] in _common.py), and on the
+    second (the blocks after the root) its
     automatic dynamic shapes made the plain ints the runtime reads symbolic. Inductor
     failed to lower the placeholder's resize ("TODO: dynamic shapes") before
     2026-11-29 ([Note: Ints read while tracing] in _param.py). The root returns the
@@ -251,6 +254,7 @@ def test_graph_break_inside_a_unit_compiled_with_inductor() -> None:
         assert c["bytes_after"] == [0] * GRAPH_BREAK_STEPS, c["bytes_after"]
         assert c["graph_breaks"] > 0, c  # the case this test is about happened
         assert c["graphs"] == [c["graphs"][0]] * GRAPH_BREAK_STEPS, c["graphs"]
+        assert c["unit_forward_entries"] == 2, c["unit_forward_entries"]
 
 
 # ----------------------------------------- hooks run eagerly by compiled autograd

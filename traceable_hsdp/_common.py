@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch._dynamo import compiled_autograd
@@ -133,6 +134,56 @@ def compiled_backward() -> bool:
     """Whether the code runs as part of a compiled-autograd graph: traced into it, or
     run eagerly by it (what it could not trace). See [Note: Eager or traced]."""
     return compiling() or compiled_autograd.in_compiled_autograd_region
+
+
+# [Note: One graph for every unit of a class]
+# Dynamo compiles a unit's forward as a frame of its own, without its root, in two
+# common cases: a block compiled in place (``block.compile()``, torchtitan's
+# per-block compile and HF accelerate's regional compilation) while compiled
+# autograd is on, and a graph break inside a block under ``torch.compile(model)``
+# (the model's forward then graph-breaks in its loop over the blocks and runs
+# eagerly, each block's call starting a frame). One compiled frame should then serve
+# every unit of the block's class, as torch's per-block compile does: the frame's
+# guards pass for each of them (the class is shared: [Note: One FSDP class per module
+# class] in _fully_shard.py; parameters are graph inputs). One value differed: the
+# unit's label ("layers.3"), traced into its collectives' annotations, which dynamo
+# guards as a constant. Every block recompiled, and from the ninth on dynamo's
+# ``recompile_limit`` (8) ran them eagerly, or under ``fullgraph=True`` failed the
+# step (``FailOnRecompileLimitHit``): a 10-block Llama compiled in place with
+# compiled autograd did not train. So the label traced is the unit's class
+# (``FSDPParamGroup.traced_label``) when the frame holds no other unit's forward,
+# which :func:`unit_forwards_in_frame` counts, at trace time, from the stack of
+# frames dynamo is tracing (``torch._guards.TracingContext.extract_stack``, the
+# frames it inlined down to here). ``torch._dynamo.assume_constant_result`` makes the
+# count a constant of the graph, computed while tracing and not guarded: which
+# frames a compiled frame inlines is fixed by its code, so no later call can need
+# another count. In the whole-model graph the root's forward is in the frame too,
+# and every unit keeps its path; the compiled-autograd backward graph holds no
+# forward frame and keeps the paths as well (torch 2.13 drops its annotations
+# anyway). A unit nested in another unit compiled alone keeps its path, so such
+# frames still compile once per outer unit. Graph dumps of a shared frame name the
+# class: the graph serves each unit of it.
+_UNIT_FORWARD_CODES: list[types.CodeType] = []
+
+
+def unit_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks ``fn`` (``FSDPState.forward``) as a unit's forward, for
+    :func:`unit_forwards_in_frame`."""
+    _UNIT_FORWARD_CODES.append(fn.__code__)
+    return fn
+
+
+@torch._dynamo.assume_constant_result
+def unit_forwards_in_frame() -> int:
+    """While dynamo traces: how many unit forwards the frame being traced holds, from
+    its outermost call down to here (0 eagerly, and in a compiled-autograd backward).
+    See [Note: One graph for every unit of a class]."""
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is None:
+        return 0
+    marks = {(c.co_filename, c.co_name) for c in _UNIT_FORWARD_CODES}
+    return sum((f.filename, f.name) in marks for f in TracingContext.extract_stack())
 
 
 def refusal(message: str) -> Callable[..., NoReturn]:

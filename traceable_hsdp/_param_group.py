@@ -19,7 +19,14 @@ from ._collectives import (
     wait_all_gather,
 )
 from .passes._graph import UnitPassOptions
-from ._common import MeshInfo, ShardedState, compiled_backward, compiling, refusal
+from ._common import (
+    MeshInfo,
+    ShardedState,
+    compiled_backward,
+    compiling,
+    refusal,
+    unit_forwards_in_frame,
+)
 from ._param import FSDPParam
 
 
@@ -236,7 +243,10 @@ class FSDPParamGroup:
     ):
         self.fsdp_params = fsdp_params
         self.mesh_info = mesh_info
-        self.label = label  # the unit's module class name, for messages
+        # The unit's module class name; its path under the root once it has one
+        # (FSDPState.adopt_nested), for messages, dumps and annotations.
+        self.label = label
+        self.kind = label  # the class name, kept: see traced_label
         # The group's gradient work is in flight: from pre_backward to finish_backward.
         # Not a copy of the unit's TrainingState; see [Note: A unit's state and its
         # group's backward] (_state.py).
@@ -280,6 +290,14 @@ class FSDPParamGroup:
         self._input_hooks_used = 0
         self._finished: tuple[int, list[list[bool]], int] | None = None
 
+    @property
+    def traced_label(self) -> str:
+        """The label traced into the unit's collective annotations: its path, or its
+        class when the frame being traced holds no other unit's forward (one frame for
+        every unit of the class). See [Note: One graph for every unit of a class]
+        (_common.py)."""
+        return self.kind if unit_forwards_in_frame() == 1 else self.label
+
     def pass_options_key(self) -> str:
         """This unit and its own pass options, for the FX graph cache key; see
         [Note: Per-unit options and the FX graph cache] (passes/_install.py)."""
@@ -313,7 +331,7 @@ class FSDPParamGroup:
                 # See [Note: Collective annotations] (passes/_graph.py).
                 self._pending = [
                     call_annotated(
-                        self.label, p.fqn, p.all_gather_start, options=self.pass_options
+                        self.traced_label, p.fqn, p.all_gather_start, options=self.pass_options
                     )
                     for p in self.fsdp_params
                 ]
@@ -557,7 +575,7 @@ class FSDPParamGroup:
 
     def _reduce(self, fsdp_param: FSDPParam, grad: torch.Tensor) -> None:
         call_annotated(
-            self.label,
+            self.traced_label,
             fsdp_param.fqn,
             fsdp_param.reduce_grad,
             grad,

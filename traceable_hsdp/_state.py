@@ -47,7 +47,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import RegisterPostBa
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._common import TrainingState, compiling, refusal
+from ._common import TrainingState, compiling, refusal, unit_forward
 from ._param import FSDPParam, UserChange, refuse_all_gather_extension
 from ._param_group import FSDPParamGroup
 
@@ -571,6 +571,7 @@ class FSDPState:
             self._register_post_acc_hooks()
 
     # ------------------------------------------------------------------ forward
+    @unit_forward
     def forward(self, orig_forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs the unit's forward between its pre- and post-forward.
         See [Note: Forward wrapper, not module hooks]."""
