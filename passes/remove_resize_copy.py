@@ -45,7 +45,12 @@ logged, when any of these holds:
 - the source's dtype, device or number of elements differs from ``p``'s, ``p`` is not
   contiguous, or a fake value is missing;
 - a view of ``p`` is a graph output (returning it would change what the output
-  aliases).
+  aliases);
+- another graph input shares ``p``'s storage: its reads see the grow and the copy,
+  which the rewrite removes. Compiled autograd gives the backward graph of an eager
+  forward the placeholder that autograd saved for a matmul as an input of its own,
+  beside the placeholder the re-gather hook fills (a 2-block Llama run eagerly with
+  compiled autograd on crashed in Inductor's graph: "data is not allocated yet").
 
 ``p`` itself among the graph outputs is allowed when every region is closed by a
 free: that is how AOTAutograd saves the placeholder for the backward graph, which
@@ -59,6 +64,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._graph import is_fsdp_copy, is_resize, is_view, resize_nbytes
 from ._rewrite import (
@@ -108,9 +114,12 @@ def remove_resize_copy(gm: fx.GraphModule) -> int:
         if is_fsdp_copy(node) and isinstance(node.args[0], fx.Node):
             if node.args[0] not in placeholders:
                 placeholders.append(node.args[0])
+    sharers = _storage_sharers(graph)
     plans: list[_Plan] = []
     for p in placeholders:
-        plan = _plan(p, order)
+        plan = _plan(p, order) if p not in sharers else (
+            f"graph inputs {', '.join(n.name for n in sharers[p])} share its storage"
+        )
         if isinstance(plan, str):
             log.info("remove_resize_copy: leaving %s alone: %s", p.name, plan)
         else:
@@ -129,6 +138,22 @@ def remove_resize_copy(gm: fx.GraphModule) -> int:
     graph.lint()
     gm.recompile()
     return n_regions
+
+
+def _storage_sharers(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Each graph input that shares its storage with other graph inputs, mapped to
+    those (by their fake values, which keep the real inputs' aliasing)."""
+    by_storage: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in graph.find_nodes(op="placeholder"):
+        val = tensor_val(node)
+        if val is not None:
+            by_storage.setdefault(StorageWeakRef(val.untyped_storage()), []).append(node)
+    return {
+        n: [m for m in group if m is not n]
+        for group in by_storage.values()
+        if len(group) > 1
+        for n in group
+    }
 
 
 def _plan(p: fx.Node, order: dict[fx.Node, int]) -> _Plan | str:

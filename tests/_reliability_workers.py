@@ -304,7 +304,7 @@ def below_root_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 # ------------------------------------------- a graph break inside a unit's forward
-GRAPH_BREAK_STEPS = 3
+GRAPH_BREAK_STEPS = 4
 
 
 class _WithLoss(nn.Module):
@@ -326,7 +326,10 @@ def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
     """A two-block Llama whose blocks' attention each end with a graph break, under a
     root that returns the loss and its log-probabilities (:class:`_WithLoss`), trained
     eagerly, then under ``torch.compile`` (Inductor, ``fullgraph=False``: torch's
-    default) with compiled autograd: GRAPH_BREAK_STEPS AdamW steps each. Returns the
+    default) with compiled autograd: GRAPH_BREAK_STEPS AdamW steps each, the last
+    of them, in the compiled run, with the model's forward called eagerly while
+    compiled autograd stays on (as an uncompiled evaluation or debugging step would:
+    the eager forward's backward captured by compiled autograd). Returns the
     losses and parameters of both runs, the placeholder bytes after each compiled
     step, the graph breaks, the graphs compiled after each step, and how many
     compiled entries dynamo holds for the units' forward (``FSDPState.forward``)."""
@@ -354,8 +357,9 @@ def graph_break_worker(rank: int, world: int) -> dict[str, Any]:
             fwd = torch.compile(model)
         run: dict[str, Any] = dict(losses=[], bytes_after=[], graphs=[])
         try:
-            for x, y in _data(world, GRAPH_BREAK_STEPS):
-                loss, _ = fwd(x.chunk(world)[rank], y.chunk(world)[rank])
+            for i, (x, y) in enumerate(_data(world, GRAPH_BREAK_STEPS)):
+                call = model if i == GRAPH_BREAK_STEPS - 1 else fwd
+                loss, _ = call(x.chunk(world)[rank], y.chunk(world)[rank])
                 loss.backward()
                 opt.step()
                 opt.zero_grad()

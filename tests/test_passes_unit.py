@@ -267,16 +267,24 @@ def _one_param(
     use_after_free: bool = False,
     mutate: bool = False,
     return_view: bool = False,
+    shared_input: bool = False,
 ) -> fx.GraphModule:
-    """One placeholder p (4, 4) filled from a gather, with one defect switched on."""
+    """One placeholder p (4, 4) filled from a gather, with one defect switched on.
+    ``shared_input``: another graph input, ``saved``, shares p's storage and is read
+    after the copy (as compiled autograd passes an eager forward's saved placeholder
+    beside the one its re-gather hook fills)."""
     b = _Builder()
     w, p, x = b.input("w", 2, 4), b.input("p", 4, 4), b.input("x", 4, 4)
+    saved = None
+    if shared_input:
+        saved = b.graph.placeholder("saved")
+        saved.meta["val"] = p.meta["val"].view(4, 4)  # the same fake storage
     r = b(WAIT, b(ALL_GATHER, w, 2, "0"))
     b(RESIZE, p, grow_bytes)
     if use_before_copy:
         b(aten.sum.default, p)
     b(FSDP_COPY, p, r)
-    y = b(aten.mm.default, x, p)
+    y = b(aten.mm.default, x, p if saved is None else saved)
     if mutate:
         b(aten.add_.Tensor, p, 1.0)
     t = b(aten.t.default, p)
@@ -299,6 +307,7 @@ def _one_param(
         ({"use_after_free": True}, "outside a grow -> copy -> free region"),
         ({"mutate": True}, "writes to it"),
         ({"return_view": True}, "is a graph output"),
+        ({"shared_input": True}, "graph inputs saved share its storage"),
     ],
 )
 def test_remove_resize_copy_skips_incomplete_or_mutated(
