@@ -1,6 +1,6 @@
 """What the benchmark reports print: names people know, cells that say why they are
-empty, and numbers without ``-0.0``. Shared by ``step_time.py``, ``compile_time.py``
-and ``profile_step.py``; measuring is ``_harness.py``'s.
+empty, numbers without ``-0.0``, and the code a table ran at (``code_state``). Shared
+by every script here; measuring is ``_harness.py``'s.
 
 [Note: Report names]
 Variants keep short keys (``ours_compiled``, ``torch_block_compiled``): they are what
@@ -124,6 +124,36 @@ def write_report(out: str, stem: str, text: str, data: Any = None) -> str:
         with open(base + ".json", "w") as f:
             json.dump(data, f, indent=1, default=str)  # str: dtypes, devices, paths
     return base
+
+
+def code_state() -> dict[str, str]:
+    """Where the imported traceable_hsdp comes from: its git commit and which runtime
+    or passes files differ from it (or the folder, when it is not a git checkout)."""
+    import subprocess
+
+    import traceable_hsdp
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(traceable_hsdp.__file__)))
+
+    def git(*a: str) -> str:
+        try:
+            r = subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=20)
+        except Exception as e:  # noqa: BLE001
+            return f"? ({e})"
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head or git("rev-parse", "--show-toplevel") != root:
+        return dict(root=root, head="", dirty_runtime="", diff="", diff_sha256="")
+    import hashlib
+
+    diff = git("diff", "HEAD", "--", "traceable_hsdp", "passes")
+    return dict(
+        root=root, head=head,
+        dirty_runtime=git("status", "--porcelain", "--", "traceable_hsdp", "passes"),
+        diff=diff,
+        diff_sha256=hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else "",
+    )
 
 
 def code_line(code: dict[str, Any]) -> str:

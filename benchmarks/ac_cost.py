@@ -300,9 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                                steps=a.steps, rounds=a.rounds)[0]
     device = f"{platform.processor() or platform.machine()} CPU" if a.placement.device_type == "cpu" \
         else torch.cuda.get_device_name(0)
-    from step_time import _code_state
 
-    text = report(res, a, device) + "\n\n" + R.code_line(_code_state()) + "."
+    text = report(res, a, device) + "\n\n" + R.code_line(R.code_state()) + "."
     print(text)
     if a.out:
         R.write_report(a.out, f"ac_cost_{a.model}_{a.shape}", text, res)

@@ -221,10 +221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from step_time import _code_state
 
     results = {n: _measure(a.lever, n, a.rounds, a.backend) for n in a.layer_list}
-    code = _code_state()
+    code = R.code_state()
     text = _markdown(results, a, code)
     print(text)
     R.write_report(a.out, LEVERS[a.lever].report, text, {

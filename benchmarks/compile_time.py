@@ -480,7 +480,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from step_time import _code_state
 
     t_start = time.time()
     load_before = os.getloadavg()
@@ -499,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(_one_line(res), flush=True)
                     runs.append(run)
     meta = dict(
-        code=_code_state(), torch=torch.__version__, python=platform.python_version(),
+        code=R.code_state(), torch=torch.__version__, python=platform.python_version(),
         cpu=R.cpu_name(), cpus=os.cpu_count(), machine=platform.platform(),
         device=(torch.cuda.get_device_name(0) if args.device_type == "cuda" else "the CPU"),
         wall_s=time.time() - t_start, loadavg_before=load_before, loadavg_after=os.getloadavg(),

@@ -209,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.one is not None:
         print(json.dumps(_measure(a.one, a.shape, a.steps, a.backend)))
         return 0
-    from step_time import _code_state
 
     res: dict[str, Any] = {}
     for v in a.variants.split(","):
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.returncode != 0:
             raise SystemExit(f"variant {v} failed:\n{out.stderr[-4000:]}")
         res[v] = json.loads(out.stdout.strip().splitlines()[-1])
-    code = _code_state()
+    code = R.code_state()
     text = _markdown(a.shape, res, a, code)
     print(text)
     R.write_report(a.out, f"guard_cost_{a.shape}", text, {

@@ -282,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     import _harness as H
     import _report as R
-    from step_time import _code_state
 
     names = a.models.split(",") if a.models else list(models())
     unknown = [n for n in names if n not in models()]
@@ -290,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(models())}")
     res = H.run_spawned_fn(_rank, H.resolve_placement("cpu", 2), names=names, steps=a.steps,
                            backend=a.backend)[0]
-    code = _code_state()
+    code = R.code_state()
     text = _markdown(res, a, code)
     print(text)
     for name, r in res.items():

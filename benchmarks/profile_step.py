@@ -402,10 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         _profile_rank, args.placement, shape_name=args.shape, variants=names, warmup=args.warmup,
         steps=args.steps, out=args.out, trace=args.trace, backend=args.backend,
     )
-    from step_time import _code_state
 
     res, device = ranks[0]["variants"], ranks[0]["device"]
-    code = _code_state()
+    code = R.code_state()
     md = _markdown(H.SHAPES[args.shape], res, args, device, code)
     print(md)
     stem = R.write_report(args.out, f"profile_{args.shape}", md, dict(

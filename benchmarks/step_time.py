@@ -634,36 +634,6 @@ def figure(shape: Any, s: dict[str, Any], where: str, about: str = "") -> Any:
 # ------------------------------------------------------------------------ main
 
 
-def _code_state() -> dict[str, str]:
-    """Where the imported traceable_hsdp comes from: its git commit and which runtime
-    or passes files differ from it (or the folder, when it is not a git checkout)."""
-    import subprocess
-
-    import traceable_hsdp
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(traceable_hsdp.__file__)))
-
-    def git(*a: str) -> str:
-        try:
-            r = subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=20)
-        except Exception as e:  # noqa: BLE001
-            return f"? ({e})"
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    head = git("rev-parse", "--short", "HEAD")
-    if not head or git("rev-parse", "--show-toplevel") != root:
-        return dict(root=root, head="", dirty_runtime="", diff="", diff_sha256="")
-    import hashlib
-
-    diff = git("diff", "HEAD", "--", "traceable_hsdp", "passes")
-    return dict(
-        root=root, head=head,
-        dirty_runtime=git("status", "--porcelain", "--", "traceable_hsdp", "passes"),
-        diff=diff,
-        diff_sha256=hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else "",
-    )
-
-
 def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -707,7 +677,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         cpus=os.cpu_count(),
     )
     meta = dict(
-        code=_code_state(), device=device, memory_metric=dict(vars(placement.memory_metric)),
+        code=R.code_state(), device=device, memory_metric=dict(vars(placement.memory_metric)),
         world=placement.world, cpus=os.cpu_count(), torch=torch.__version__,
         python=platform.python_version(), machine=platform.platform(), passes=passes_line,
         wall_s=wall, inductor_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default"),
