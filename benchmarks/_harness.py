@@ -375,8 +375,11 @@ class Variant:
             (torch.distributed.fsdp.fully_shard) or ``"unsharded"`` (plain model, rank 0
             only).
         compile: ``"none"`` (eager), ``"whole"`` (``torch.compile(model,
-            fullgraph=True)``; for ours with compiled autograd) or ``"blocks"`` (each
-            block compiled, torchtitan's recipe).
+            fullgraph=True)``; for ours with compiled autograd), ``"blocks"`` (each
+            block compiled, torchtitan's recipe) or ``"blocks_ca"`` (ours: each block
+            compiled in place, ``block.compile(fullgraph=True)``, with compiled
+            autograd on: the units' gathers in the block graph, the backward one
+            compiled-autograd graph).
         passes: the equivalent ``TRACEABLE_HSDP_PASSES`` value, also put in the
             environment while the variant runs (the passes module reads it only at
             import, so ``passes_config`` is what switches); ``None``: untouched.
@@ -392,7 +395,7 @@ class Variant:
 
     name: str
     impl: Literal["ours", "torch", "unsharded"]
-    compile: Literal["none", "whole", "blocks"]
+    compile: Literal["none", "whole", "blocks", "blocks_ca"]
     passes: str | None = None
     passes_config: tuple[tuple[str, Any], ...] = ()
     optimizer: Literal["torch", "local"] = "torch"
@@ -404,7 +407,7 @@ class Variant:
 
     @property
     def uses_compiled_autograd(self) -> bool:
-        return self.impl == "ours" and self.compile == "whole"
+        return self.impl == "ours" and self.compile in ("whole", "blocks_ca")
 
 
 def pass_variants() -> tuple[list[Variant], str]:
@@ -487,6 +490,9 @@ def all_variants() -> tuple[list[Variant], str]:
             # torchtitan's per-block recipe with our fully_shard: the blocks compiled,
             # the gathers and reductions eager around them (docs/compile.md).
             Variant("ours_block_compiled", "ours", "blocks"),
+            # The same recipe in torchtitan's in-place form, with compiled autograd
+            # on: each block's gathers in its graph, the backward captured whole.
+            Variant("ours_block_compiled_ca", "ours", "blocks_ca"),
             Variant("torch_eager", "torch", "none"),
             Variant("torch_block_compiled", "torch", "blocks"),
             Variant("torch_block_compiled_local_adamw", "torch", "blocks", optimizer="local"),
@@ -680,6 +686,9 @@ def _shard_and_compile(
         if variant.compile == "blocks":
             for i, block in enumerate(blocks):
                 blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+        elif variant.compile == "blocks_ca":
+            for block in blocks:
+                block.compile(backend=backend, fullgraph=True)
         raf = variant.reshard_after_forward
         for block in blocks:
             fs(block, mesh=mesh, reshard_after_forward=raf)

@@ -17,7 +17,8 @@ A cell is blank only when its number would be wrong. Collective counts come from
 graphs Inductor compiles, so a variant whose collectives run outside them (eager, or
 the per-block recipe, where ``fully_shard``, torch's or ours, issues them between the
 graphs) says
-"not counted: outside Inductor graphs" instead of 0. A compile time of an eager
+"not counted: outside Inductor graphs" instead of 0; the per-block recipe with
+compiled autograd, whose one block graph runs once per block, says so too. A compile time of an eager
 variant is "none (eager)", not the noise of first step minus median.
 """
 
@@ -29,6 +30,9 @@ import os
 from typing import Any
 
 NOT_COUNTED = "not counted: outside Inductor graphs"
+# The blocks' one graph runs once per block, and the count assumes one run per step
+# ([Note: Collectives per step] in _harness.py).
+NOT_COUNTED_PER_BLOCK = "not counted: one graph runs for every block"
 NO_COMPILE = "none (eager)"
 
 # Keys with fixed names; ours_compiled_no_<pass> is built in label().
@@ -52,6 +56,8 @@ _LABELS = {
     "ours_compiled_reshard_root": "traceable_hsdp fully_shard, torch.compile(model), "
                                   "reshard_after_forward=True (the root re-gathered)",
     "ours_block_compiled": "traceable_hsdp fully_shard, per-block torch.compile",
+    "ours_block_compiled_ca": "traceable_hsdp fully_shard, per-block torch.compile, "
+                              "compiled autograd",
     "torch_eager": "torch fully_shard, eager",
     "torch_block_compiled": "torch fully_shard, per-block torch.compile",
     "torch_block_compiled_local_adamw": "torch fully_shard, per-block torch.compile, "

@@ -32,6 +32,10 @@ in its own ranks, N times (see [Note: One model per process]):
 - ``ours_block_compiled``: torchtitan's per-block recipe (below) with
   ``traceable_hsdp.fully_shard``: the blocks compiled, the unit's gathers and
   reductions run eagerly around them (no compiled autograd);
+- ``ours_block_compiled_ca``: the same recipe in its in-place form
+  (``block.compile(fullgraph=True)``) with compiled autograd on: each block's
+  gathers traced in its graph (one graph for every block), the backward one
+  compiled-autograd graph;
 - ``torch_eager``: ``torch.distributed.fsdp.fully_shard`` per block then root, eager;
 - ``torch_block_compiled_local_adamw``: ``torch_block_compiled`` with the same
   optimizer (it steps torch's ``fully_shard`` parameters just as well);
@@ -329,8 +333,10 @@ def _coll_cells(name: str, r: dict[str, Any]) -> tuple[str, str]:
     # hold. See [Note: Cells that cannot be measured] (_report.py). A row saved
     # before the compile mode was recorded names it: torch's variants only.
     c = r["collectives"]
-    between_graphs = r.get("compile", "blocks" if name.startswith("torch") else None) == "blocks"
-    if between_graphs or not c or not c.get("inductor_graphs"):
+    compile_mode = r.get("compile", "blocks" if name.startswith("torch") else None)
+    if compile_mode == "blocks_ca":
+        return R.NOT_COUNTED_PER_BLOCK, R.NOT_COUNTED_PER_BLOCK
+    if compile_mode == "blocks" or not c or not c.get("inductor_graphs"):
         return R.NOT_COUNTED, R.NOT_COUNTED
     per = c["per_step"]
     n = "/".join(str(per.get(k, {}).get("count", 0)) for k in ("all_gather", "reduce_scatter", "all_reduce"))
