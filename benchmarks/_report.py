@@ -18,8 +18,9 @@ graphs Inductor compiles, so a variant whose collectives run outside them (eager
 the per-block recipe, where ``fully_shard``, torch's or ours, issues them between the
 graphs) says
 "not counted: outside Inductor graphs" instead of 0; the per-block recipe with
-compiled autograd, whose one block graph runs once per block, says so too. A compile time of an eager
-variant is "none (eager)", not the noise of first step minus median.
+compiled autograd, whose one block graph runs once per block, says that instead of
+a count per graph. A compile time of an eager variant is "none (eager)", not the
+noise of first step minus median.
 """
 
 from __future__ import annotations

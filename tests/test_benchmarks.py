@@ -335,7 +335,9 @@ def test_step_time_smoke_on_cpu(
     assert report["summary"]["memory_metric"]["key"] == "peak_rss_mib"
     assert report["args"]["placement"] == {"device_type": "cpu", "world": 2, "heap": False}
     rows = report["summary"]["rows"]
-    assert set(rows) == {"ours_eager", "torch_eager", "ours_block_compiled", "ours_block_compiled_ca"}
+    assert set(rows) == {
+        "ours_eager", "torch_eager", "ours_block_compiled", "ours_block_compiled_ca"
+    }
     assert not report["summary"]["failed"]
     for row in rows.values():
         assert len(row["peak_mem_mib"]) == 2 and all(m > 0 for m in row["peak_mem_mib"])
