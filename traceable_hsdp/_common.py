@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -163,13 +162,14 @@ def compiled_backward() -> bool:
 # anyway). A unit nested in another unit compiled alone keeps its path, so such
 # frames still compile once per outer unit. Graph dumps of a shared frame name the
 # class: the graph serves each unit of it.
-_UNIT_FORWARD_CODES: list[types.CodeType] = []
+# (file, function name) of each unit forward, as dynamo's frame summaries name them.
+_UNIT_FORWARDS: set[tuple[str, str]] = set()
 
 
 def unit_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Marks ``fn`` (``FSDPState.forward``) as a unit's forward, for
     :func:`unit_forwards_in_frame`."""
-    _UNIT_FORWARD_CODES.append(fn.__code__)
+    _UNIT_FORWARDS.add((fn.__code__.co_filename, fn.__code__.co_name))
     return fn
 
 
@@ -182,8 +182,7 @@ def unit_forwards_in_frame() -> int:
 
     if TracingContext.try_get() is None:
         return 0
-    marks = {(c.co_filename, c.co_name) for c in _UNIT_FORWARD_CODES}
-    return sum((f.filename, f.name) in marks for f in TracingContext.extract_stack())
+    return sum((f.filename, f.name) in _UNIT_FORWARDS for f in TracingContext.extract_stack())
 
 
 def refusal(message: str) -> Callable[..., NoReturn]:

@@ -329,10 +329,9 @@ class FSDPParamGroup:
         with torch.no_grad():
             if compiling():
                 # See [Note: Collective annotations] (passes/_graph.py).
+                label = self.traced_label
                 self._pending = [
-                    call_annotated(
-                        self.traced_label, p.fqn, p.all_gather_start, options=self.pass_options
-                    )
+                    call_annotated(label, p.fqn, p.all_gather_start, options=self.pass_options)
                     for p in self.fsdp_params
                 ]
             else:

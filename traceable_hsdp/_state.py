@@ -100,7 +100,9 @@ UNIT_FULLGRAPH_FIX = (
 # for each unit, and past dynamo's ``recompile_limit`` (8) the further blocks ran
 # eagerly. A unit compiled in place (``block.compile()``) does not get here: see
 # [Note: A unit compiled in place] and [Note: One FSDP class per module class] in
-# _fully_shard.py.
+# _fully_shard.py. With compiled autograd on, a unit traced on its own keeps its
+# pre-forward in the graph, one graph for every unit of its class: [Note: One graph
+# for every unit of a class] in _common.py.
 @torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
 def _pre_forward_untraced(
     state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
