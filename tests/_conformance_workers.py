@@ -771,7 +771,10 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
       "inplace_after": the same with ``block.compile`` called after fully_shard;
       "inplace_ca": compiled autograd on, the unit's gathers traced in the block's
       graph, one graph for the three blocks (before 2026-12-05 one per block: see
-      [Note: One graph for every unit of a class] in traceable_hsdp/_common.py).
+      [Note: One graph for every unit of a class] in traceable_hsdp/_common.py);
+      "inplace_ca_nested": the same with each block's feed-forward a unit of its own
+      inside the block's (as torchtitan shards a block's MoE experts), also one graph
+      for the blocks (one per block before 2026-12-06).
     - "root", "root_ca": HF accelerate's FSDP2 flow with a dynamo backend:
       ``torch.compile(model)``, then fully_shard on the blocks and on the compiled
       model; compiled autograd off (accelerate's way: the root gathers eagerly, and
@@ -786,7 +789,8 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
     cfg = CFG1 if backend == "inductor" else BEFORE_SHARD_CFG
     out["torch"] = _train(_shard_llama(Llama(cfg), _fs("torch")), rank, world)
     forms = ["wrap", "inplace"] if backend == "inductor" else [
-        "wrap", "inplace", "inplace_after", "inplace_ca", "root", "root_ca", "root_fullgraph"
+        "wrap", "inplace", "inplace_after", "inplace_ca", "inplace_ca_nested", "root", "root_ca",
+        "root_fullgraph",
     ]
     for form in forms:
         torch._dynamo.reset()
@@ -798,13 +802,15 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
         for i, block in enumerate(list(blocks)):
             if form == "wrap":
                 blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
-            elif form in ("inplace", "inplace_ca"):
+            elif form in ("inplace", "inplace_ca", "inplace_ca_nested"):
                 block.compile(backend=backend, fullgraph=True)
+            if form == "inplace_ca_nested":
+                th.fully_shard(block.ffn)
         _shard_llama(model, th.fully_shard)  # an OptimizedModule passes .layers through
         if form == "inplace_after":
             for block in blocks:
                 block.compile(backend=backend, fullgraph=True)
-        if form.endswith("_ca"):
+        if "_ca" in form:
             th.enable_compiled_autograd(backend=backend)
         try:
             if form == "root_fullgraph":

@@ -217,13 +217,16 @@ def test_conformance_compiled_aot_eager() -> None:
         # one graph for the three blocks, as with torch's fully_shard. With compiled
         # autograd on, one graph for the blocks (their gathers in it) and one for
         # the backward: one per block before 2026-12-05, the ninth block then failed
-        # under fullgraph=True (dynamo's recompile limit).
+        # under fullgraph=True (dynamo's recompile limit); with a unit nested in each
+        # block, one per block until 2026-12-06.
         b = r["before_shard"]
-        for form in ("wrap", "inplace", "inplace_after", "inplace_ca", "root", "root_ca"):
+        forms = ("wrap", "inplace", "inplace_after", "inplace_ca", "inplace_ca_nested", "root",
+                 "root_ca")
+        for form in forms:
             assert_same_run(b[form], b["torch"], form)
             assert b[f"{form}_bytes_after"] == 0, form
         assert b["inplace_graphs"] == b["inplace_after_graphs"] == 1, b
-        assert b["inplace_ca_graphs"] == 2, b
+        assert b["inplace_ca_graphs"] == b["inplace_ca_nested_graphs"] == 2, b
         assert "fullgraph=True below an eager root" in b["root_fullgraph"], b["root_fullgraph"]
 
 

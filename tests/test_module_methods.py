@@ -513,3 +513,34 @@ def test_fully_shard_under_torch_public_name(one_rank) -> None:
     assert torch_fs.state(m) is not None
     m(torch.randn(1, 2)).sum().backward()
     assert isinstance(m.weight.grad, DTensor)
+
+
+def test_labels_a_frame_below_the_root_traces(one_rank) -> None:
+    """The label a unit traces into its collectives' annotations is
+    ``frame_labels[k - 1]`` when the frame being traced holds k unit forwards (a block
+    compiled alone holds its own and its nested units'), its path beyond them, so that
+    one frame serves every block ([Note: One graph for every unit of a class] in
+    traceable_hsdp/_common.py; ``test_conformance_compiled_aot_eager`` counts the
+    graphs): the unit's class, then its path below each enclosing unit, named by that
+    unit's class."""
+    from traceable_hsdp.models import Llama
+
+    from _workers import CFG
+
+    model = Llama(CFG)
+    for block in model.layers:
+        th.fully_shard(block.ffn, mesh=one_rank)
+        th.fully_shard(block, mesh=one_rank)
+    th.fully_shard([model.norm, model.output], mesh=one_rank)
+    th.fully_shard(model, mesh=one_rank)
+
+    def labels(m: nn.Module) -> tuple[str, tuple[str, ...]]:
+        group = th.fully_shard.state(m).param_group
+        return group.label, group.frame_labels
+
+    assert labels(model.layers[1].ffn) == ("layers.1.ffn", ("FeedForward", "Block.ffn"))
+    assert labels(model.layers[1]) == ("layers.1", ("Block",))
+    assert labels(model.norm) == ("[norm, output]", ("RMSNorm",))
+    assert labels(model) == ("Llama", ("Llama",))
+    # Eagerly no frame is traced: the path.
+    assert th.fully_shard.state(model.layers[1].ffn).param_group.traced_label == "layers.1.ffn"

@@ -246,7 +246,10 @@ class FSDPParamGroup:
         # The unit's module class name; its path under the root once it has one
         # (FSDPState.adopt_nested), for messages, dumps and annotations.
         self.label = label
-        self.kind = label  # the class name, kept: see traced_label
+        # The label traced when the frame holds k unit forwards is frame_labels[k - 1]
+        # (the path beyond them): the class name, and for a nested unit the path below
+        # each enclosing unit, set by adopt_nested. See traced_label.
+        self.frame_labels: tuple[str, ...] = (label,)
         # The group's gradient work is in flight: from pre_backward to finish_backward.
         # Not a copy of the unit's TrainingState; see [Note: A unit's state and its
         # group's backward] (_state.py).
@@ -292,11 +295,13 @@ class FSDPParamGroup:
 
     @property
     def traced_label(self) -> str:
-        """The label traced into the unit's collective annotations: its path, or its
-        class when the frame being traced holds no other unit's forward (one frame for
-        every unit of the class). See [Note: One graph for every unit of a class]
-        (_common.py)."""
-        return self.kind if unit_forwards_in_frame() == 1 else self.label
+        """The label traced into the unit's collective annotations: its path, or, when
+        the frame being traced starts below the root, its path below the frame's
+        outermost unit, named by that unit's class ("Block.ffn"; "Block" for the block
+        itself), so that one frame serves every unit of the class. See [Note: One graph
+        for every unit of a class] (_common.py)."""
+        k = unit_forwards_in_frame()
+        return self.frame_labels[k - 1] if 0 < k <= len(self.frame_labels) else self.label
 
     def pass_options_key(self) -> str:
         """This unit and its own pass options, for the FX graph cache key; see

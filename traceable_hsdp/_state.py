@@ -372,6 +372,23 @@ def state_of(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
+
+def _path_label(names: list[str]) -> str:
+    """A unit's label from its modules' paths: the path, or for a list unit
+    ``[a, b]``, all of them, as it was built."""
+    return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+
+
+def _below(names: list[str], outer: list[str]) -> bool:
+    """Whether every path in ``names`` lies below one of the paths in ``outer``."""
+    return all(any(n.startswith(f"{o}.") for o in outer) for n in names)
+
+
+def _relative(names: list[str], outer: list[str]) -> list[str]:
+    """``names`` (each below one of ``outer``) as paths below it."""
+    return [next(n[len(o) + 1:] for o in outer if n.startswith(f"{o}.")) for n in names]
+
+
 class FSDPState:
     """The fully_shard state of one unit (one module, or a list sharded together).
 
@@ -388,6 +405,8 @@ class FSDPState:
         init_errors: list[str],
     ) -> None:
         self.modules = modules
+        # Its (first) module's class name, before fully_shard extends the class.
+        self.kind = type(modules[0]).__name__
         self.param_group = param_group
         self.options = options
         # Changed by FSDPModule.set_reshard_after_forward; the options keep the
@@ -522,7 +541,16 @@ class FSDPState:
                         held.slots.append((sub, name, child_name))
         for s, names in paths.items():
             # A list unit is labelled by all its modules' paths, as it was built.
-            s._label_as(names[0] if len(names) == 1 else f"[{', '.join(names)}]")
+            s._label_as(_path_label(names))
+            # See [Note: One graph for every unit of a class] (_common.py).
+            enclosing = sorted(
+                (a for a in paths if a is not s and _below(names, paths[a])),
+                key=lambda a: -len(paths[a][0]),
+            )
+            s._frame_labels_as((
+                s.kind,
+                *(f"{a.kind}.{_path_label(_relative(names, paths[a]))}" for a in enclosing),
+            ))
         self.checkpoint_suspects = [s for s in self.states if s.slots or s.hf_checkpointing_modules]
         # See [Note: A compile region inside a unit]. Built here: a refusal's message
         # is all dynamo shows (no details).
@@ -537,6 +565,10 @@ class FSDPState:
     def _label_as(self, path: str) -> None:
         if self.param_group is not None:
             self.param_group.label = path
+
+    def _frame_labels_as(self, labels: tuple[str, ...]) -> None:
+        if self.param_group is not None:
+            self.param_group.frame_labels = labels
 
     def _register_post_acc_hooks(self) -> None:
         """A post-accumulate-grad hook on every trainable placeholder that has none
