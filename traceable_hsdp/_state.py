@@ -372,7 +372,6 @@ def state_of(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
-
 def _path_label(names: list[str]) -> str:
     """A unit's label from its modules' paths: the path, or for a list unit
     ``[a, b]``, all of them, as it was built."""
