@@ -391,6 +391,10 @@ class Variant:
             ``DTensor``s' local shards; works on torch's ``fully_shard`` too).
         reshard_after_forward: passed to every ``fully_shard`` call; ``None`` is the
             default of both ours and torch's (the root stays gathered for backward).
+        adamw: the optimizer's implementation, torch's ``foreach``/``fused``
+            argument: ``"default"`` passes neither (torch's choice: its single-tensor
+            loop for every parameter here on the CPU, and for ``DTensor`` parameters
+            there is no other; see [Note: The AdamW implementation]).
     """
 
     name: str
@@ -400,6 +404,7 @@ class Variant:
     passes_config: tuple[tuple[str, Any], ...] = ()
     optimizer: Literal["torch", "local"] = "torch"
     reshard_after_forward: bool | None = None
+    adamw: Literal["default", "foreach", "fused"] = "default"
 
     @property
     def compiled(self) -> bool:
@@ -408,6 +413,29 @@ class Variant:
     @property
     def uses_compiled_autograd(self) -> bool:
         return self.impl == "ours" and self.compile in ("whole", "blocks_ca")
+
+
+# [Note: The AdamW implementation]
+# torch.optim.AdamW picks its implementation from the parameters when given neither
+# ``foreach`` nor ``fused`` (``_default_to_fused_or_foreach``): never fused, and
+# foreach only for plain tensors on a device with foreach kernels (CUDA, not the
+# CPU). So on the CPU every variant here, sharded or not, steps with the
+# single-tensor loop: about ten ops per parameter, each dispatched through DTensor
+# for a sharded one, which costs the overhead shape's 147 parameters 20-25 ms a step
+# (docs/benchmarks.md). torchtitan's default is ``fused`` and HF Trainer's
+# ``adamw_torch_fused``: what those jobs run. ``--adamw`` sets the same
+# implementation for every variant of a run, so the ratios stay side by side; the
+# default keeps torch's choice, as the tables before 2026-12-06 ran.
+ADAMW_IMPLS: dict[str, dict[str, bool]] = {
+    "default": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
+}
+
+
+def adamw_phrase(impl: str) -> str:
+    """How every variant's AdamW ran, for the reports (``--adamw``)."""
+    if impl == "default":
+        return "AdamW as torch picks it (on the CPU its single-tensor loop)"
+    return f"AdamW `{impl}=True` for every variant"
 
 
 def pass_variants() -> tuple[list[Variant], str]:
@@ -807,12 +835,20 @@ class Runner:
             self.v, self.shape, self.mesh, self.device, self.backend, self.seed,
             model=self.model_name,
         )
+        impl = ADAMW_IMPLS[self.v.adamw]
         if self.v.optimizer == "local":
             from traceable_hsdp.optim import AdamW
 
-            self.opt = AdamW(self.model.parameters(), lr=LR)
+            self.opt = AdamW(self.model.parameters(), lr=LR, **impl)
         else:
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, **impl)
+
+    def optimizer_line(self) -> str:
+        """The optimizer as built: ``torch.optim.adamw.AdamW(foreach=None, fused=True)``."""
+        assert self.opt is not None
+        d = self.opt.defaults
+        cls = type(self.opt)
+        return f"{cls.__module__}.{cls.__name__}(foreach={d.get('foreach')}, fused={d.get('fused')})"
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward, loss, backward, AdamW step, zero_grad. Returns the detached loss."""
@@ -842,6 +878,8 @@ class VariantResult:
     compiles_after: tuple[int, int] = (0, 0)  # (dynamo, inductor) after the first step
     graph_calls: dict[str, int] = field(default_factory=dict)
     profiled_step_compiles: tuple[int, int] = (0, 0)
+    # The optimizer as built: its class and implementation switches (Runner.optimizer_line).
+    optimizer: str | None = None
     # The placement's memory metric after each block of this variant, and (CUDA only)
     # the MiB allocated at each block's start. See [Note: Memory per variant].
     peak_mem_mib: list[float] = field(default_factory=list)
@@ -922,6 +960,7 @@ def run_rank(
         if runner.steps_done == 1:
             res.first_step_s = dt
             res.compiles_first_step = delta
+            res.optimizer = runner.optimizer_line()
         else:
             res.compiles_after = (res.compiles_after[0] + delta[0], res.compiles_after[1] + delta[1])
         if bar is not None:

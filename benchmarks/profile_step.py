@@ -51,6 +51,7 @@ Chrome trace per variant. Names as in ``_report.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -78,7 +79,8 @@ def _is_coll(name: str) -> bool:
 
 
 def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str], warmup: int,
-                  steps: int, out: str, trace: bool, backend: str) -> dict[str, Any]:
+                  steps: int, out: str, trace: bool, backend: str,
+                  adamw: str = "default") -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -102,7 +104,7 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
     default_rv, default_pre = fconfig.recompute_views, iconfig.post_grad_custom_pre_pass
     results: dict[str, Any] = {}
     for name in variants:
-        v = by_name[name]
+        v = dataclasses.replace(by_name[name], adamw=adamw)
         runner = H.Runner(v, shape, mesh, rank, backend, 0, default_rv, default_pre, device)
         dist.barrier()
         if runner.runs_here:
@@ -301,6 +303,8 @@ def _gpu_ms(events: Any, steps: int, top: int = 10) -> dict[str, Any] | None:
 
 def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
               device: dict[str, Any], code: dict[str, Any] | None = None) -> str:
+    import _harness as H
+
     cats = ("graph_compute", "graph_collectives", "eager_collectives", "eager_aten", "guards",
             "python_framework")
     lines = [
@@ -309,7 +313,7 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
         "profiled steps)",
         "",
         f"Device `{device['type']}` ({device['name']}), {device['world']} {device['backend']} "
-        f"ranks; torch.profiler on rank 0"
+        f"ranks; torch.profiler on rank 0; {H.adamw_phrase(args.adamw)}"
         + ("; the categories below are the host's timeline (see the GPU times after the "
            "table)." if device["type"] == "cuda" else "."),
         "",
@@ -380,6 +384,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor")
     R.add_out_argument(p)
     p.add_argument("--trace", action="store_true", help="also write Chrome traces")
+    p.add_argument("--adamw", choices=tuple(H.ADAMW_IMPLS), default="default",
+                   help="AdamW implementation for every variant, as step_time.py's --adamw")
     H.add_placement_args(p)
     args = p.parse_args(argv)
     args.placement = H.placement_from_args(p, args)
@@ -401,13 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     ranks = H.run_spawned_fn(
         _profile_rank, args.placement, shape_name=args.shape, variants=names, warmup=args.warmup,
         steps=args.steps, out=args.out, trace=args.trace, backend=args.backend,
+        adamw=args.adamw,
     )
 
     res, device = ranks[0]["variants"], ranks[0]["device"]
     code = R.code_state()
     md = _markdown(H.SHAPES[args.shape], res, args, device, code)
     print(md)
-    stem = R.write_report(args.out, f"profile_{args.shape}", md, dict(
+    name = f"profile_{args.shape}" + ("" if args.adamw == "default" else f"_adamw_{args.adamw}")
+    stem = R.write_report(args.out, name, md, dict(
         args={**vars(args), "placement": dict(vars(args.placement))},
         device=device, code=code, results=res))
     print(f"wrote {stem}.md, {stem}.json")

@@ -149,6 +149,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reversed every other time, instead of all variants in one set of "
                         "ranks (a user's process holds one model; see [Note: One model per "
                         "process] in _harness.py). Default 0: all in one set, round-robin")
+    p.add_argument("--adamw", choices=tuple(H.ADAMW_IMPLS), default="default",
+                   help="AdamW implementation for every variant: foreach=True, fused=True "
+                        "(torchtitan's and HF Trainer's default), or torch's choice, which "
+                        "on the CPU is the single-tensor loop (default); see [Note: The "
+                        "AdamW implementation] in _harness.py")
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny check of the harness: 2 layers, dim 32, seq 16, 2 steps, 1 round")
@@ -399,6 +404,11 @@ def device_line(dev: dict[str, Any]) -> str:
     return f"Device `cpu` ({dev['names'][0]}): {ranks} x 1 thread on {dev['cpus']} CPU cores"
 
 
+def report_stem(shape_name: str, model: str, adamw: str) -> str:
+    """The report's file name without its extension."""
+    return f"step_time_{shape_name}_{model}" + ("" if adamw == "default" else f"_adamw_{adamw}")
+
+
 def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict[str, Any]) -> str:
     rows = s["rows"]
     world = meta["device"]["world"]
@@ -418,8 +428,8 @@ def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict
            f"cold), each {_rounds_phrase(args.rounds, args.steps)} "
            if args.processes else f"{_rounds_phrase(args.rounds, args.steps)} per variant ")
         + f"({_warmup_phrase(args.warmup)}); medians over all "
-        f"{max([r['n_timed'] for r in rows.values()] or [0])} timed steps, rank 0's clock. "
-        f"{meta['passes']}.",
+        f"{max([r['n_timed'] for r in rows.values()] or [0])} timed steps, rank 0's clock; "
+        f"{H.adamw_phrase(args.adamw)}. {meta['passes']}.",
         "",
         "| variant | median step (ms) | p25-p75 (ms) | tokens/s "
         f"| vs {R.label(REF_BLOCK)} | vs {R.label(REF_EAGER)} | compile (s) "
@@ -540,7 +550,7 @@ def doc_table(report: dict[str, Any]) -> str:
         f"per rank; {device_line(meta['device'])}; CPU {meta.get('cpu', '?')}; torch "
         f"{meta['torch']}; backend `{args['backend']}`; "
         f"{_rounds_phrase(args['rounds'], args['steps'])} per variant, round-robin, "
-        "medians of rank 0's clock; "
+        f"medians of rank 0's clock; {H.adamw_phrase(args.get('adamw', 'default'))}; "
         f"{'Inductor cache as left by earlier runs' if args.get('keep_inductor_cache') else 'fresh Inductor cache'}. Load average (1 min) {lb[0]:.1f} at the start, {la[0]:.1f} "
         f"at the end ({la[2]:.1f} over the last 15 min); wall time {meta['wall_s'] / 60:.0f} min.",
         "",
@@ -656,6 +666,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
             variants = H.pick_variants(variants, args.variants)
         except ValueError as e:
             raise SystemExit(str(e)) from None
+    variants = [dataclasses.replace(v, adamw=args.adamw) for v in variants]
     print(f"== step_time: model {args.model}, shape {shape_name}, variants {[v.name for v in variants]}; {passes_line}",
           flush=True)
     t0 = time.time()
@@ -700,11 +711,12 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
             if not v.compiled:
                 s["rows"][v.name]["compile_s"] = None
     md = markdown(shape, args, s, meta)
+    stem_name = report_stem(shape_name, args.model, args.adamw)
     code = meta["code"]
     dirty = code["dirty_runtime"]
     md += ((f"Code: commit {code['head']}" if code["head"] else f"Code: {code['root']} (not a git checkout)")
            + (f", with uncommitted changes in: {' '.join(l.split()[-1] for l in dirty.splitlines())}"
-              f" (diff sha256 {code['diff_sha256']}, saved as step_time_{shape_name}_{args.model}.code.diff)"
+              f" (diff sha256 {code['diff_sha256']}, saved as {stem_name}.code.diff)"
               if dirty else (", runtime and passes as committed" if code["head"] else ""))
            + f". Started {meta['started_utc']}; wall time of this shape's run: {wall:.0f} s; "
            f"load average (1 min) "
@@ -719,7 +731,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         l1 = s["loss_step1"]
         print("!" * 78 + f"\n!! LOSS MISMATCH at step 1 (spread {s['loss_step1_spread']:.3e} > "
               f"{LOSS_TOL:g}): {l1}\n" + "!" * 78, file=sys.stderr, flush=True)
-    stem = R.write_report(args.out, f"step_time_{shape_name}_{args.model}", md, dict(
+    stem = R.write_report(args.out, stem_name, md, dict(
         args={**vars(args), "placement": dict(vars(placement))}, shape=vars(shape),
         meta=meta, summary=s, raw=ranks))
     if meta["code"]["diff"]:
@@ -728,6 +740,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
     about = (f"{H.model_description(args.model, shape).replace('`', '')}; torch {meta['torch']}; "
              f"CPU {meta['cpu']}, {meta['cpus']} cores"
              + (f"; GPU {device['names'][0]}" if placement.device_type == "cuda" else "")
+             + ("" if args.adamw == "default" else f"; AdamW {args.adamw}=True")
              + (f"; commit {code['head']}" + (" + uncommitted changes" if dirty else "")
                 if code["head"] else ""))
     png = plot(shape, s, stem + ".png", f"{placement.world} {placement.backend} ranks "

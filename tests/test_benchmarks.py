@@ -359,15 +359,21 @@ def test_step_time_heap_smoke_on_cpu(
     out = tmp_path / "results"
     rc = step_time.main([
         "--smoke", "--device", "cpu", "--variants", "ours_eager,torch_eager", "--rounds", "3",
-        "--no-graph-count", "--no-progress", "--heap", "--out", str(out),
+        "--no-graph-count", "--no-progress", "--heap", "--adamw", "fused", "--out", str(out),
     ])
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
-    md = (out / "step_time_smoke_demo.md").read_text()
+    # --adamw: the report says it and is named for it, and both variants stepped so.
+    md = (out / "step_time_smoke_demo_adamw_fused.md").read_text()
+    assert "AdamW `fused=True` for every variant" in md
     assert "| heap peak above block start MiB, r0/r1 |" in md
     assert "Memory metric: heap peak above the block's start MiB:" in md
     assert "GPU peak above" not in md
-    report = json.loads((out / "step_time_smoke_demo.json").read_text())
+    report = json.loads((out / "step_time_smoke_demo_adamw_fused.json").read_text())
+    assert report["args"]["adamw"] == "fused"
+    for raw in report["raw"]:
+        for v in raw["variants"].values():
+            assert v["optimizer"] == "torch.optim.adamw.AdamW(foreach=None, fused=True)", v
     assert report["args"]["placement"]["heap"] is True
     assert report["summary"]["memory_metric"]["key"] == H.HEAP_PEAK.key
     rows = report["summary"]["rows"]
