@@ -392,9 +392,8 @@ class Variant:
         reshard_after_forward: passed to every ``fully_shard`` call; ``None`` is the
             default of both ours and torch's (the root stays gathered for backward).
         adamw: the optimizer's implementation, torch's ``foreach``/``fused``
-            argument: ``"default"`` passes neither (torch's choice: its single-tensor
-            loop for every parameter here on the CPU, and for ``DTensor`` parameters
-            there is no other; see [Note: The AdamW implementation]).
+            argument: ``"default"`` passes neither (torch's choice: on the CPU its
+            single-tensor loop; see [Note: The AdamW implementation]).
     """
 
     name: str
@@ -418,11 +417,11 @@ class Variant:
 # [Note: The AdamW implementation]
 # torch.optim.AdamW picks its implementation from the parameters when given neither
 # ``foreach`` nor ``fused`` (``_default_to_fused_or_foreach``): never fused, and
-# foreach only for plain tensors on a device with foreach kernels (CUDA, not the
-# CPU). So on the CPU every variant here, sharded or not, steps with the
-# single-tensor loop: about ten ops per parameter, each dispatched through DTensor
-# for a sharded one, which costs the overhead shape's 147 parameters 20-25 ms a step
-# (docs/benchmarks.md). torchtitan's default is ``fused`` and HF Trainer's
+# foreach only on a device with foreach kernels (CUDA, not the CPU; ``DTensor`` is
+# registered as a foreach type). So on the CPU every variant here, sharded or not,
+# steps with the single-tensor loop: about ten ops per parameter, each dispatched
+# through DTensor for a sharded one, which costs the overhead shape's 147 parameters
+# 20-25 ms a step (docs/benchmarks.md). torchtitan's default is ``fused`` and HF Trainer's
 # ``adamw_torch_fused``: what those jobs run. ``--adamw`` sets the same
 # implementation for every variant of a run, so the ratios stay side by side; the
 # default keeps torch's choice, as the tables before 2026-12-06 ran.

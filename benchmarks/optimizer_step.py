@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The optimizer step of a sharded model: ``torch.optim.AdamW`` on the ``DTensor``
 parameters against ``traceable_hsdp.optim.AdamW`` (the same update on their local
-shards), both with the single-tensor and the foreach implementation, side by side.
+shards), with the single-tensor, the foreach and the fused implementation, side by side.
 
     python benchmarks/optimizer_step.py [--shape overhead|compute] [--steps N]
                                         [--rounds R] [--out DIR]
@@ -45,6 +45,8 @@ def _rank(rank: int, placement: Any, shape_name: str, steps: int, rounds: int) -
         "ours_adamw": (th_optim.AdamW, {}),
         "torch_adamw_foreach": (torch.optim.AdamW, {"foreach": True}),
         "ours_adamw_foreach": (th_optim.AdamW, {"foreach": True}),
+        "torch_adamw_fused": (torch.optim.AdamW, {"fused": True}),
+        "ours_adamw_fused": (th_optim.AdamW, {"fused": True}),
     }
     runs: dict[str, dict[str, Any]] = {}
     g = torch.Generator().manual_seed(rank)
@@ -69,7 +71,7 @@ def _rank(rank: int, placement: Any, shape_name: str, steps: int, rounds: int) -
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 r["times"].append(float(dt))
     same = {}
-    for impl in ("adamw", "adamw_foreach"):
+    for impl in ("adamw", "adamw_foreach", "adamw_fused"):
         a, b = runs[f"torch_{impl}"]["model"], runs[f"ours_{impl}"]["model"]
         same[impl] = all(
             torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), b.parameters())

@@ -62,6 +62,8 @@ def optim_worker(rank: int, world: int) -> dict[str, Any]:
         "adamw": (torch.optim.AdamW, th_optim.AdamW, {}, False),
         "adamw_foreach_amsgrad": (torch.optim.AdamW, th_optim.AdamW,
                                   dict(foreach=True, amsgrad=True, weight_decay=0.1), False),
+        # torchtitan's default and HF Trainer's (adamw_torch_fused).
+        "adamw_fused": (torch.optim.AdamW, th_optim.AdamW, dict(fused=True), False),
         "adam_maximize_hsdp": (torch.optim.Adam, th_optim.Adam,
                                dict(maximize=True, weight_decay=0.01), True),
     }

@@ -11,13 +11,13 @@ from _optim_workers import optim_worker
 def test_local_shard_optimizers_match_torch_bitwise() -> None:
     """3 steps of our Llama (uneven shards: vocab 65) on 2 gloo ranks: AdamW with
     defaults (the single-tensor path on the CPU), AdamW foreach + amsgrad + weight
-    decay, and Adam with maximize on an hsdp() model whose small parameters are
+    decay, AdamW fused, and Adam with maximize on an hsdp() model whose small parameters are
     replicated. After the first step (which creates the state) ours calls no op on a
     DTensor and torch's does. Every parameter and every state tensor equals torch's; the state is
     DTensors laid out like the parameters (DCP reads it as torch's); a Partial
     gradient is refused with the fix named."""
     for rank, r in enumerate(run_ranks(optim_worker, 2)):
-        for case in ("adamw", "adamw_foreach_amsgrad", "adam_maximize_hsdp"):
+        for case in ("adamw", "adamw_foreach_amsgrad", "adamw_fused", "adam_maximize_hsdp"):
             assert r[case]["diffs"] == [], (rank, case, r[case]["diffs"])
             theirs, ours = r[case]["dtensor_ops"]  # ops given a DTensor in steps 2-3
             assert theirs > 0 and ours == 0, (case, theirs, ours)

@@ -35,7 +35,7 @@ tensors pass through unchanged, so a model with some unsharded parameters works 
 tensors the functional sees, which on every device torch supports gives the same
 choice as for ``DTensor``s (``DTensor`` is registered as a foreach-capable type). The
 tests compare every parameter and state tensor with ``torch.optim.AdamW`` on the same
-``DTensor``s, bitwise, for the single-tensor and the foreach implementations.
+``DTensor``s, bitwise, for the single-tensor, foreach and fused implementations.
 
 Other optimizers: SGD with momentum creates its buffers inside the functional step,
 from the (here local) gradient, so its state would not be a ``DTensor``; it is not
