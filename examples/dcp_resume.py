@@ -107,7 +107,7 @@ class Run:
         for block in self.model.layers:
             fully_shard(block)
         fully_shard(self.model)
-        self.optimizer = AdamW(self.model.parameters(), lr=args.lr)
+        self.optimizer = AdamW(self.model.parameters(), lr=args.lr, fused=True)
         self.forward = self.model
         if not args.eager:
             traceable_hsdp.enable_compiled_autograd(backend=args.backend)

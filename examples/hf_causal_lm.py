@@ -155,8 +155,9 @@ def main() -> None:
                   flush=True)
 
     model.train()  # HF checkpoints the layers only in training mode
-    # torch.optim.AdamW's numbers, stepped on the local shards (docs/api.md).
-    optimizer = AdamW(model.parameters(), lr=args.lr)
+    # torch.optim.AdamW's numbers, stepped on the local shards (docs/api.md); fused, as
+    # HF Trainer's default optimizer (adamw_torch_fused).
+    optimizer = AdamW(model.parameters(), lr=args.lr, fused=True)
     forward = model
     if args.compile:
         # transformers 5.25's attention sets a global (the kernels package's) on each

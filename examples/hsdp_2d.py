@@ -88,7 +88,7 @@ def main() -> None:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = AdamW(model.parameters(), lr=args.lr)
+    optimizer = AdamW(model.parameters(), lr=args.lr, fused=True)
 
     wq = model.layers[0].attn.wq.weight
     if rank == 0:

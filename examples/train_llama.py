@@ -81,7 +81,7 @@ def main() -> None:
     for block in model.layers:
         fully_shard(block)  # no mesh: a 1-D mesh over all ranks
     fully_shard(model)
-    optimizer = AdamW(model.parameters(), lr=args.lr)
+    optimizer = AdamW(model.parameters(), lr=args.lr, fused=True)  # torchtitan's default
 
     if not args.eager:
         # Compiled autograd captures the backward's collectives; it must be on

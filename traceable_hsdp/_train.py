@@ -422,10 +422,11 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     model = _build_sharded(cfg, model_cfg, mesh, device, rank)
     n_params = sum(p.numel() for p in model.parameters())
     # torch.optim.AdamW's numbers and state, stepped on the local shards; see
-    # [Note: Optimizer steps on local shards] (optim.py).
+    # [Note: Optimizer steps on local shards] (optim.py). Fused, as torchtitan and HF
+    # Trainer step by default (docs/api.md, "Optimizers on local shards").
     from .optim import AdamW
 
-    optim = AdamW(model.parameters(), lr=cfg.lr)
+    optim = AdamW(model.parameters(), lr=cfg.lr, fused=True)
 
     mode = "eager" if cfg.eager else f"compiled ({cfg.backend})"
     layout = (
