@@ -931,3 +931,64 @@ def conformance_hf(rank: int, world: int) -> dict[str, Any]:
         set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True))
         out[f"hf_meta_{lib}"] = _train(model, rank, world, _hf_step)
     return out
+
+
+# ------------------------------------- more HF transformers families, compiled whole
+# Each brings what Llama does not: Gemma 2 ties its head to the embedding and soft-caps
+# the attention and final logits, with a sliding window on every other layer; GPT-NeoX
+# runs attention and MLP in parallel from one residual, with fused QKV and a partial
+# rotary; BERT is an encoder whose masked-LM head is tied to the word embedding and has
+# a bias of its own, with LayerNorm biases and position and token-type buffers.
+HF_FAMILIES = ("gemma2", "gpt_neox", "bert")
+
+
+def _hf_family(name: str) -> tuple[nn.Module, Any]:
+    """A small model of ``name`` (no weights), and its list of layers."""
+    import transformers as T
+
+    common = dict(vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32)
+    if name == "gemma2":
+        m = T.Gemma2ForCausalLM(T.Gemma2Config(
+            **common, num_key_value_heads=1, head_dim=16, sliding_window=8, use_cache=False,
+        ))
+        return m, m.model.layers
+    if name == "gpt_neox":
+        m = T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+            **common, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False,
+        ))
+        return m, m.gpt_neox.layers
+    m = T.BertForMaskedLM(T.BertConfig(
+        **common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))
+    return m, m.bert.encoder.layer
+
+
+def hf_families_compiled(rank: int, world: int) -> dict[str, Any]:
+    """Per family of ``HF_FAMILIES``: torch's fully_shard eager, and ours with the whole
+    step compiled (``fullgraph=True``, compiled autograd, ``aot_eager``), each layer
+    and the root a unit; their runs, our graphs, and whether the head stayed tied."""
+    out: dict[str, Any] = {}
+    for name in HF_FAMILIES:
+        for lib in ("torch", "ours"):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            model, layers = _hf_family(name)
+            for layer in layers:
+                _fs(lib)(layer)
+            _fs(lib)(model)
+            if lib == "torch":
+                out[f"{name}_torch"] = _train(model, rank, world, _hf_step)
+                continue
+            th.enable_compiled_autograd(backend="aot_eager")
+            try:
+                compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+                out[name] = _canonical(_train(compiled, rank, world, _hf_step))
+            finally:
+                th.disable_compiled_autograd()
+            out[f"{name}_graphs"] = counters["stats"]["unique_graphs"]
+            head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+            out[f"{name}_tied"] = head.weight is embed.weight
+    torch._dynamo.reset()
+    return out

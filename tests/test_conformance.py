@@ -62,6 +62,7 @@ from _conformance_workers import (
     conformance_compiled,
     conformance_eager,
     conformance_hf,
+    hf_families_compiled,
 )
 from _dist import run_ranks
 
@@ -134,6 +135,20 @@ def test_conformance_hf_llama_vs_torch_fully_shard() -> None:
         assert_same_run(r["hf_ac"]["ours"], r["hf_ac"]["torch"], "hf_ac")
         assert r["hf_ac"]["bytes_after"] == 0
         assert_same_run(r["hf_meta_ours"], r["hf_meta_torch"], "hf_meta")
+
+
+@pytest.mark.slow
+def test_hf_families_compiled_vs_torch_fully_shard() -> None:
+    """HF transformers Gemma 2, GPT-NeoX and BERT (masked LM) as clients, the whole
+    step compiled (aot_eager, fullgraph, compiled autograd), each layer and the root
+    a unit: bitwise equal to torch's fully_shard eager over 3 AdamW steps, in one
+    forward and one backward graph, with the tied heads still tied. Inductor runs
+    the same graphs for HF Llama, GPT-2 and Mixtral in the other tests."""
+    for r in run_ranks(hf_families_compiled, 2):
+        for name in ("gemma2", "gpt_neox", "bert"):
+            assert_same_run(r[name], r[f"{name}_torch"], name)
+            assert r[f"{name}_graphs"] == 2, (name, r[f"{name}_graphs"])
+        assert r["gemma2_tied"] and r["bert_tied"] and not r["gpt_neox_tied"], r
 
 
 # _Mixed: the root's parameters (embedding, prefix, head weight and bias), and the
