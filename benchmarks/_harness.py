@@ -421,8 +421,8 @@ class Variant:
 # registered as a foreach type). So on the CPU every variant here, sharded or not,
 # steps with the single-tensor loop: about ten ops per parameter, each dispatched
 # through DTensor for a sharded one, which costs the overhead shape's 147 parameters
-# 20-25 ms a step (docs/benchmarks.md). torchtitan's default is ``fused`` and HF Trainer's
-# ``adamw_torch_fused``: what those jobs run. ``--adamw`` sets the same
+# 20-25 ms a step (docs/benchmarks.md). torchtitan's default is ``fused`` and HF
+# Trainer's ``adamw_torch_fused``: what those jobs run. ``--adamw`` sets the same
 # implementation for every variant of a run, so the ratios stay side by side; the
 # default keeps torch's choice, as the tables before 2026-12-06 ran.
 ADAMW_IMPLS: dict[str, dict[str, bool]] = {
@@ -847,7 +847,8 @@ class Runner:
         assert self.opt is not None
         d = self.opt.defaults
         cls = type(self.opt)
-        return f"{cls.__module__}.{cls.__name__}(foreach={d.get('foreach')}, fused={d.get('fused')})"
+        impl = f"foreach={d.get('foreach')}, fused={d.get('fused')}"
+        return f"{cls.__module__}.{cls.__name__}({impl})"
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward, loss, backward, AdamW step, zero_grad. Returns the detached loss."""
