@@ -782,13 +782,13 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
       the same with fullgraph=True and compiled autograd off, which cannot hold the
       blocks' eager hooks: the first forward fails with our message (its text).
 
-    Inductor runs "wrap" and "inplace" only (the others trace as the whole-model
-    compile does)."""
+    Inductor runs "wrap", "inplace" and "inplace_ca_nested" only (the others trace as
+    the whole-model compile does)."""
     out: dict[str, Any] = {}
     torch.manual_seed(0)
     cfg = CFG1 if backend == "inductor" else BEFORE_SHARD_CFG
     out["torch"] = _train(_shard_llama(Llama(cfg), _fs("torch")), rank, world)
-    forms = ["wrap", "inplace"] if backend == "inductor" else [
+    forms = ["wrap", "inplace", "inplace_ca_nested"] if backend == "inductor" else [
         "wrap", "inplace", "inplace_after", "inplace_ca", "inplace_ca_nested", "root", "root_ca",
         "root_fullgraph",
     ]

@@ -267,9 +267,12 @@ def test_conformance_compiled_inductor() -> None:
             assert r[f"{name}_compiled_bytes_after"] == 0, name
         # torchtitan's per-block compile in its two forms (each block an
         # OptimizedModule, or block.compile(fullgraph=True) in place, then
-        # fully_shard; no compiled autograd), against torch's fully_shard eager.
+        # fully_shard; no compiled autograd), and in place with compiled autograd and
+        # the block's feed-forward a unit of its own (one graph each way), against
+        # torch's fully_shard eager.
         b = r["before_shard"]
-        for form in ("wrap", "inplace"):
+        assert b["inplace_ca_nested_graphs"] == 2, b["inplace_ca_nested_graphs"]
+        for form in ("wrap", "inplace", "inplace_ca_nested"):
             torch.testing.assert_close(b[form][0], b["torch"][0], rtol=1e-5, atol=0)
             for k, v in b["torch"][1].items():
                 torch.testing.assert_close(b[form][1][k], v, rtol=0, atol=2e-5, msg=f"{form} {k}")
