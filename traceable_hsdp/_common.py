@@ -149,26 +149,26 @@ def compiled_backward() -> bool:
 # guards as a constant. Every block recompiled, and from the ninth on dynamo's
 # ``recompile_limit`` (8) ran them eagerly, or under ``fullgraph=True`` failed the
 # step (``FailOnRecompileLimitHit``): a 10-block Llama compiled in place with
-# compiled autograd did not train. So the label traced (``FSDPParamGroup.traced_label``)
-# depends on how many unit forwards the frame holds, which :func:`unit_forwards_in_frame`
-# counts, at trace time, from the stack of frames dynamo is tracing
-# (``torch._guards.TracingContext.extract_stack``, the frames it inlined down to
-# here). With k of them the frame starts k - 1 units above this one: the label is
-# this unit's path below that outermost unit, named by its class ("Block" for the
-# block itself, "Block.ffn" for a unit nested in it, as torchtitan shards a block's
-# MoE experts: ``FSDPParamGroup.frame_labels``, set by ``FSDPState.adopt_nested``).
-# Where the frame reaches the root, the label is the unit's path. (A unit whose
-# forward another unit calls from outside its own tree is named from its own
-# enclosing units all the same: a name only, since no pass reads it.)
-# ``torch._dynamo.assume_constant_result`` makes the count a constant of the graph,
-# computed while tracing and not guarded: which frames a compiled frame inlines is
-# fixed by its code, so no later call can need another count. In the whole-model
+# compiled autograd did not train. So the label traced
+# (``FSDPParamGroup.traced_label``) depends on how many unit forwards the frame holds,
+# which :func:`unit_forwards_in_frame` counts, at trace time, from the stack of frames
+# dynamo is tracing (``torch._guards.TracingContext.extract_stack``, the frames it
+# inlined down to here). With k of them the frame starts k - 1 units above this one:
+# the label is this unit's path below that outermost unit, named by the outermost
+# unit's class ("Block" for the block itself, "Block.ffn" for a unit nested in it, as
+# torchtitan shards a block's MoE experts: ``FSDPParamGroup.frame_labels``, set by
+# ``FSDPState.adopt_nested``). Where the frame reaches the root, the label is the
+# unit's path. (A unit whose forward another unit calls from outside its own tree is
+# named from its own enclosing units all the same: a name only, since no pass reads
+# it.) ``torch._dynamo.assume_constant_result`` makes the count a constant of the
+# graph, computed while tracing and not guarded: which frames a compiled frame inlines
+# is fixed by its code, so no later call can need another count. In the whole-model
 # graph the root's forward is in the frame too, and every unit keeps its path; the
-# compiled-autograd backward graph holds no forward frame and keeps the paths as
-# well (torch 2.13 drops its annotations anyway). Before 2026-12-06 a nested unit
-# kept its path in a block's frame, and a 10-block Llama whose blocks each held a
-# nested unit failed at the ninth block as above. Graph dumps of a shared frame
-# name the class: the graph serves each unit of it.
+# compiled-autograd backward graph holds no forward frame and keeps the paths as well
+# (torch 2.13 drops its annotations anyway). Before 2026-12-06 a nested unit kept its
+# path in a block's frame, and a 10-block Llama whose blocks each held a nested unit
+# failed at the ninth block as above. Graph dumps of a shared frame name the class:
+# the graph serves each unit of it.
 # (file, function name) of each unit forward, as dynamo's frame summaries name them.
 _UNIT_FORWARDS: set[tuple[str, str]] = set()
 
