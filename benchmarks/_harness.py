@@ -430,11 +430,26 @@ ADAMW_IMPLS: dict[str, dict[str, bool]] = {
 }
 
 
+def add_adamw_argument(p: Any) -> None:
+    """``--adamw``, for the scripts that build variants (``step_time.py``,
+    ``profile_step.py``)."""
+    p.add_argument("--adamw", choices=tuple(ADAMW_IMPLS), default="default",
+                   help="AdamW implementation for every variant: foreach=True, fused=True "
+                        "(torchtitan's and HF Trainer's default), or torch's choice, which "
+                        "on the CPU is the single-tensor loop (default); see [Note: The "
+                        "AdamW implementation] in _harness.py")
+
+
 def adamw_phrase(impl: str) -> str:
     """How every variant's AdamW ran, for the reports (``--adamw``)."""
     if impl == "default":
         return "AdamW as torch picks it (on the CPU its single-tensor loop)"
     return f"AdamW `{impl}=True` for every variant"
+
+
+def adamw_suffix(impl: str) -> str:
+    """What a report's file name adds for ``--adamw`` (nothing for the default)."""
+    return "" if impl == "default" else f"_adamw_{impl}"
 
 
 def pass_variants() -> tuple[list[Variant], str]:

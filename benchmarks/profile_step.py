@@ -384,8 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor")
     R.add_out_argument(p)
     p.add_argument("--trace", action="store_true", help="also write Chrome traces")
-    p.add_argument("--adamw", choices=tuple(H.ADAMW_IMPLS), default="default",
-                   help="AdamW implementation for every variant, as step_time.py's --adamw")
+    H.add_adamw_argument(p)
     H.add_placement_args(p)
     args = p.parse_args(argv)
     args.placement = H.placement_from_args(p, args)
@@ -414,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     code = R.code_state()
     md = _markdown(H.SHAPES[args.shape], res, args, device, code)
     print(md)
-    name = f"profile_{args.shape}" + ("" if args.adamw == "default" else f"_adamw_{args.adamw}")
-    stem = R.write_report(args.out, name, md, dict(
+    stem = R.write_report(args.out, f"profile_{args.shape}{H.adamw_suffix(args.adamw)}", md, dict(
         args={**vars(args), "placement": dict(vars(args.placement))},
         device=device, code=code, results=res))
     print(f"wrote {stem}.md, {stem}.json")

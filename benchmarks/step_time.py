@@ -149,11 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reversed every other time, instead of all variants in one set of "
                         "ranks (a user's process holds one model; see [Note: One model per "
                         "process] in _harness.py). Default 0: all in one set, round-robin")
-    p.add_argument("--adamw", choices=tuple(H.ADAMW_IMPLS), default="default",
-                   help="AdamW implementation for every variant: foreach=True, fused=True "
-                        "(torchtitan's and HF Trainer's default), or torch's choice, which "
-                        "on the CPU is the single-tensor loop (default); see [Note: The "
-                        "AdamW implementation] in _harness.py")
+    H.add_adamw_argument(p)
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny check of the harness: 2 layers, dim 32, seq 16, 2 steps, 1 round")
@@ -402,11 +398,6 @@ def device_line(dev: dict[str, Any]) -> str:
             f"GPU(s) ({', '.join(names)})"
         )
     return f"Device `cpu` ({dev['names'][0]}): {ranks} x 1 thread on {dev['cpus']} CPU cores"
-
-
-def report_stem(shape_name: str, model: str, adamw: str) -> str:
-    """The report's file name without its extension."""
-    return f"step_time_{shape_name}_{model}" + ("" if adamw == "default" else f"_adamw_{adamw}")
 
 
 def markdown(shape: Any, args: argparse.Namespace, s: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -711,7 +702,7 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
             if not v.compiled:
                 s["rows"][v.name]["compile_s"] = None
     md = markdown(shape, args, s, meta)
-    stem_name = report_stem(shape_name, args.model, args.adamw)
+    stem_name = f"step_time_{shape_name}_{args.model}{H.adamw_suffix(args.adamw)}"
     code = meta["code"]
     dirty = code["dirty_runtime"]
     md += ((f"Code: commit {code['head']}" if code["head"] else f"Code: {code['root']} (not a git checkout)")
