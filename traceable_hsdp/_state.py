@@ -540,13 +540,12 @@ class FSDPState:
                         held.slots.append((sub, name, child_name))
         for s, names in paths.items():
             # A list unit is labelled by all its modules' paths, as it was built.
-            s._label_as(_path_label(names))
             # See [Note: One graph for every unit of a class] (_common.py).
             enclosing = sorted(
                 (a for a in paths if a is not s and _below(names, paths[a])),
                 key=lambda a: -len(paths[a][0]),
             )
-            s._frame_labels_as((
+            s._label_as(_path_label(names), (
                 s.kind,
                 *(f"{a.kind}.{_path_label(_relative(names, paths[a]))}" for a in enclosing),
             ))
@@ -561,13 +560,12 @@ class FSDPState:
         self.is_root = False
         self.root = root
 
-    def _label_as(self, path: str) -> None:
+    def _label_as(self, path: str, frame_labels: tuple[str, ...]) -> None:
+        """Names the unit by its path under the root, and by what a frame traced
+        below the root calls it (``FSDPParamGroup.frame_labels``)."""
         if self.param_group is not None:
             self.param_group.label = path
-
-    def _frame_labels_as(self, labels: tuple[str, ...]) -> None:
-        if self.param_group is not None:
-            self.param_group.frame_labels = labels
+            self.param_group.frame_labels = frame_labels
 
     def _register_post_acc_hooks(self) -> None:
         """A post-accumulate-grad hook on every trainable placeholder that has none
