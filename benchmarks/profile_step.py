@@ -24,6 +24,12 @@ step split into phases (``forward``, ``loss``, ``backward``,
   call) and ``python/framework`` (the rest: Python, AOTAutograd's wrappers, compiled
   autograd's graph walk and its own cache lookup, DTensor dispatch, hooks).
 
+For each variant the report then names what its compiled graphs spend that time on:
+the outermost profiler events inside each graph call (matmuls and other extern
+calls, collectives and their waits, the copy-out), summed per name, with the graph
+time none of them covers; run with ``TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`` to
+name Inductor's C++ kernels too.
+
 On CUDA these categories are the host's timeline (kernels run asynchronously: a
 graph's or a collective's time is then its launch, and waits block only where the host
 synchronizes); the profiler also records the GPU (``ProfilerActivity.CUDA``), and the
@@ -265,7 +271,40 @@ def _breakdown(events: Any, steps: int) -> dict[str, Any]:
     return {
         "ms_per_step": out,
         "collective_calls_per_step": {k: v / steps for k, v in n_coll.items()},
+        "graph_ops_per_step": _graph_ops([(e.name, *span(e)) for e in evs], steps),
         **({"gpu_ms_per_step": gpu} if gpu is not None else {}),
+    }
+
+
+def _graph_ops(events: list[tuple[str, float, float]], steps: int,
+               top: int = 12) -> dict[str, Any]:
+    """What the compiled graphs spend their time on, from one thread's ``(name,
+    start, end)`` events: the outermost events inside each ``## Call CompiledFxGraph``
+    span, summed per name (ms and count per step), the ``top`` names by time, and the
+    graph time no such event covers. Extern calls (matmuls, collectives and their
+    waits, the copy-out) are events of their own; Inductor's C++ kernels are only with
+    ``TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`` (else they are in ``uncovered``,
+    with the wrapper's Python). On CUDA these are host times: launches, not the
+    kernels (see the GPU table)."""
+    graphs = sorted((s, t) for n, s, t in events if n.startswith("## Call CompiledFxGraph"))
+    by_name: dict[str, list[float]] = {}
+    covered = 0.0
+    for gs, gt in graphs:
+        inner = sorted(((n, s, t) for n, s, t in events
+                        if gs <= s and t <= gt and (s, t) != (gs, gt)),
+                       key=lambda e: (e[1], -e[2]))
+        last_end = gs
+        for n, s, t in inner:
+            if s < last_end:  # nested in an outer event already counted
+                continue
+            by_name.setdefault(n, []).append(t - s)
+            covered += t - s
+            last_end = t
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "top": [{"name": n[:120], "ms": sum(ts) / steps / 1e3, "count": len(ts) / steps}
+                for n, ts in ranked],
+        "uncovered": (sum(t - s for s, t in graphs) - covered) / steps / 1e3,
     }
 
 
@@ -357,6 +396,16 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
                 f"{c['other_user']:.1f} | {c['other_system']:.1f} | {sum(c.values()):.1f} | "
                 f"{res[name]['unprofiled_median_ms']:.1f} |"
             )
+    for name, r in res.items():
+        ops = r.get("graph_ops_per_step")
+        if ops and ops["top"]:
+            lines += ["", f"Inside the compiled graphs of {R.label(name)}, the most time first "
+                      "(host time per step; Inductor's C++ kernels are named only with "
+                      "`TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`):", "",
+                      "| op | ms | count |", "|---|---|---|"]
+            lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['count']:g} |" for k in ops["top"]]
+            lines.append(f"| (not in an op: kernels not profiled, the wrapper's Python) | "
+                         f"{ops['uncovered']:.2f} | |")
     for name, r in res.items():
         gpu = r.get("gpu_ms_per_step")
         if gpu and gpu.get("top"):

@@ -520,6 +520,32 @@ def test_profile_gpu_time_counts_kernels_not_annotations() -> None:
     assert profile_step._gpu_ms([ev("aten::mm", 1.0, device="CPU")], steps=1) is None
 
 
+def test_profile_graph_ops_count_outermost_events_inside_graphs() -> None:
+    """The table of what the compiled graphs spend their time on: per name, the
+    outermost events inside each ``## Call CompiledFxGraph`` span (an op nested in
+    another is its time, not more), nothing outside the graphs, and the graph time no
+    op covers. Hand-made events (us), two steps."""
+    graph = "## Call CompiledFxGraph abc ##"
+    events = []
+    for step in (0, 1000):
+        events += [
+            (graph, step + 0.0, step + 100.0),
+            ("aten::mm", step + 10.0, step + 30.0),
+            ("aten::addmm", step + 12.0, step + 20.0),  # nested in the mm: not counted
+            ("_c10d_functional::wait_tensor", step + 40.0, step + 75.0),
+            ("aten::mm", step + 75.0, step + 85.0),
+            ("aten::add_", step + 200.0, step + 300.0),  # outside the graph
+        ]
+    got = profile_step._graph_ops(events, steps=2)
+    assert [(k["name"], k["ms"], k["count"]) for k in got["top"]] == [
+        ("_c10d_functional::wait_tensor", pytest.approx(0.035), 1),
+        ("aten::mm", pytest.approx(0.030), 2),
+    ]
+    assert got["uncovered"] == pytest.approx(0.035)  # 100 - 35 - 30 us per step
+    no_graph = profile_step._graph_ops([("aten::mm", 0.0, 1.0)], steps=1)
+    assert no_graph == {"top": [], "uncovered": 0.0}
+
+
 def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
     """``compile_time.py`` and ``step_time.py`` build HF Llama with the same function."""
     assert not hasattr(compile_time, "build_hf_llama")
