@@ -546,6 +546,14 @@ def test_profile_graph_ops_count_outermost_events_inside_graphs() -> None:
     assert no_graph == {"top": [], "uncovered": 0.0}
 
 
+def test_profile_compile_time_is_the_first_step_less_a_median_one() -> None:
+    """The profile reports compile time beside step time as ``step_time.py`` counts
+    it; results saved before the first step was kept have none."""
+    r = {"first_step_s": 30.0, "unprofiled_median_ms": 25.0}
+    assert profile_step._compile_s(r) == pytest.approx(29.975)
+    assert profile_step._compile_s({"unprofiled_median_ms": 25.0}) is None
+
+
 def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
     """``compile_time.py`` and ``step_time.py`` build HF Llama with the same function."""
     assert not hasattr(compile_time, "build_hf_llama")
