@@ -115,7 +115,7 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
         dist.barrier()
         if runner.runs_here:
             with runner.active():
-                first = 0.0
+                first: float | None = None  # no warm-up step: no compile time
                 for i in range(warmup):
                     x, y = H.batch_for(shape, runner.steps_done, 0, rank, world, device)
                     H.sync(device)
@@ -158,6 +158,7 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
                 results[name] = _breakdown(prof.events(), steps)
                 results[name]["unprofiled_median_ms"] = statistics.median(plain) * 1e3
                 results[name]["first_step_s"] = first
+                results[name]["compiled"] = v.compiled
                 results[name]["cpu_ms_per_step"] = cpu
                 results[name]["profiled_median_ms"] = statistics.median(walls) * 1e3
                 results[name]["compiles_while_profiling"] = [after[0] - before[0], after[1] - before[1]]
@@ -289,9 +290,9 @@ def _graph_ops(events: list[tuple[str, float, float]], steps: int,
     start, end)`` events: the outermost events inside each ``## Call CompiledFxGraph``
     span, summed per name (ms and count per step), the ``top`` names by time, and the
     graph time no such event covers. Extern calls (matmuls, collectives and their
-    waits, the copy-out) are events of their own; Inductor's C++ kernels are only with
-    ``TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`` (else they are in ``uncovered``,
-    with the wrapper's Python). On CUDA these are host times: launches, not the
+    waits, the copy-out) are events of their own; Inductor's C++ kernels are events
+    only with ``TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`` (else their time is in
+    ``uncovered``, with the wrapper's Python). On CUDA these are host times: launches, not the
     kernels (see the GPU table)."""
     graphs = sorted((s, t) for n, s, t in events if n.startswith("## Call CompiledFxGraph"))
     by_name: dict[str, list[float]] = {}
@@ -349,7 +350,8 @@ def _gpu_ms(events: Any, steps: int, top: int = 10) -> dict[str, Any] | None:
 
 def _compile_s(r: dict[str, Any]) -> float | None:
     """A variant's compile time: its first step less its unprofiled median step, as
-    ``step_time.py`` counts it. ``None`` for results written before it was kept."""
+    ``step_time.py`` counts it. ``None`` without a warm-up step, and for results
+    written before it was kept."""
     first = r.get("first_step_s")
     return None if first is None else first - r["unprofiled_median_ms"] / 1e3
 
@@ -388,13 +390,15 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
     for name, r in res.items():
         calls = ", ".join(f"{k.split('::')[-1]} {v:g}" for k, v in sorted(r["collective_calls_per_step"].items()))
         gpu = r.get("gpu_ms_per_step")
+        compile_cell = (f"{R.num(_compile_s(r), '.1f')} s" if r.get("compiled", True)
+                        else R.NO_COMPILE)
         gpu_part = (
             f"; GPU time per step: NCCL kernels {gpu['nccl']:.1f} ms, other kernels and "
             f"copies {gpu['other']:.1f} ms, {gpu['events']:g} of them" if gpu else ""
         )
         lines.append(
             f"- {R.label(name)}: compile (the first step less a median one, as in "
-            f"step_time.py) {R.num(_compile_s(r), '.1f')} s; unprofiled median step "
+            f"step_time.py) {compile_cell}; unprofiled median step "
             f"{r['unprofiled_median_ms']:.1f} ms, profiled "
             f"{r['profiled_median_ms']:.1f} ms; collective calls per step (rank 0): {calls or 'none seen'}; "
             f"compiles while profiling (dynamo, inductor): {r['compiles_while_profiling']}{gpu_part}."

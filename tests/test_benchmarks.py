@@ -552,6 +552,7 @@ def test_profile_compile_time_is_the_first_step_less_a_median_one() -> None:
     r = {"first_step_s": 30.0, "unprofiled_median_ms": 25.0}
     assert profile_step._compile_s(r) == pytest.approx(29.975)
     assert profile_step._compile_s({"unprofiled_median_ms": 25.0}) is None
+    assert profile_step._compile_s({"first_step_s": None, "unprofiled_median_ms": 25.0}) is None
 
 
 def test_step_time_and_compile_time_share_one_hf_llama_builder() -> None:
