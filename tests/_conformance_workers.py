@@ -639,7 +639,8 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     matmul a custom op with its own backward), also trained eager with torch's
     fully_shard. ``backend`` "aot_eager" records the collectives of every graph and
     adds Mixtral in bf16 mixed precision ("moe_bf16", also against torch's);
-    "inductor" runs the passes. "hf_ac" is HF ``LlamaForCausalLM`` with its own
+    "inductor" runs the passes, and adds "twice": a 1-block Llama whose root runs two
+    forwards before one backward. "hf_ac" is HF ``LlamaForCausalLM`` with its own
     ``gradient_checkpointing_enable()`` (the checkpoint around each decoder layer's
     whole call, hence around a unit's hooks), its forward under
     ``torch.autocast(bfloat16)`` (HF accelerate's mixed precision), compiled with
@@ -675,6 +676,12 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
         "hf_ac": (hf_ac, lambda m: None),
     }
     out: dict[str, Any] = {}
+    if backend == "inductor":
+        # Two forwards of the root before one backward (DPO's chosen and rejected
+        # batches, a contrastive pair): each block is gathered again while the first
+        # forward's backward is still to come. Inductor only: under aot_eager torch's
+        # autograd refuses it, as docs/api.md says.
+        cases["twice"] = (lambda: _shard_llama(Llama(CFG1), th.fully_shard), lambda m: None)
     if backend == "aot_eager":
         # torch's fully_shard, for the eager runs' bitwise checks (which the aot_eager
         # test makes; the Inductor test compares with our eager runs only).
@@ -705,6 +712,8 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
             def step(_m: nn.Module, x: torch.Tensor, y: torch.Tensor, fwd: Any = fwd,
                      hf: bool = name.startswith(("moe", "hf")),
                      amp: bool = name == "hf_ac") -> torch.Tensor:
+                if name == "twice":
+                    return _loss(fwd(x), y) + _loss(fwd(x.flip(1)), y)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                     logits = fwd(input_ids=x).logits if hf else fwd(x)
                 return _loss(logits.float() if amp else logits, y)

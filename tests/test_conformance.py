@@ -247,7 +247,9 @@ def test_conformance_compiled_aot_eager() -> None:
 
 @pytest.mark.slow
 def test_conformance_compiled_inductor() -> None:
-    """The same three cases under Inductor with every pass on, against the eager run:
+    """The same three cases under Inductor with every pass on, and a fourth, "twice"
+    (the root called twice before one backward, as DPO's chosen and rejected batches
+    are; aot_eager cannot run it, docs/api.md), against the eager run:
     losses rtol 1e-5 and parameters atol 2e-5 (Inductor fuses and reorders float
     arithmetic), 1e-4 for Mixtral. AdamW divides each gradient element by its own
     running scale, so an element whose gradient is close to 0 (an expert that few
@@ -258,7 +260,7 @@ def test_conformance_compiled_inductor() -> None:
     for it, it was within 6e-8 of eager (without, the plain unsharded model moves
     0.026 from eager in 3 AdamW steps)."""
     for r in run_ranks(conformance_compiled, 2, "inductor"):
-        for name in ("mixed", "moe", "hf_ac"):
+        for name in ("mixed", "moe", "hf_ac", "twice"):
             c, e = r[f"{name}_compiled"], r[f"{name}_eager"]
             torch.testing.assert_close(c[0], e[0], rtol=1e-5, atol=0, msg=name)
             atol = 1e-4 if name == "moe" else 2e-5
