@@ -111,6 +111,12 @@ def num(x: float | None, spec: str, missing: str = "–") -> str:
     return text
 
 
+def compile_seconds(first_step_s: float | None, median_step_s: float) -> float | None:
+    """A variant's compile time as every step-time report counts it: its first step
+    less a median step. ``None`` when no first step was timed."""
+    return None if first_step_s is None else first_step_s - median_step_s
+
+
 def add_out_argument(p: argparse.ArgumentParser, required: bool = True) -> None:
     """``--out DIR``, required (``required=False``: the caller checks it): results go
     where the user says, never into the repository's committed ``benchmarks/results/``

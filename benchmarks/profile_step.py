@@ -349,11 +349,10 @@ def _gpu_ms(events: Any, steps: int, top: int = 10) -> dict[str, Any] | None:
 
 
 def _compile_s(r: dict[str, Any]) -> float | None:
-    """A variant's compile time: its first step less its unprofiled median step, as
-    ``step_time.py`` counts it. ``None`` without a warm-up step, and for results
-    written before it was kept."""
-    first = r.get("first_step_s")
-    return None if first is None else first - r["unprofiled_median_ms"] / 1e3
+    """A variant's compile time, counted as ``step_time.py`` counts it
+    (:func:`_report.compile_seconds`) against its unprofiled median step. ``None``
+    without a warm-up step, and for results written before it was kept."""
+    return R.compile_seconds(r.get("first_step_s"), r["unprofiled_median_ms"] / 1e3)
 
 
 def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,

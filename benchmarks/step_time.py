@@ -275,7 +275,7 @@ def summarize(shape: Any, ranks: list[dict[str, Any]], placement: Any) -> dict[s
             round_medians_s=[statistics.median(r) for r in v0["timed"]],
             tokens_per_s=tokens / med,
             first_step_s=v0["first_step_s"],
-            compile_s=(v0["first_step_s"] - med) if v0["first_step_s"] is not None else None,
+            compile_s=R.compile_seconds(v0["first_step_s"], med),
             recompiles_after_warmup=recompiles,
             compiles_first_step=v0["compiles_first_step"],
             graph_calls=v0["graph_calls"],
