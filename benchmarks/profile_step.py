@@ -47,7 +47,13 @@ and of all its other threads (gloo's worker and TCP threads), each as user and
 system time (``/proc/self/task/*/stat``, in clock ticks: 10 ms on most kernels, so
 use ``--steps`` of 10 or more). A rank whose threads use about as much CPU as its
 step's wall time, on a machine with one core per rank, is bound by the CPU, not by
-waiting. Only on Linux; elsewhere the table is left out.
+waiting. The same file gives each thread's minor page faults, also reported per
+step: a fault is a page of memory the kernel maps and zeroes on its first touch,
+paid as system time by the thread that touches it. A step that frees its buffers
+and allocates them again faults each step when the allocator has given the memory
+back in between (glibc trims the top of its heap; docs/benchmarks.md, "One model per
+process: the compute shape"); gloo's threads fault where they receive into a fresh
+collective output. Only on Linux; elsewhere the table is left out.
 
 Writes ``<out>/profile_<shape>.md`` (printed too) and ``.json`` into the folder
 ``--out`` names (required), with the commit the code ran at; ``--trace`` also writes a
@@ -173,10 +179,11 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
     }
 
 
-def _thread_cpu() -> dict[int, tuple[int, int]]:
-    """User and system CPU time of each thread of this process so far, in clock
-    ticks, by thread id (Linux ``/proc/self/task``; empty elsewhere)."""
-    out: dict[int, tuple[int, int]] = {}
+def _thread_cpu() -> dict[int, tuple[int, int, int]]:
+    """User and system CPU time (in clock ticks) and minor page faults of each thread
+    of this process so far, by thread id (Linux ``/proc/self/task``; empty
+    elsewhere)."""
+    out: dict[int, tuple[int, int, int]] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -187,29 +194,39 @@ def _thread_cpu() -> dict[int, tuple[int, int]]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # the thread ended
             continue
-        out[int(tid)] = (int(fields[11]), int(fields[12]))  # utime, stime
+        out[int(tid)] = (int(fields[11]), int(fields[12]), int(fields[7]))  # utime, stime, minflt
     return out
 
 
-def _cpu_split(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]],
-               steps: int) -> dict[str, float] | None:
-    """CPU ms per step over the unprofiled steps, the main thread (the one that runs
-    the step: the CPU autograd engine runs the backward on it) apart from every other
-    thread (gloo's, on the CPU), each as user and system time. See [Note: Where the
-    CPU goes]."""
+def _cpu_split(before: dict[int, tuple[int, int, int]],
+               after: dict[int, tuple[int, int, int]], steps: int,
+               main: int | None = None) -> dict[str, float] | None:
+    """Per step over the unprofiled steps: CPU ms of the main thread (the one that runs
+    the step: the CPU autograd engine runs the backward on it; by default the calling
+    thread) apart from every other thread (gloo's, on the CPU), each as user and
+    system time, and the minor page faults of each side. See [Note: Where the CPU
+    goes]."""
     import threading
 
     if not after:
         return None
     tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
-    main = threading.get_native_id()
-    out = {"main_user": 0.0, "main_system": 0.0, "other_user": 0.0, "other_system": 0.0}
-    for tid, (u, s) in after.items():
-        u0, s0 = before.get(tid, (0, 0))
+    if main is None:
+        main = threading.get_native_id()
+    out = {"main_user": 0.0, "main_system": 0.0, "other_user": 0.0, "other_system": 0.0,
+           "main_faults": 0.0, "other_faults": 0.0}
+    for tid, (u, s, f) in after.items():
+        u0, s0, f0 = before.get(tid, (0, 0, 0))
         who = "main" if tid == main else "other"
         out[f"{who}_user"] += (u - u0) * tick_ms / steps
         out[f"{who}_system"] += (s - s0) * tick_ms / steps
+        out[f"{who}_faults"] += (f - f0) / steps
     return out
+
+
+def _cpu_ms(c: dict[str, float]) -> float:
+    """All threads' CPU ms of one :func:`_cpu_split` result (its fault counts left out)."""
+    return sum(v for k, v in c.items() if not k.endswith("_faults"))
 
 
 def _breakdown(events: Any, steps: int) -> dict[str, Any]:
@@ -404,16 +421,19 @@ def _markdown(shape: Any, res: dict[str, Any], args: argparse.Namespace,
         )
     cpus = {name: r["cpu_ms_per_step"] for name, r in res.items() if r.get("cpu_ms_per_step")}
     if cpus:
-        lines += ["", "CPU time per step on rank 0 over the unprofiled steps (ms; see [Note: "
-                  "Where the CPU goes] in `benchmarks/profile_step.py`):", "",
+        lines += ["", "CPU time per step on rank 0 over the unprofiled steps (ms), and minor page "
+                  "faults per step (see [Note: Where the CPU goes] in "
+                  "`benchmarks/profile_step.py`):", "",
                   "| variant | main thread: user | main thread: system | other threads: user "
-                  "| other threads: system | all threads | unprofiled median step |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| other threads: system | all threads | unprofiled median step "
+                  "| page faults: main thread | page faults: other threads |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, c in cpus.items():
             lines.append(
                 f"| {R.row_name(name)} | {c['main_user']:.1f} | {c['main_system']:.1f} | "
-                f"{c['other_user']:.1f} | {c['other_system']:.1f} | {sum(c.values()):.1f} | "
-                f"{res[name]['unprofiled_median_ms']:.1f} |"
+                f"{c['other_user']:.1f} | {c['other_system']:.1f} | {_cpu_ms(c):.1f} | "
+                f"{res[name]['unprofiled_median_ms']:.1f} | {c['main_faults']:.0f} | "
+                f"{c['other_faults']:.0f} |"
             )
     for name, r in res.items():
         ops = r.get("graph_ops_per_step")

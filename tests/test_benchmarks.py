@@ -546,6 +546,39 @@ def test_profile_graph_ops_count_outermost_events_inside_graphs() -> None:
     assert no_graph == {"top": [], "uncovered": 0.0}
 
 
+
+def test_profile_cpu_split_counts_time_and_page_faults_per_thread_side() -> None:
+    """The CPU table: per step, the main thread's user and system time apart from every
+    other thread's, and each side's minor page faults, which the CPU total leaves out.
+    Hand-made per-thread counters (clock ticks, faults), two steps; then the real
+    reader on this process, whose faults grow when the main thread touches fresh
+    pages."""
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    before = {1: (10, 2, 100), 2: (5, 5, 40)}
+    after = {1: (14, 4, 300), 2: (5, 9, 50), 3: (2, 0, 6)}  # thread 3 started between
+    got = profile_step._cpu_split(before, after, steps=2, main=1)
+    assert got == {
+        "main_user": pytest.approx(2 * tick_ms), "main_system": pytest.approx(1 * tick_ms),
+        "other_user": pytest.approx(1 * tick_ms), "other_system": pytest.approx(2 * tick_ms),
+        "main_faults": 100.0, "other_faults": 8.0,
+    }
+    assert profile_step._cpu_ms(got) == pytest.approx(6 * tick_ms)
+    assert profile_step._cpu_split(before, {}, steps=2) is None
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("no /proc: the reader returns nothing off Linux")
+    import mmap
+    import threading
+
+    size = 8 << 20
+    t0 = profile_step._thread_cpu()
+    with mmap.mmap(-1, size) as fresh:  # anonymous: no page is mapped until touched
+        for i in range(0, size, 4096):
+            fresh[i] = 1
+    t1 = profile_step._thread_cpu()
+    me = threading.get_native_id()
+    # 2048 faults with 4 KiB pages; at least 4 where the kernel maps 2 MiB huge pages
+    assert t1[me][2] - t0[me][2] >= size // (2 << 20)
+
 def test_profile_compile_time_is_the_first_step_less_a_median_one() -> None:
     """The profile reports compile time beside step time as ``step_time.py`` counts
     it; results saved before the first step was kept have none."""
