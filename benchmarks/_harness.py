@@ -501,6 +501,59 @@ def pass_variants() -> tuple[list[Variant], str]:
     return out, f"passes (traceable_hsdp.passes.PassConfig switches): {', '.join(switches)}"
 
 
+# [Note: Variants that would share compiled graphs]
+# Dynamo keys what it compiled on the code it traced and the guards that code's run
+# installed; compiled autograd keys its backward on the autograd graph's nodes. Neither
+# sees the passes' configuration, which only Inductor reads, after both. Since the units
+# of one module class share one FSDP class (as torch's), two models of the same class
+# and shapes pass each other's guards: in one process, the second variant's first step
+# runs the graphs the first variant compiled, with the first one's passes, and compiles
+# nothing (a round-robin run at 2026-12-06 reported a compile of 0.0 s for
+# ``ours_compiled_per_unit`` and ``ours_compiled_cap16mb`` after ``ours_compiled``,
+# and the same step time). So variants of ours compiled the same way (``whole`` or
+# ``blocks_ca``) but with different passes cannot share a set of processes: in the
+# round-robin :func:`graph_sharing_conflicts` names them and ``step_time.py`` refuses
+# the mix, naming ``--processes`` (each variant alone in its own ranks), and
+# ``profile_step.py``, which runs its variants one after the other, resets dynamo
+# (``torch._dynamo.reset()``, compiled autograd's cache included) before each.
+# Variants that differ in what the traced code reads (``reshard_after_forward``) or
+# in what runs outside the graphs (the optimizer) share nothing wrong: the first
+# recompiles on its guards, the second runs the very graphs it would compile. The
+# check is conservative: two variants that differ in their passes are a conflict even
+# where a third setting would make the second recompile anyway.
+
+
+def _passes_key(v: Variant) -> tuple[Any, ...] | None:
+    """What a variant compiles its graphs of ours with: its passes settings, for a
+    variant whose collectives our passes rewrite (ours compiled whole, or per block
+    with compiled autograd); ``None`` for the others."""
+    if v.impl != "ours" or v.compile not in ("whole", "blocks_ca"):
+        return None
+    return (v.compile, v.passes, v.passes_config)
+
+
+def graph_sharing_conflicts(variants: list[Variant]) -> list[tuple[str, str]]:
+    """Pairs of ``variants`` (names, in order) that would run each other's compiled
+    graphs in one process: ours, compiled the same way, with different passes. See
+    [Note: Variants that would share compiled graphs]."""
+    out = []
+    for i, a in enumerate(variants):
+        for b in variants[i + 1:]:
+            ka, kb = _passes_key(a), _passes_key(b)
+            if ka is not None and kb is not None and ka[0] == kb[0] and ka != kb:
+                out.append((a.name, b.name))
+    return out
+
+
+def default_variants(variants: list[Variant]) -> list[Variant]:
+    """The variants a run without ``--variants`` takes: all of ``variants`` but those
+    whose passes differ from ``ours_compiled``'s (the pass switches and bucket caps),
+    which one process cannot run beside it ([Note: Variants that would share compiled
+    graphs]); name them to run them, with ``--processes``."""
+    ref = next(v for v in variants if v.name == "ours_compiled")
+    return [v for v in variants if not graph_sharing_conflicts([ref, v])]
+
+
 def pick_variants(variants: list[Variant], spec: str) -> list[Variant]:
     """The variants that ``spec`` (a comma list of names) names, each once, in the
     order given (an A/B run swaps it: [Note: Round-robin timing]).

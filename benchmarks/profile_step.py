@@ -7,7 +7,9 @@ of one NCCL rank per GPU (CUDA).
         [--trace] [--device auto|cpu|cuda] [--world N]
 
 Builds the named variants exactly as ``step_time.py`` does (``_harness.Runner``, on
-the ranks and devices of ``--device``/``--world`` as there), warms each up, times
+the ranks and devices of ``--device``/``--world`` as there), one after the other, each
+compiling its own graphs (dynamo is reset before each: [Note: Variants that would share
+compiled graphs] in ``_harness.py``), warms each up, times
 ``--steps`` unprofiled steps, then profiles ``--steps`` more on every rank with the
 step split into phases (``forward``, ``loss``, ``backward``,
 ``optimizer`` = AdamW step + zero_grad) and reports, per phase and per step, from rank
@@ -117,6 +119,9 @@ def _profile_rank(rank: int, placement: Any, shape_name: str, variants: list[str
     results: dict[str, Any] = {}
     for name in variants:
         v = dataclasses.replace(by_name[name], adamw=adamw)
+        # Each variant compiles its own graphs, even where an earlier one's would pass
+        # its guards ([Note: Variants that would share compiled graphs] in _harness.py).
+        torch._dynamo.reset()
         runner = H.Runner(v, shape, mesh, rank, backend, 0, default_rv, default_pre, device)
         dist.barrier()
         if runner.runs_here:

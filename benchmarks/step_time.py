@@ -23,7 +23,10 @@ in its own ranks, N times (see [Note: One model per process]):
 - ``ours_compiled_per_unit``, ``ours_compiled_cap1mb``, ``ours_compiled_cap16mb``:
   every pass, with one bucket per unit (``bucket_cap_mb=None``) or adjacent units'
   collectives merged up to 1 or 16 MiB, beside ``ours_compiled``'s default of 4 MiB
-  (see [Note: The default bucket cap] in ``passes/bucket_collectives.py``);
+  (see [Note: The default bucket cap] in ``passes/bucket_collectives.py``). These and
+  the pass switches above compile the same graphs as ``ours_compiled`` with other
+  passes, so they run only when named, and beside ``ours_compiled`` only with
+  ``--processes`` (see [Note: Variants that would share compiled graphs]);
 - ``ours_compiled_local_adamw``: ``ours_compiled`` stepping with
   ``traceable_hsdp.optim.AdamW`` (torch's AdamW numbers on the local shards);
 - ``ours_compiled_reshard_root``: ``ours_compiled`` with ``reshard_after_forward=True``
@@ -143,7 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "collectives are only counted with inductor)")
     p.add_argument("--variants", default=None,
                    help="comma list of variant names to run, in that order within each "
-                        "round (default all, in the harness's order)")
+                        "round (default: all in the harness's order but the pass switches "
+                        "and bucket caps, ours_compiled_no_*, _nopasses, _per_unit, _cap*, "
+                        "which need --processes beside ours_compiled: [Note: Variants that "
+                        "would share compiled graphs] in _harness.py)")
     p.add_argument("--processes", type=int, default=0, metavar="N",
                    help="run each variant alone in its own spawned ranks, N times, the order "
                         "reversed every other time, instead of all variants in one set of "
@@ -657,6 +663,18 @@ def run_shape(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
             variants = H.pick_variants(variants, args.variants)
         except ValueError as e:
             raise SystemExit(str(e)) from None
+    else:
+        variants = H.default_variants(variants)
+    shared = H.graph_sharing_conflicts(variants)
+    if shared and not args.processes:
+        pairs = ", ".join(f"{a} and {b}" for a, b in shared)
+        raise SystemExit(
+            f"step_time: {pairs} compile the same model with different passes; in one "
+            f"set of processes the later one would run the graphs the earlier one compiled "
+            f"(dynamo and compiled autograd do not key on the passes: [Note: Variants that "
+            f"would share compiled graphs] in benchmarks/_harness.py). Run them with "
+            f"--processes N (each variant alone in its own ranks), or in separate runs."
+        )
     variants = [dataclasses.replace(v, adamw=args.adamw) for v in variants]
     print(f"== step_time: model {args.model}, shape {shape_name}, variants {[v.name for v in variants]}; {passes_line}",
           flush=True)

@@ -579,6 +579,67 @@ def test_profile_cpu_split_counts_time_and_page_faults_per_thread_side() -> None
     # 2048 faults with 4 KiB pages; at least 4 where the kernel maps 2 MiB huge pages
     assert t1[me][2] - t0[me][2] >= size // (2 << 20)
 
+def test_profile_step_smoke_each_variant_compiles_its_own_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``profile_step.py`` end to end on 2 gloo ranks (aot_eager, the smoke shape): two
+    of our compiled variants that differ only in their passes, run one after the
+    other in the same ranks. The second must compile graphs of its own: without the
+    reset between variants it passed the first one's guards and ran its graphs, with
+    a first step as short as the others ([Note: Variants that would share compiled
+    graphs] in benchmarks/_harness.py). The report has the CPU table with its page
+    fault columns."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
+    out = tmp_path / "results"
+    rc = profile_step.main([
+        "--shape", "smoke", "--device", "cpu", "--backend", "aot_eager",
+        "--variants", "ours_compiled,ours_compiled_per_unit", "--warmup", "1", "--steps", "2",
+        "--out", str(out),
+    ])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
+    res = json.loads((out / "profile_smoke.json").read_text())["results"]
+    for name in ("ours_compiled", "ours_compiled_per_unit"):
+        r = res[name]
+        # A dynamo compile of the step takes seconds here; a step, milliseconds.
+        assert profile_step._compile_s(r) > 1.0, (name, r["first_step_s"])
+        assert r["compiles_while_profiling"] == [0, 0], name
+        assert set(r["cpu_ms_per_step"]) >= {"main_faults", "other_faults"}
+    md = (out / "profile_smoke.md").read_text()
+    assert "| page faults: main thread | page faults: other threads |" in md
+
+
+def test_step_time_refuses_variants_that_would_share_graphs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Our variants compiled the same way with different passes cannot share one set of
+    processes (the later would run the earlier's graphs): the round-robin refuses the
+    mix before spawning a rank, naming the pair and ``--processes``; the default set
+    leaves the pass switches and bucket caps out. Variants whose traced code or
+    optimizer differ are not a conflict."""
+    known = H.all_variants()[0]
+    pick = lambda spec: H.pick_variants(known, spec)  # noqa: E731
+    assert H.graph_sharing_conflicts(pick(
+        "ours_compiled,ours_compiled_local_adamw,ours_compiled_reshard_root,ours_eager,"
+        "ours_block_compiled,ours_block_compiled_ca,torch_block_compiled")) == []
+    assert H.graph_sharing_conflicts(pick("ours_compiled,ours_eager,ours_compiled_per_unit")) == [
+        ("ours_compiled", "ours_compiled_per_unit")
+    ]
+    default = [v.name for v in H.default_variants(known)]
+    assert "ours_compiled" in default and "torch_block_compiled" in default
+    assert not any(n.startswith(("ours_compiled_no", "ours_compiled_cap")) for n in default)
+    assert "ours_compiled_per_unit" not in default
+    assert H.graph_sharing_conflicts(H.default_variants(known)) == []
+    with pytest.raises(SystemExit) as err:
+        step_time.main(["--smoke", "--device", "cpu", "--variants",
+                        "ours_compiled,ours_compiled_no_overlap", "--out", str(tmp_path)])
+    assert "ours_compiled and ours_compiled_no_overlap" in str(err.value)
+    assert "--processes" in str(err.value)
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
 def test_profile_compile_time_is_the_first_step_less_a_median_one() -> None:
     """The profile reports compile time beside step time as ``step_time.py`` counts
     it; results saved before the first step was kept have none."""
