@@ -546,7 +546,6 @@ def test_profile_graph_ops_count_outermost_events_inside_graphs() -> None:
     assert no_graph == {"top": [], "uncovered": 0.0}
 
 
-
 def test_profile_cpu_split_counts_time_and_page_faults_per_thread_side() -> None:
     """The CPU table: per step, the main thread's user and system time apart from every
     other thread's, and each side's minor page faults, which the CPU total leaves out.
@@ -578,6 +577,7 @@ def test_profile_cpu_split_counts_time_and_page_faults_per_thread_side() -> None
     me = threading.get_native_id()
     # 2048 faults with 4 KiB pages; at least 4 where the kernel maps 2 MiB huge pages
     assert t1[me][2] - t0[me][2] >= size // (2 << 20)
+
 
 def test_profile_step_smoke_each_variant_compiles_its_own_graphs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -611,9 +611,7 @@ def test_profile_step_smoke_each_variant_compiles_its_own_graphs(
     assert "| page faults: main thread | page faults: other threads |" in md
 
 
-def test_step_time_refuses_variants_that_would_share_graphs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_step_time_refuses_variants_that_would_share_graphs(tmp_path: Path) -> None:
     """Our variants compiled the same way with different passes cannot share one set of
     processes (the later would run the earlier's graphs): the round-robin refuses the
     mix before spawning a rank, naming the pair and ``--processes``; the default set
