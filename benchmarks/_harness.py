@@ -27,7 +27,11 @@ and ``torch.cuda.max_memory_allocated()`` at its end, the variant's figure being
 largest over its blocks. Either way every variant's tensors live in the same process,
 so the CUDA figure includes the other variants' models and optimizer states; the
 allocated bytes at each block's start are kept as well, and the report also gives the
-peak above them.
+peak above them. On the CPU those bytes leave out the buffers our exchanges keep
+pooled between steps ([Note: Exchange outputs from a pool] in ``passes/_ops.py``):
+they are the step's memory, reused rather than allocated in it, so the peak above a
+block's start counts them whole. The pool is the process's, so a buffer pooled for
+another variant of ours counts too: the figure can only be too high.
 
 [Note: Round-robin timing]
 Every variant lives in the same processes (one per rank) for the whole run. A round gives each
@@ -314,13 +318,23 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def allocated_mib(device: torch.device) -> float | None:
-    """CUDA bytes allocated now, or live heap bytes on a CPU rank that counts its heap,
-    in MiB; ``None`` on another CPU rank."""
+    """CUDA bytes allocated now, or live heap bytes on a CPU rank that counts its heap
+    less our pooled exchange buffers ([Note: Memory per variant]), in MiB; ``None`` on
+    another CPU rank."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
     if _heap.active():
-        return _heap.live_mib()
+        return _heap.live_mib() - _pooled_mib()
     return None
+
+
+def _pooled_mib() -> float:
+    """The MiB our exchanges keep pooled between steps ([Note: Memory per variant])."""
+    try:
+        from traceable_hsdp.passes import exchange_pool_bytes
+    except ImportError:
+        return 0.0
+    return exchange_pool_bytes() / 2**20
 
 
 # --------------------------------------------------------------------- shapes
@@ -480,13 +494,22 @@ def pass_variants() -> tuple[list[Variant], str]:
         Variant("ours_compiled", "ours", "whole", passes="all", passes_config=on),
         Variant("ours_compiled_nopasses", "ours", "whole", passes="none", passes_config=off),
     ]
+
+    def names_a_pass(n: str) -> bool:  # a switch that is not a pass (the pool) is not
+        try:  # named in the environment variable, which names passes only
+            PassConfig.from_env({PASSES_ENV: n})
+        except ValueError:
+            return False
+        return True
+
     if len(switches) > 1:
         for n in switches:
             cfg = tuple((m, m != n) for m in switches)
             out.append(
                 Variant(
                     f"ours_compiled_no_{n}", "ours", "whole",
-                    passes=",".join(m for m in switches if m != n), passes_config=cfg,
+                    passes=",".join(m for m in switches if m != n and names_a_pass(m)),
+                    passes_config=cfg,
                 )
             )
     if any(f.name == "bucket_cap_mb" for f in dataclasses.fields(PassConfig)):

@@ -16,6 +16,11 @@ it in place and does nothing when nothing matches:
   all-to-all of the shard sent to both ranks (gloo's own copies the result once
   more).
 
+Both exchanges take their outputs from a pool of buffers kept across steps
+(``PassConfig.pool_exchange_outputs``; :func:`exchange_pool_bytes` says what it
+holds, :func:`release_exchange_buffers` drops what nothing reads; see [Note: Exchange
+outputs from a pool] in ``_ops.py``).
+
 and, on every post-grad graph and not switchable, one before them and one after:
 
 - :func:`free_after_last_read`: each free of a placeholder moves after the graph's
@@ -65,6 +70,7 @@ from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
 from .recompute_placeholder_views import recompute_placeholder_views
 from .exchange import all_gather_by_exchange, reduce_scatter_by_exchange
+from ._ops import exchange_pool_bytes, release_exchange_buffers
 from .remove_resize_copy import remove_resize_copy
 from .save_checkpoint_outputs import save_checkpoint_outputs
 
@@ -78,6 +84,7 @@ __all__ = [
     "bucket_all_gathers",
     "bucket_reduce_scatters",
     "config",
+    "exchange_pool_bytes",
     "free_after_last_read",
     "gather_into_buffers",
     "get_config",
@@ -85,6 +92,7 @@ __all__ = [
     "overlap",
     "recompute_placeholder_views",
     "reduce_scatter_by_exchange",
+    "release_exchange_buffers",
     "remove_resize_copy",
     "run_passes",
     "save_checkpoint_outputs",

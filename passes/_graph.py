@@ -171,6 +171,9 @@ COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 _WAIT_NAME = "wait_tensor"
 _FSDP_COPY_NAME = ("fsdp", "copy_")
 _RESIZE_NAME = ("inductor", "resize_storage_bytes_")
+# ``traceable_hsdp::all_to_all_single``: torch's all-to-all with a pooled output, which
+# the exchanges issue (``_ops.py``); named here, not imported, as the others are.
+_POOLED_NAME = ("traceable_hsdp", "all_to_all_single")
 _VERSION_COUNTER_NAMES = (("prims", "_tensor_version"), ("prims", "_unsafe_set_version_counter"))
 
 # The meta key that marks an ``all_to_all_single`` node as a reduce-scatter or an
@@ -238,10 +241,18 @@ def is_wait(node: fx.Node) -> bool:
     return _is_c10d(node, _WAIT_NAME)
 
 
+def _communicates(q: tuple[str, str] | None) -> bool:
+    """A functional c10d op that communicates (every one but the wait), or the
+    exchanges' pooled all-to-all ([Note: Exchange outputs from a pool] in ``_ops.py``)."""
+    if q is None:
+        return False
+    return (q[0] in COLLECTIVE_NAMESPACES and q[1] != _WAIT_NAME) or q == _POOLED_NAME
+
+
 def is_collective(node: fx.Node) -> bool:
-    """Any functional c10d op that communicates (every one but the wait)."""
-    q = op_name(node)
-    return q is not None and q[0] in COLLECTIVE_NAMESPACES and q[1] != _WAIT_NAME
+    """Any functional c10d op that communicates (every one but the wait), or the
+    exchanges' all-to-all with a pooled output."""
+    return _communicates(op_name(node))
 
 
 def collective_family(node: fx.Node) -> Family | None:
@@ -781,7 +792,7 @@ def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
         q = op_name(node)
         if q is None:
             continue
-        if q[0] in COLLECTIVE_NAMESPACES:
+        if q[0] in COLLECTIVE_NAMESPACES or _communicates(q):
             c[_EXCHANGE_COUNTS.get(node.meta.get(EXCHANGED), q[1])] += 1
         elif is_fsdp_copy(node):
             c["fsdp.copy_"] += 1
@@ -1004,7 +1015,7 @@ def read_schedule(output_code: str) -> list[ScheduledOp]:
             continue
         op = _code_op(dotted)
         pos, line = len(out), stmt.lineno
-        if op is not None and op[0] in COLLECTIVE_NAMESPACES:
+        if op is not None and (op[0] in COLLECTIVE_NAMESPACES or _communicates(op[:2])):
             if op[1] == _WAIT_NAME:
                 arg = value.args[0] if value.args else None
                 waited = handles.get(root(arg.id)) if isinstance(arg, ast.Name) else None

@@ -228,6 +228,10 @@ class PassConfig:
             all-to-all of its input sent to both ranks, the same numbers without
             gloo's extra copy of the result, a small gain (default ``True``), in
             compiled graphs; see [Note: gloo all-gathers as an exchange].
+        pool_exchange_outputs: the exchanges' outputs come from a pool of buffers
+            kept across steps instead of new memory each time (default ``True``);
+            see [Note: Exchange outputs from a pool] in ``_ops.py``. Not a pass, so
+            not named in ``TRACEABLE_HSDP_PASSES``.
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
             (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
             cap]); ``None`` keeps one bucket per unit.
@@ -243,6 +247,7 @@ class PassConfig:
     overlap: bool = True
     reduce_scatter_by_exchange: bool = True
     all_gather_by_exchange: bool = True
+    pool_exchange_outputs: bool = True
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
 
     def __post_init__(self) -> None:
@@ -377,10 +382,11 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
         done["bucket_reduce_scatters"] = n
     if cfg.overlap:
         done["overlap"] = overlap(gm)
+    pooled = cfg.pool_exchange_outputs
     if cfg.reduce_scatter_by_exchange:
-        done["reduce_scatter_by_exchange"] = reduce_scatter_by_exchange(gm)
+        done["reduce_scatter_by_exchange"] = reduce_scatter_by_exchange(gm, pooled)
     if cfg.all_gather_by_exchange:
-        done["all_gather_by_exchange"] = all_gather_by_exchange(gm)
+        done["all_gather_by_exchange"] = all_gather_by_exchange(gm, pooled)
     return done
 
 

@@ -1,4 +1,6 @@
-"""The one op the passes add to graphs: ``torch.ops.traceable_hsdp.split_columns``.
+"""The ops the passes add to graphs: ``torch.ops.traceable_hsdp.split_columns`` and
+``torch.ops.traceable_hsdp.all_to_all_single``, the exchanges' all-to-all with its
+output from a pool of buffers kept across steps.
 
 [Note: One copy-out per all-gather bucket]
 A bucketed all-gather returns the ranks' flat inputs one after another; each
@@ -21,9 +23,23 @@ them), so it needs no autograd formula.
 
 from __future__ import annotations
 
+import logging
+import threading
+from typing import Any
+
 import torch
 
-__all__ = ["SPLIT_COLUMNS", "split_columns"]
+__all__ = [
+    "POOLED_ALL_TO_ALL",
+    "SPLIT_COLUMNS",
+    "all_to_all_single",
+    "exchange_pool_bytes",
+    "pooled_all_to_all_lowering",
+    "release_exchange_buffers",
+    "split_columns",
+]
+
+log = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("traceable_hsdp::split_columns", mutates_args=())
@@ -44,3 +60,169 @@ def _(grid: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 
 SPLIT_COLUMNS = torch.ops.traceable_hsdp.split_columns.default
+
+
+# [Note: Exchange outputs from a pool]
+# On the CPU every buffer of a compiled step is new memory each step: Inductor frees
+# its buffers when the graph returns, and a collective allocates its output when it
+# is issued. glibc gives the top of its heap back to the kernel when a free leaves
+# more than its trim threshold there (about twice the largest block it has unmapped:
+# 8 MiB with 4 MiB buckets), and every page of it is faulted in and zeroed again
+# when it is next written. The exchanges' outputs (``exchange.py``) are the largest
+# such buffers, a bucket each, written by gloo's threads as they receive. Measured
+# on 2 gloo ranks (the compute shape of ``benchmarks/step_time.py``, fused AdamW,
+# 2026-12-06; docs/benchmarks.md): with the pool, gloo's threads took no page fault
+# (5,917 a step without), rank 0's threads used 96 ms of CPU a step instead of 110,
+# and the step took 110.2 ms instead of 120.0 (``profile_step.py``); each variant
+# alone in its own processes, 111.7-115.9 ms against 115.4-119.5 (medians of five
+# processes each). A clear gain in CPU, a small one in wall time.
+#
+# Tried and not kept: the same pool for ``split_columns``' outputs (the gathered
+# parameters). Rank 0's main thread faulted about as often (4,074-4,612 a step
+# against 4,458-4,957, two runs each), and the step did not move beyond the noise
+# (105.2-113.4 against 110.0-111.5 ms).
+#
+# So the exchanges issue ``traceable_hsdp::all_to_all_single``, torch's
+# ``_c10d_functional.all_to_all_single`` (the same schema and the same call into the
+# process group: ``alltoall_base`` into an output, the work registered for
+# ``wait_tensor``) with its output taken from a pool that outlives the graph:
+#
+# - A pooled buffer is handed out only when nothing else references its storage
+#   (``torch._C._storage_Use_Count`` is 1: the pool's own reference). Every reader of
+#   an output (Inductor's wrapper variables and their views, gloo's work in flight,
+#   a tensor a user kept) holds a reference to the storage, so a buffer still read
+#   anywhere is never handed out again; the safety does not rest on the pass's view
+#   of lifetimes. A storage whose size changed is dropped from the pool.
+# - Buffers are pooled by shape and dtype and device; at most :data:`POOL_DEPTH` a
+#   key. When all of a key's buffers are in use, the op allocates a new one and
+#   pools it while the key has room, else returns it unpooled (freed as today). So
+#   the pool holds at most the most exchanges of a shape whose outputs were alive at
+#   once (17 MiB a rank in the compute shape), like the CUDA caching allocator's
+#   reserved memory.
+# - It is kept between steps, which is the point; :func:`release_exchange_buffers`
+#   drops every buffer not in use (as ``torch.cuda.empty_cache()`` does), and
+#   ``PassConfig(pool_exchange_outputs=False)`` compiles graphs that allocate as
+#   torch's op does.
+#
+# Inductor lowers the op as it lowers torch's (:func:`pooled_all_to_all_lowering`:
+# ``ir._CollectiveKernel.create_out_of_place``), so its input stays alive until the
+# wait and its buffer is not reused before then (``_WaitKernel.get_volatile_reads``),
+# and its scheduler counts it as a collective. Where that lowering cannot be
+# registered (another torch), the exchanges keep torch's op.
+
+POOL_DEPTH = 8
+"""Most buffers kept for one (shape, dtype, device)."""
+
+_pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.UntypedStorage]] = {}
+_pool_lock = threading.Lock()
+
+
+def _take(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` over a pooled storage that nothing else references, or
+    over a new one. See [Note: Exchange outputs from a pool]."""
+    key = (tuple(shape), dtype, device)
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    with _pool_lock:
+        kept = _pool.setdefault(key, [])
+        storage = None
+        for i, s in enumerate(kept):
+            if torch._C._storage_Use_Count(s._cdata) != 1:
+                continue  # read somewhere still
+            if s.nbytes() != nbytes:
+                kept.pop(i)  # resized under us: not ours to reuse
+                break
+            storage = s
+            break
+        if storage is None:
+            storage = torch.empty(shape, dtype=dtype, device=device).untyped_storage()
+            if len(kept) < POOL_DEPTH:
+                kept.append(storage)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape)
+
+
+def exchange_pool_bytes() -> int:
+    """Bytes the pool holds, in use or not. See [Note: Exchange outputs from a pool]."""
+    with _pool_lock:
+        return sum(s.nbytes() for kept in _pool.values() for s in kept)
+
+
+def release_exchange_buffers() -> int:
+    """Drops every pooled exchange buffer that nothing reads; returns the bytes
+    dropped. Buffers in use stay pooled. See [Note: Exchange outputs from a pool]."""
+    dropped = 0
+    with _pool_lock:
+        for key, kept in list(_pool.items()):
+            busy = [s for s in kept if torch._C._storage_Use_Count(s._cdata) != 1]
+            dropped += sum(s.nbytes() for s in kept) - sum(s.nbytes() for s in busy)
+            if busy:
+                _pool[key] = busy
+            else:
+                del _pool[key]
+    return dropped
+
+
+@torch.library.custom_op("traceable_hsdp::all_to_all_single", mutates_args=())
+def all_to_all_single(
+    input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+    group_name: str,
+) -> torch.Tensor:
+    """``_c10d_functional.all_to_all_single`` with its output from the pool: issues
+    the all-to-all and registers its work for ``wait_tensor``. See [Note: Exchange
+    outputs from a pool]."""
+    from torch._C import _distributed_c10d as c10d
+
+    out = _take([sum(output_split_sizes), *input.shape[1:]], input.dtype, input.device)
+    group = c10d._resolve_process_group(group_name)
+    work = group.alltoall_base(out, input, output_split_sizes, input_split_sizes)
+    c10d._register_work(out, work)
+    return out
+
+
+@all_to_all_single.register_fake
+def _(
+    input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+    group_name: str,
+) -> torch.Tensor:
+    return input.new_empty([sum(output_split_sizes), *input.shape[1:]])
+
+
+POOLED_ALL_TO_ALL = torch.ops.traceable_hsdp.all_to_all_single.default
+
+_lowering: bool | None = None
+
+
+def pooled_all_to_all_lowering() -> bool:
+    """Registers Inductor's lowering of :data:`POOLED_ALL_TO_ALL` (once; the one
+    torch gives its own all-to-all) and says whether it is registered. ``False``
+    where this torch's Inductor lacks what it needs: the exchanges then issue
+    torch's op. See [Note: Exchange outputs from a pool]."""
+    global _lowering
+    if _lowering is None:
+        try:
+            from torch._inductor import ir
+            from torch._inductor.lowering import (
+                add_layout_constraint,
+                constrain_to_fx_strides,
+                register_lowering,
+            )
+
+            create = ir._CollectiveKernel.create_out_of_place
+
+            def lower(inp: Any, out_splits: Any, in_splits: Any, group_name: str) -> Any:
+                node = create(POOLED_ALL_TO_ALL, inp, out_splits, in_splits, group_name)
+                return ir.TensorBox.create(node)
+
+            packet = torch.ops.traceable_hsdp.all_to_all_single
+            add_layout_constraint(packet, constrain_to_fx_strides)
+            register_lowering(packet)(lower)
+            _lowering = True
+        except (ImportError, AttributeError) as e:
+            log.warning(
+                "traceable_hsdp: cannot lower the pooled all-to-all on torch %s (%s); "
+                "the exchanges issue torch's _c10d_functional.all_to_all_single",
+                torch.__version__, e,
+            )
+            _lowering = False
+    return _lowering

@@ -155,6 +155,7 @@ from ._graph import (
     group_backend,
     single_wait,
 )
+from ._ops import POOLED_ALL_TO_ALL, pooled_all_to_all_lowering
 from ._rewrite import insert_call, static_numel, tensor_val
 
 __all__ = ["all_gather_by_exchange", "is_gloo_group", "reduce_scatter_by_exchange"]
@@ -213,16 +214,24 @@ def _one_wait(node: fx.Node, name: str, pass_name: str) -> fx.Node | None:
     return wait if is_gloo_group(name) else None
 
 
+def _all_to_all(pooled: bool) -> torch._ops.OpOverload:
+    """The all-to-all an exchange issues: ours, its output from the pool, where asked
+    and Inductor can lower it; else torch's. See [Note: Exchange outputs from a pool]
+    in ``_ops.py``."""
+    return POOLED_ALL_TO_ALL if pooled and pooled_all_to_all_lowering() else ALL_TO_ALL
+
+
 def _exchange(
     graph: fx.Graph, node: fx.Node, wait: fx.Node, inp: fx.Node, k: int, name: str,
-    family: str, finish: Callable[[fx.Node], fx.Node],
+    family: str, finish: Callable[[fx.Node], fx.Node], op: torch._ops.OpOverload,
 ) -> None:
-    """Puts ``all_to_all_single(inp, [k, k], [k, k], name)`` where ``node`` was and
-    its wait where ``wait`` was; ``finish(got)``, inserted right after that wait,
-    builds what the old wait's readers read. The exchange keeps ``node``'s meta (its
-    annotation and stack trace) and is marked as ``family``; both old nodes go."""
+    """Puts ``op(inp, [k, k], [k, k], name)`` (an ``all_to_all_single``) where
+    ``node`` was and its wait where ``wait`` was; ``finish(got)``, inserted right
+    after that wait, builds what the old wait's readers read. The exchange keeps
+    ``node``'s meta (its annotation and stack trace) and is marked as ``family``;
+    both old nodes go."""
     with graph.inserting_before(node):
-        ex = graph.call_function(ALL_TO_ALL, (inp, [k, k], [k, k], name))
+        ex = graph.call_function(op, (inp, [k, k], [k, k], name))
     with graph.inserting_after(wait):
         got = graph.call_function(WAIT, (ex,))
     sent = tensor_val(inp)
@@ -237,12 +246,14 @@ def _exchange(
     graph.erase_node(node)
 
 
-def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
+def reduce_scatter_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
     """Rewrites each reduce-scatter (``"sum"`` or ``"avg"``) of CPU tensors over a
     gloo group of two ranks in ``gm`` (a post-grad graph module, changed in place)
     into an all-to-all and an addition, and returns how many. See [Note: gloo
-    reduce-scatters as an exchange]."""
+    reduce-scatters as an exchange]. ``pooled``: the all-to-all's output comes from
+    the pool ([Note: Exchange outputs from a pool] in ``_ops.py``)."""
     graph = gm.graph
+    a2a = _all_to_all(pooled)
     done = 0
     for node, args, val, name in _candidates(graph, REDUCE_SCATTER):
         op = args.get("reduce_op")
@@ -269,7 +280,7 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
                 out = insert_call(graph, _aten.div.Tensor, (out, 2), like=node)
             return out
 
-        _exchange(graph, node, wait, args["input"], k, name, "reduce_scatter", add_halves)
+        _exchange(graph, node, wait, args["input"], k, name, "reduce_scatter", add_halves, a2a)
         done += 1
     if done:
         graph.lint()
@@ -277,12 +288,13 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule) -> int:
     return done
 
 
-def all_gather_by_exchange(gm: fx.GraphModule) -> int:
+def all_gather_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
     """Rewrites each all-gather of CPU tensors over a gloo group of two ranks in
     ``gm`` (a post-grad graph module, changed in place) into an all-to-all of its
     input sent to both ranks, and returns how many. See [Note: gloo all-gathers as
-    an exchange]."""
+    an exchange]. ``pooled``: as for :func:`reduce_scatter_by_exchange`."""
     graph = gm.graph
+    a2a = _all_to_all(pooled)
     done = 0
     for node, args, val, name in _candidates(graph, ALL_GATHER):
         inp, out_val = args["input"], tensor_val(node)
@@ -301,7 +313,7 @@ def all_gather_by_exchange(gm: fx.GraphModule) -> int:
         def as_gathered(got: fx.Node, node: fx.Node = node, shape: list[int] = shape) -> fx.Node:
             return insert_call(graph, _aten.view.default, (got, shape), like=node)
 
-        _exchange(graph, node, wait, both, n, name, "all_gather", as_gathered)
+        _exchange(graph, node, wait, both, n, name, "all_gather", as_gathered, a2a)
         if not inp.users and inp.op == "call_function":
             graph.erase_node(inp)  # a bucket's cat, now read through its pieces
         done += 1

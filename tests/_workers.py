@@ -506,7 +506,8 @@ def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
 
     from traceable_hsdp import passes
     from traceable_hsdp.passes import all_gather_by_exchange
-    from traceable_hsdp.passes._graph import AG_EXCHANGE_COUNT, ALL_GATHER, ALL_TO_ALL
+    from traceable_hsdp.passes._graph import AG_EXCHANGE_COUNT, ALL_GATHER
+    from traceable_hsdp.passes._ops import POOLED_ALL_TO_ALL
 
     c10d = torch.ops._c10d_functional
     group = torch.distributed.group.WORLD.group_name
@@ -527,7 +528,7 @@ def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
             key = f"{dtype}/{name}"
             out["bitwise"][key] = (n, torch.equal(got, ref) and got.shape == ref.shape)
             out["counts"][key] = graph_counts(gm)
-            (ex,) = [x for x in gm.graph.nodes if x.target is ALL_TO_ALL]
+            (ex,) = [x for x in gm.graph.nodes if x.target is POOLED_ALL_TO_ALL]
             cat = ex.args[0]
             out["exchange_input"][key] = (
                 str(cat.target), [str(p.target) for p in cat.args[0]], list(ex.args[1:3]),
@@ -549,7 +550,53 @@ def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
     out["left_alone"]["gpu"] = all_gather_by_exchange(gm)
     out["left_alone"]["all_gathers"] = sum(n.target is ALL_GATHER for n in gm.graph.nodes)
     out["exchange_key"] = AG_EXCHANGE_COUNT
+    out["pool"] = _exchange_pool_checks(world, group, gen)
     return out
+
+
+def _exchange_pool_checks(world: int, group: str, gen: torch.Generator) -> dict[str, Any]:
+    """The exchange's pooled output ([Note: Exchange outputs from a pool] in
+    passes/_ops.py), on one all-gather graph run op by op: a result the caller still
+    holds is never written again, a freed one is reused, the pool's bytes, what
+    :func:`release_exchange_buffers` drops, and torch's op with the pool off."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from traceable_hsdp.passes import (
+        all_gather_by_exchange, exchange_pool_bytes, release_exchange_buffers,
+    )
+
+    c10d = torch.ops._c10d_functional
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group))
+
+    x1, x2 = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    gm = make_fx(fn, tracing_mode="fake")(x1)
+    all_gather_by_exchange(gm)
+    release_exchange_buffers()
+    base = exchange_pool_bytes()
+    kept = gm(x1)  # a view of its pooled buffer, held
+    before = kept.clone()
+    again = gm(x2)
+    res: dict[str, Any] = {
+        "held_intact": torch.equal(kept, before),
+        "distinct": kept.data_ptr() != again.data_ptr(),
+        "values": torch.equal(again, fn(x2)),
+    }
+    ptr = again.data_ptr()
+    del again
+    third = gm(x1)
+    res["reused"] = third.data_ptr() == ptr and torch.equal(third, before)
+    res["bytes"] = exchange_pool_bytes() - base
+    del kept, third
+    res["released"] = release_exchange_buffers()
+    res["after"] = exchange_pool_bytes() - base
+    gm = make_fx(fn, tracing_mode="fake")(x1)
+    all_gather_by_exchange(gm, pooled=False)
+    res["unpooled"] = sorted(
+        str(n.target) for n in gm.graph.nodes if str(n.target).endswith("all_to_all_single.default")
+    )
+    return res
 
 
 class _ConvBlock(torch.nn.Module):

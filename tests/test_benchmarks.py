@@ -216,6 +216,25 @@ def test_cpu_memory_helpers() -> None:
     assert H.peak_memory_mib(cpu) == pytest.approx(H.peak_rss_mib(), rel=0.05)
 
 
+def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU rank that counts its heap, the bytes at a block's start leave out the
+    exchange buffers pooled between steps, so the peak above the start counts them
+    ([Note: Memory per variant] in _harness.py): a pooled 1 MiB buffer takes 1 MiB off
+    a live heap of 100 MiB while it is pooled, and nothing once released."""
+    from traceable_hsdp.passes import _ops, release_exchange_buffers
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(_heap, "active", lambda: True)
+    monkeypatch.setattr(_heap, "live_mib", lambda: 100.0)
+    release_exchange_buffers()
+    assert H.allocated_mib(cpu) == pytest.approx(100.0)
+    buf = _ops._take([2**18], torch.float32, cpu)  # 1 MiB, pooled
+    assert H.allocated_mib(cpu) == pytest.approx(99.0)
+    del buf
+    assert release_exchange_buffers() == 2**20
+    assert H.allocated_mib(cpu) == pytest.approx(100.0)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_batch_slices_cover_the_global_batch(world: int) -> None:
     shape = H.SHAPES["smoke"]

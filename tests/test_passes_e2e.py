@@ -130,12 +130,14 @@ def _code_regexes() -> tuple[re.Pattern[str], re.Pattern[str]]:
     from traceable_hsdp.passes._graph import (
         ALL_GATHER, ALL_GATHER_OUT, ALL_TO_ALL, REDUCE_SCATTER, WAIT,
     )
+    from traceable_hsdp.passes._ops import POOLED_ALL_TO_ALL
 
     reads = r"(?:reinterpret_tensor\()?(buf\d+|arg\d+_\d+)"
     return (
         re.compile(
             rf"(buf\d+) = (?:{_code_op(ALL_GATHER)}|{_code_op(REDUCE_SCATTER)}|"
-            rf"{_code_op(ALL_TO_ALL)})\({reads}|{_code_op(ALL_GATHER_OUT)}\({reads}.*out=(buf\d+)\)"
+            rf"{_code_op(ALL_TO_ALL)}|{_code_op(POOLED_ALL_TO_ALL)})\({reads}|"
+            rf"{_code_op(ALL_GATHER_OUT)}\({reads}.*out=(buf\d+)\)"
         ),
         re.compile(rf"{_code_op(WAIT)}\((buf\d+)\)"),
     )
@@ -197,16 +199,20 @@ def _code_overlap(code: str, families: list[str | None]) -> dict[str, Any]:
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _graph as P
 
-    keys = ("all_gather", "ag_exchange", "reduce_scatter", "rs_exchange", "fsdp_copy",
-            "resize_full", "resize_0")
+    from traceable_hsdp.passes._ops import POOLED_ALL_TO_ALL
+
+    keys = ("all_gather", "ag_exchange", "reduce_scatter", "rs_exchange", "pooled",
+            "fsdp_copy", "resize_full", "resize_0")
     c = dict.fromkeys(keys, 0)
+    exchanges = (P.ALL_TO_ALL, POOLED_ALL_TO_ALL)
     for n in graph.nodes:
+        c["pooled"] += n.target is POOLED_ALL_TO_ALL
         if P.collective_family(n) == "all_gather":  # any form
             c["all_gather"] += 1
-            c["ag_exchange"] += n.target is P.ALL_TO_ALL
+            c["ag_exchange"] += n.target in exchanges
         elif P.collective_family(n) == "reduce_scatter":  # either form
             c["reduce_scatter"] += 1
-            c["rs_exchange"] += n.target is P.ALL_TO_ALL
+            c["rs_exchange"] += n.target in exchanges
         elif P.is_fsdp_copy(n):
             c["fsdp_copy"] += 1
         elif P.is_resize(n):
@@ -388,6 +394,10 @@ def test_passes_in_compiled_fsdp_step(tmp_path: Path, per_unit_buckets: None) ->
         # Each as an exchange: 2 gloo ranks, see [Note: gloo reduce-scatters as an
         # exchange] in passes/exchange.py.
         assert b["rs_exchange"] == N_UNITS, b
+        # Every exchange's output from the pool (the default; [Note: Exchange outputs
+        # from a pool] in passes/_ops.py): the losses below ran on reused buffers.
+        assert f["pooled"] == f["ag_exchange"], f
+        assert b["pooled"] == b["ag_exchange"] + b["rs_exchange"], b
         # Overlap, in the post-grad graph: every all-gather but the first issued
         # before the previous unit's compute (forward, and the backward's
         # re-gathers), never two in flight (gloo); every reduce-scatter but the last

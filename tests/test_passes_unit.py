@@ -1343,8 +1343,10 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
     computed: tolerance 0). The bucket's doubled input is one ``cat`` of its pieces
     twice. Compiled by Inductor with the pass installed (one compile), the bucket
     gives the bits of the uncompiled op, as one exchange and no all-gather. One with
-    no wait and a GPU one are left alone. See [Note: gloo all-gathers as an
-    exchange] in passes/exchange.py."""
+    no wait and a GPU one are left alone. The exchange's output comes from the pool:
+    a result still held is never written again, a freed one is reused, and with the
+    pool off the pass issues torch's op. See [Note: gloo all-gathers as an exchange]
+    in passes/exchange.py and [Note: Exchange outputs from a pool] in passes/_ops.py."""
     from _dist import run_ranks
     from _workers import gather_exchange_worker
 
@@ -1370,6 +1372,13 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
         assert counts.get(r["exchange_key"]) == 1, counts
         assert not any(k.startswith("all_gather_into_tensor") for k in counts), counts
         assert r["left_alone"] == {"no_wait": 0, "gpu": 0, "all_gathers": 1}, r["left_alone"]
+        # The pooled output: 6 float32 from each of 2 ranks, 48 bytes a buffer; two
+        # alive at once, so two pooled, both dropped once nothing reads them.
+        assert r["pool"] == {
+            "held_intact": True, "distinct": True, "values": True, "reused": True,
+            "bytes": 96, "released": 96, "after": 0,
+            "unpooled": ["_c10d_functional.all_to_all_single.default"],
+        }, r["pool"]
 
 
 # ---------------------------------------------------- reduce_scatter_by_exchange
