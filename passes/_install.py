@@ -451,7 +451,9 @@ _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of
 # ``inductor.resize_storage_bytes_`` (a placeholder's grow or free: the C++ compile
 # fails on an undeclared ``aoti_torch_cpu_resize_storage_bytes_``) and
 # ``_c10d_functional.all_to_all_single``, which the exchanges put there
-# (``NotImplementedError: arg type Any is not yet supported by custom_op_wrapper``).
+# (``NotImplementedError: arg type Any is not yet supported by custom_op_wrapper``;
+# by default now ``traceable_hsdp::all_to_all_single``, [Note: Exchange outputs from a
+# pool] in ``_ops.py``, refused as an exchange and not tried under the C++ wrapper).
 # A model whose root keeps torch's default meets the first in both graphs: the root
 # stays gathered from its forward to its backward, so the forward grows its
 # placeholders and the backward frees them. Seen on torch
