@@ -71,11 +71,13 @@ SPLIT_COLUMNS = torch.ops.traceable_hsdp.split_columns.default
 # when it is next written. The exchanges' outputs (``exchange.py``) are the largest
 # such buffers, a bucket each, written by gloo's threads as they receive. Measured
 # on 2 gloo ranks (the compute shape of ``benchmarks/step_time.py``, fused AdamW,
-# 2026-12-06; docs/benchmarks.md): with the pool, gloo's threads took no page fault
-# (5,917 a step without), rank 0's threads used 96 ms of CPU a step instead of 110,
-# and the step took 110.2 ms instead of 120.0 (``profile_step.py``); each variant
-# alone in its own processes, 111.7-115.9 ms against 115.4-119.5 (medians of five
-# processes each). A clear gain in CPU, a small one in wall time.
+# 2026-12-06; docs/benchmarks.md): with the pool gloo's threads took no page fault
+# in two profiled runs (``profile_step.py``). Without it they took 5,917 a step in one,
+# where the pool saved 10 ms of the step's 120 and 14 ms of CPU, and 198 in the other,
+# where it saved nothing: whether glibc trims depends on the process's earlier
+# allocations. Each variant alone in its own processes, the median of eight processes
+# took 115.0 ms with the pool and 115.7 without (the overhead shape, two each: 47.6
+# against 50.1 ms): within the noise in wall time, never worse.
 #
 # Tried and not kept: the same pool for ``split_columns``' outputs (the gathered
 # parameters). Rank 0's main thread faulted about as often (4,074-4,612 a step
