@@ -65,6 +65,7 @@ Chrome trace per variant. Names as in ``_report.py``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import os
 import statistics
@@ -318,12 +319,15 @@ def _graph_ops(events: list[tuple[str, float, float]], steps: int,
     ``uncovered``, with the wrapper's Python). On CUDA these are host times: launches, not the
     kernels (see the GPU table)."""
     graphs = sorted((s, t) for n, s, t in events if n.startswith("## Call CompiledFxGraph"))
+    # Sorted once by start (outer events first), so each graph reads only the events
+    # that start inside it: linear in the events, not their number times the graphs'.
+    ordered = sorted(events, key=lambda e: (e[1], -e[2]))
+    starts = [s for _, s, _ in ordered]
     by_name: dict[str, list[float]] = {}
     covered = 0.0
     for gs, gt in graphs:
-        inner = sorted(((n, s, t) for n, s, t in events
-                        if gs <= s and t <= gt and (s, t) != (gs, gt)),
-                       key=lambda e: (e[1], -e[2]))
+        lo, hi = bisect.bisect_left(starts, gs), bisect.bisect_right(starts, gt)
+        inner = [(n, s, t) for n, s, t in ordered[lo:hi] if t <= gt and (s, t) != (gs, gt)]
         last_end = gs
         for n, s, t in inner:
             if s < last_end:  # nested in an outer event already counted
