@@ -94,7 +94,9 @@ SPLIT_COLUMNS = torch.ops.traceable_hsdp.split_columns.default
 #   an output (Inductor's wrapper variables and their views, gloo's work in flight,
 #   a tensor a user kept) holds a reference to the storage, so a buffer still read
 #   anywhere is never handed out again; the safety does not rest on the pass's view
-#   of lifetimes. A storage whose size changed is dropped from the pool.
+#   of lifetimes. (gloo's worker can hold a finished work, and so its output, for a
+#   moment after the wait returns: the op then takes another buffer, seen in the
+#   tests under load.) A storage whose size changed is dropped from the pool.
 # - Buffers are pooled by shape and dtype and device; at most :data:`POOL_DEPTH` a
 #   key. When all of a key's buffers are in use, the op allocates a new one and
 #   pools it while the key has room, else returns it unpooled (freed as today). So

@@ -554,6 +554,24 @@ def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _pool_frees(key: tuple[Any, ...], n: int, timeout_s: float = 10.0) -> bool:
+    """Waits until the exchange pool holds ``n`` buffers of ``key`` that nothing else
+    references; whether it did within ``timeout_s``."""
+    import time
+
+    from traceable_hsdp.passes import _ops
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _ops._pool_lock:
+            free = sum(
+                torch._C._storage_Use_Count(st._cdata) == 1 for st in _ops._pool.get(key, [])
+            )
+        if free >= n or time.monotonic() > deadline:
+            return free >= n
+        time.sleep(0.001)
+
+
 def _exchange_pool_checks(world: int, group: str, gen: torch.Generator) -> dict[str, Any]:
     """The exchange's pooled output ([Note: Exchange outputs from a pool] in
     passes/_ops.py), on one all-gather graph run op by op: a result the caller still
@@ -562,7 +580,7 @@ def _exchange_pool_checks(world: int, group: str, gen: torch.Generator) -> dict[
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from traceable_hsdp.passes import (
-        all_gather_by_exchange, exchange_pool_bytes, release_exchange_buffers,
+        _ops, all_gather_by_exchange, exchange_pool_bytes, release_exchange_buffers,
     )
 
     c10d = torch.ops._c10d_functional
@@ -570,11 +588,16 @@ def _exchange_pool_checks(world: int, group: str, gen: torch.Generator) -> dict[
     def fn(t: torch.Tensor) -> torch.Tensor:
         return c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group))
 
+    key = ((2 * 6,), torch.float32, torch.device("cpu"))  # this graph's output only
+
+    def pooled_here() -> int:
+        with _ops._pool_lock:
+            return sum(st.nbytes() for st in _ops._pool.get(key, []))
+
     x1, x2 = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
     gm = make_fx(fn, tracing_mode="fake")(x1)
     all_gather_by_exchange(gm)
-    release_exchange_buffers()
-    base = exchange_pool_bytes()
+    total = exchange_pool_bytes()
     kept = gm(x1)  # a view of its pooled buffer, held
     before = kept.clone()
     again = gm(x2)
@@ -585,12 +608,18 @@ def _exchange_pool_checks(world: int, group: str, gen: torch.Generator) -> dict[
     }
     ptr = again.data_ptr()
     del again
+    # gloo's worker can still hold a finished all-to-all's work (and so its output)
+    # for a moment after the wait: the pool then hands out a new buffer, as it must.
+    res["freed_in_time"] = _pool_frees(key, 1)
     third = gm(x1)
     res["reused"] = third.data_ptr() == ptr and torch.equal(third, before)
-    res["bytes"] = exchange_pool_bytes() - base
+    res["bytes"] = pooled_here()
+    res["total_grew_by_it"] = exchange_pool_bytes() - total == res["bytes"]
     del kept, third
-    res["released"] = release_exchange_buffers()
-    res["after"] = exchange_pool_bytes() - base
+    res["freed_in_time"] &= _pool_frees(key, 2)
+    # The earlier cases' buffers may be dropped too, so at least this shape's bytes.
+    res["released_all_of_it"] = release_exchange_buffers() >= res["bytes"]
+    res["after"] = pooled_here()
     gm = make_fx(fn, tracing_mode="fake")(x1)
     all_gather_by_exchange(gm, pooled=False)
     res["unpooled"] = sorted(

@@ -1376,7 +1376,8 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
         # alive at once, so two pooled, both dropped once nothing reads them.
         assert r["pool"] == {
             "held_intact": True, "distinct": True, "values": True, "reused": True,
-            "bytes": 96, "released": 96, "after": 0,
+            "freed_in_time": True, "bytes": 96, "total_grew_by_it": True,
+            "released_all_of_it": True, "after": 0,
             "unpooled": ["_c10d_functional.all_to_all_single.default"],
         }, r["pool"]
 
