@@ -227,12 +227,13 @@ def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.Monke
     monkeypatch.setattr(_heap, "active", lambda: True)
     monkeypatch.setattr(_heap, "live_mib", lambda: 100.0)
     release_exchange_buffers()
-    assert H.allocated_mib(cpu) == pytest.approx(100.0)
-    buf = _ops._take([2**18], torch.float32, cpu)  # 1 MiB, pooled
-    assert H.allocated_mib(cpu) == pytest.approx(99.0)
+    start = H.allocated_mib(cpu)  # 100 MiB less any buffer another test still holds
+    assert start is not None and start <= 100.0
+    buf = _ops._take([2**18 + 7], torch.float32, cpu)  # 1 MiB and 28 bytes, pooled
+    assert H.allocated_mib(cpu) == pytest.approx(start - (2**20 + 28) / 2**20)
     del buf
-    assert release_exchange_buffers() == 2**20
-    assert H.allocated_mib(cpu) == pytest.approx(100.0)
+    assert release_exchange_buffers() >= 2**20 + 28
+    assert H.allocated_mib(cpu) >= start
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])

@@ -395,7 +395,7 @@ def test_passes_in_compiled_fsdp_step(tmp_path: Path, per_unit_buckets: None) ->
         # exchange] in passes/exchange.py.
         assert b["rs_exchange"] == N_UNITS, b
         # Every exchange's output from the pool (the default; [Note: Exchange outputs
-        # from a pool] in passes/_ops.py): the losses below ran on reused buffers.
+        # from a pool] in passes/_ops.py): the losses below ran on pooled buffers.
         assert f["pooled"] == f["ag_exchange"], f
         assert b["pooled"] == b["ag_exchange"] + b["rs_exchange"], b
         # Overlap, in the post-grad graph: every all-gather but the first issued
