@@ -241,18 +241,18 @@ def is_wait(node: fx.Node) -> bool:
     return _is_c10d(node, _WAIT_NAME)
 
 
-def _communicates(q: tuple[str, str] | None) -> bool:
-    """A functional c10d op that communicates (every one but the wait), or the
-    exchanges' pooled all-to-all ([Note: Exchange outputs from a pool] in ``_ops.py``)."""
-    if q is None:
-        return False
-    return (q[0] in COLLECTIVE_NAMESPACES and q[1] != _WAIT_NAME) or q == _POOLED_NAME
+def _c10d_like(q: tuple[str, ...] | None) -> bool:
+    """A functional c10d op (the wait included), or the exchanges' pooled all-to-all
+    ([Note: Exchange outputs from a pool] in ``_ops.py``), from ``(namespace, name,
+    ...)``."""
+    return q is not None and (q[0] in COLLECTIVE_NAMESPACES or q[:2] == _POOLED_NAME)
 
 
 def is_collective(node: fx.Node) -> bool:
     """Any functional c10d op that communicates (every one but the wait), or the
     exchanges' all-to-all with a pooled output."""
-    return _communicates(op_name(node))
+    q = op_name(node)
+    return _c10d_like(q) and q[1] != _WAIT_NAME
 
 
 def collective_family(node: fx.Node) -> Family | None:
@@ -792,7 +792,7 @@ def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
         q = op_name(node)
         if q is None:
             continue
-        if q[0] in COLLECTIVE_NAMESPACES or _communicates(q):
+        if _c10d_like(q):
             c[_EXCHANGE_COUNTS.get(node.meta.get(EXCHANGED), q[1])] += 1
         elif is_fsdp_copy(node):
             c["fsdp.copy_"] += 1
@@ -1015,7 +1015,7 @@ def read_schedule(output_code: str) -> list[ScheduledOp]:
             continue
         op = _code_op(dotted)
         pos, line = len(out), stmt.lineno
-        if op is not None and (op[0] in COLLECTIVE_NAMESPACES or _communicates(op[:2])):
+        if _c10d_like(op):
             if op[1] == _WAIT_NAME:
                 arg = value.args[0] if value.args else None
                 waited = handles.get(root(arg.id)) if isinstance(arg, ast.Name) else None
