@@ -24,6 +24,7 @@ them), so it needs no autograd formula.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any
 
@@ -121,18 +122,22 @@ _pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Untype
 _pool_lock = threading.Lock()
 
 
+def _unused(storage: torch.UntypedStorage) -> bool:
+    """Whether only the pool references ``storage`` (its use count is the pool's own
+    reference). See [Note: Exchange outputs from a pool]."""
+    return torch._C._storage_Use_Count(storage._cdata) == 1
+
+
 def _take(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of ``shape`` over a pooled storage that nothing else references, or
     over a new one. See [Note: Exchange outputs from a pool]."""
     key = (tuple(shape), dtype, device)
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
+    nbytes = dtype.itemsize * math.prod(shape)
     with _pool_lock:
         kept = _pool.setdefault(key, [])
         storage = None
         for i, s in enumerate(kept):
-            if torch._C._storage_Use_Count(s._cdata) != 1:
+            if not _unused(s):
                 continue  # read somewhere still
             if s.nbytes() != nbytes:
                 kept.pop(i)  # resized under us: not ours to reuse
@@ -158,7 +163,7 @@ def release_exchange_buffers() -> int:
     dropped = 0
     with _pool_lock:
         for key, kept in list(_pool.items()):
-            busy = [s for s in kept if torch._C._storage_Use_Count(s._cdata) != 1]
+            busy = [s for s in kept if not _unused(s)]
             dropped += sum(s.nbytes() for s in kept) - sum(s.nbytes() for s in busy)
             if busy:
                 _pool[key] = busy

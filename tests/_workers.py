@@ -564,9 +564,7 @@ def _pool_frees(key: tuple[Any, ...], n: int, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         with _ops._pool_lock:
-            free = sum(
-                torch._C._storage_Use_Count(st._cdata) == 1 for st in _ops._pool.get(key, [])
-            )
+            free = sum(_ops._unused(st) for st in _ops._pool.get(key, []))
         if free >= n or time.monotonic() > deadline:
             return free >= n
         time.sleep(0.001)
