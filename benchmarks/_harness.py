@@ -27,11 +27,17 @@ and ``torch.cuda.max_memory_allocated()`` at its end, the variant's figure being
 largest over its blocks. Either way every variant's tensors live in the same process,
 so the CUDA figure includes the other variants' models and optimizer states; the
 allocated bytes at each block's start are kept as well, and the report also gives the
-peak above them. On the CPU those bytes leave out the buffers our exchanges keep
-pooled between steps ([Note: Exchange outputs from a pool] in ``passes/_ops.py``):
-they are the step's memory, reused rather than allocated in it, so the peak above a
-block's start counts them whole. The pool is the process's, so a buffer pooled for
-another variant of ours counts too: the figure can only be too high.
+peak above them. On the CPU, for a variant whose graphs take buffers from the pool our
+exchanges keep between steps ([Note: Exchange outputs from a pool] in
+``passes/_ops.py``; :attr:`Variant.pools_exchanges`), those bytes leave the pool out:
+its buffers are that step's memory, reused rather than allocated in it, so the peak
+above the block's start counts them whole. The pool is the process's, so a buffer
+pooled for another variant of ours counts too, and so does the whole pool for a
+variant of ours whose passes leave the exchanges out: its figure can only be too
+high. Every other variant (torch's, the eager ones) counts the pool in its start, as
+any memory it does not touch, so its peak leaves it out. Until 2026-12-06 the pool
+counted in every variant's figure: in an ``ac_cost.py`` run that mixed ours compiled
+with torch's variants (not kept), torch's peaks read about 21 MiB too high.
 
 [Note: Round-robin timing]
 Every variant lives in the same processes (one per rank) for the whole run. A round gives each
@@ -317,14 +323,14 @@ def peak_memory_mib(device: torch.device) -> float:
     return peak_rss_mib()
 
 
-def allocated_mib(device: torch.device) -> float | None:
-    """CUDA bytes allocated now, or live heap bytes on a CPU rank that counts its heap
-    less our pooled exchange buffers ([Note: Memory per variant]), in MiB; ``None`` on
-    another CPU rank."""
+def allocated_mib(device: torch.device, pooled: bool = False) -> float | None:
+    """CUDA bytes allocated now, or live heap bytes on a CPU rank that counts its heap,
+    less our pooled exchange buffers for a variant that takes from the pool
+    (``pooled``: [Note: Memory per variant]), in MiB; ``None`` on another CPU rank."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
     if _heap.active():
-        return _heap.live_mib() - _pooled_mib()
+        return _heap.live_mib() - (_pooled_mib() if pooled else 0.0)
     return None
 
 
@@ -426,6 +432,15 @@ class Variant:
     @property
     def uses_compiled_autograd(self) -> bool:
         return self.impl == "ours" and self.compile in ("whole", "blocks_ca")
+
+    @property
+    def pools_exchanges(self) -> bool:
+        """Whether the graphs Inductor compiles for this variant may take exchange
+        buffers from our pool: ours with compiled autograd, the pool not switched off
+        (see [Note: Memory per variant])."""
+        return self.uses_compiled_autograd and bool(
+            dict(self.passes_config).get("pool_exchange_outputs", True)
+        )
 
 
 # [Note: The AdamW implementation]
@@ -1071,7 +1086,8 @@ def run_rank(
                 gc.collect()
                 dist.barrier()
                 reset_peak_memory(device)
-                res.allocated_at_start_mib.append(allocated_mib(device))
+                start = allocated_mib(device, runner.v.pools_exchanges)
+                res.allocated_at_start_mib.append(start)
                 failed = 0
                 if runner.runs_here:
                     try:

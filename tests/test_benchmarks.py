@@ -218,22 +218,32 @@ def test_cpu_memory_helpers() -> None:
 
 def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU rank that counts its heap, the bytes at a block's start leave out the
-    exchange buffers pooled between steps, so the peak above the start counts them
-    ([Note: Memory per variant] in _harness.py): a pooled 1 MiB buffer takes 1 MiB off
-    a live heap of 100 MiB while it is pooled, and nothing once released."""
+    exchange buffers pooled between steps for a variant that takes from the pool, so
+    its peak above the start counts them, and only for such a variant ([Note: Memory
+    per variant] in _harness.py): a pooled 1 MiB buffer takes 1 MiB off a live heap of
+    100 MiB while it is pooled, and nothing once released; the variants of ours
+    compiled with compiled autograd take from the pool, torch's and eager ones and
+    ours with the pool off do not."""
     from traceable_hsdp.passes import _ops, release_exchange_buffers
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(_heap, "active", lambda: True)
     monkeypatch.setattr(_heap, "live_mib", lambda: 100.0)
     release_exchange_buffers()
-    start = H.allocated_mib(cpu)  # 100 MiB less any buffer another test still holds
+    start = H.allocated_mib(cpu, pooled=True)  # 100 MiB less any buffer a test holds
     assert start is not None and start <= 100.0
     buf = _ops._take([2**18 + 7], torch.float32, cpu)  # 1 MiB and 28 bytes, pooled
-    assert H.allocated_mib(cpu) == pytest.approx(start - (2**20 + 28) / 2**20)
+    assert H.allocated_mib(cpu, pooled=True) == pytest.approx(start - (2**20 + 28) / 2**20)
+    assert H.allocated_mib(cpu) == 100.0  # a variant that does not take from the pool
     del buf
     assert release_exchange_buffers() >= 2**20 + 28
-    assert H.allocated_mib(cpu) >= start
+    assert H.allocated_mib(cpu, pooled=True) >= start
+    by_name = {v.name: v for v in H.all_variants()[0]}
+    takes = {n for n, v in by_name.items() if v.pools_exchanges}
+    assert {"ours_compiled", "ours_compiled_per_unit", "ours_block_compiled_ca"} <= takes
+    assert not takes & {"ours_eager", "torch_eager", "torch_block_compiled",
+                        "ours_block_compiled", "unsharded_compiled_1rank",
+                        "ours_compiled_no_pool_exchange_outputs"}, takes
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
