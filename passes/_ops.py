@@ -80,10 +80,19 @@ SPLIT_COLUMNS = torch.ops.traceable_hsdp.split_columns.default
 # took 115.0 ms with the pool and 115.7 without (the overhead shape, two each: 47.6
 # against 50.1 ms): within the noise in wall time, never worse.
 #
+# Per process, 3 each, the overhead shape took 44.7 ms a step with the pool against
+# 48.7 ms without (every process with it faster than every one without). The price:
+# the heap's peak above a step's start grew by 8.0 MiB in the compute shape (41.6 to
+# 49.6) and by 4.1 MiB in the overhead shape (17.5 to 21.6), since not every pooled
+# buffer was alive at the peak before.
+#
 # Tried and not kept: the same pool for ``split_columns``' outputs (the gathered
 # parameters). Rank 0's main thread faulted about as often (4,074-4,612 a step
 # against 4,458-4,957, two runs each), and the step did not move beyond the noise
-# (105.2-113.4 against 110.0-111.5 ms).
+# (105.2-113.4 against 110.0-111.5 ms). Nor the exchanges' inputs: an op that took a
+# bucket's pieces and packed them itself into a pooled grid (``torch.cat``). The main
+# thread's faults moved to the buffers allocated next (the matmuls' outputs) in one
+# run and fell to about 200 a step in another, and the step did not move in either.
 #
 # So the exchanges issue ``traceable_hsdp::all_to_all_single``, torch's
 # ``_c10d_functional.all_to_all_single`` (the same schema and the same call into the

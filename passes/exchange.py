@@ -216,8 +216,9 @@ def _one_wait(node: fx.Node, name: str, pass_name: str) -> fx.Node | None:
 
 def _all_to_all(pooled: bool) -> torch._ops.OpOverload:
     """The all-to-all an exchange issues: ours, its output from the pool, where asked
-    and Inductor can lower it; else torch's. See [Note: Exchange outputs from a pool]
-    in ``_ops.py``."""
+    and Inductor can lower it; else torch's. Asked once a candidate is found, so a
+    graph with none never registers the lowering. See [Note: Exchange outputs from a
+    pool] in ``_ops.py``."""
     return POOLED_ALL_TO_ALL if pooled and pooled_all_to_all_lowering() else ALL_TO_ALL
 
 
@@ -253,7 +254,6 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
     reduce-scatters as an exchange]. ``pooled``: the all-to-all's output comes from
     the pool ([Note: Exchange outputs from a pool] in ``_ops.py``)."""
     graph = gm.graph
-    a2a = _all_to_all(pooled)
     done = 0
     for node, args, val, name in _candidates(graph, REDUCE_SCATTER):
         op = args.get("reduce_op")
@@ -271,6 +271,7 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
         if wait is None:
             continue
         k = shape[0] // 2
+        a2a = _all_to_all(pooled)
 
         def add_halves(got: fx.Node, node: fx.Node = node, k: int = k, op: str = op) -> fx.Node:
             lo = insert_call(graph, _aten.slice.Tensor, (got, 0, 0, k), like=node)
@@ -294,7 +295,6 @@ def all_gather_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
     input sent to both ranks, and returns how many. See [Note: gloo all-gathers as
     an exchange]. ``pooled``: as for :func:`reduce_scatter_by_exchange`."""
     graph = gm.graph
-    a2a = _all_to_all(pooled)
     done = 0
     for node, args, val, name in _candidates(graph, ALL_GATHER):
         inp, out_val = args["input"], tensor_val(node)
@@ -305,6 +305,7 @@ def all_gather_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
         wait = _one_wait(node, name, "all_gather_by_exchange")
         if wait is None:
             continue
+        a2a = _all_to_all(pooled)
         with graph.inserting_before(node):
             pieces = _flat_pieces(graph, inp, node)
             both = insert_call(graph, _aten.cat.default, ([*pieces, *pieces],), like=node)
