@@ -106,8 +106,12 @@ def test_accelerate_regional_compilation() -> None:
             assert r[f"{lib}_10_frames"] == r[f"{lib}_2_frames"], (lib, r)
             assert r[f"{lib}_10_graphs"] == r[f"{lib}_2_graphs"], (lib, r)
         # Each layer compiled in place runs its unit's pre- and post-forward eagerly
-        # and compiles the layer's own forward ([Note: A unit compiled in place] in
-        # traceable_hsdp/_fully_shard.py): 5 frames, as torch's, and 5 graphs against
-        # its 3 (2026-12-05).
-        assert r["ours_10_frames"] == r["torch_10_frames"], r
-        assert r["ours_10_graphs"] <= r["torch_10_graphs"] + 2, r
+        # and compiles the layer's own forward, and a unit whose forward is torch's
+        # own (the embedding, the head) runs eagerly, as dynamo skips it under torch's
+        # fully_shard ([Note: A unit compiled in place] in
+        # traceable_hsdp/_fully_shard.py): the graphs are torch's (3; 5 before
+        # 2026-12-06). Dynamo looks at 3 frames against torch's 5: torch's compiled
+        # ``_call_impl`` of the embedding and the head are frames it skips, where ours
+        # calls those units' forwards without it.
+        assert r["ours_10_graphs"] == r["torch_10_graphs"], r
+        assert r["ours_10_frames"] == r["torch_10_frames"] - 2, r
