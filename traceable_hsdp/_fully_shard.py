@@ -972,8 +972,8 @@ def _add_fsdp_class(module: nn.Module) -> None:
 # forward in one shared frame (``external_utils.wrap_inline``) and recompile it for
 # every other module class: accelerate's regional compile of HF Llama compiled 5
 # graphs with ours against torch's 3 (2026-12-05), the two more being the embedding's
-# and the head's, and the shared frame would reach dynamo's recompile limit at the
-# ninth such class.
+# and the head's, and each such class took one of the shared frame's entries under
+# dynamo's recompile limit (8 by default).
 _COMPILED_FORWARD = "_traceable_hsdp_compiled_forward"
 
 
