@@ -439,8 +439,18 @@ class Variant:
         buffers from our pool: ours with compiled autograd, the pool not switched off
         (see [Note: Memory per variant])."""
         return self.uses_compiled_autograd and bool(
-            dict(self.passes_config).get("pool_exchange_outputs", True)
+            dict(self.passes_config).get("pool_exchange_outputs", _pools_by_default())
         )
+
+
+def _pools_by_default() -> bool:
+    """``PassConfig``'s default for the exchange pool; ``False`` where the passes module
+    has no pool."""
+    try:
+        from traceable_hsdp.passes import PassConfig
+    except ImportError:
+        return False
+    return bool(getattr(PassConfig(), "pool_exchange_outputs", False))
 
 
 # [Note: The AdamW implementation]
@@ -517,14 +527,14 @@ def pass_variants() -> tuple[list[Variant], str]:
             return False
         return True
 
+    passes = [m for m in switches if names_a_pass(m)]
     if len(switches) > 1:
         for n in switches:
             cfg = tuple((m, m != n) for m in switches)
             out.append(
                 Variant(
                     f"ours_compiled_no_{n}", "ours", "whole",
-                    passes=",".join(m for m in switches if m != n and names_a_pass(m)),
-                    passes_config=cfg,
+                    passes=",".join(m for m in passes if m != n), passes_config=cfg,
                 )
             )
     if any(f.name == "bucket_cap_mb" for f in dataclasses.fields(PassConfig)):
