@@ -11,7 +11,8 @@ ranks, two eager variants, checking the markdown and json it writes; the same wi
 ``--heap`` (each variant's heap peak, counted by ``benchmarks/heap_peak.c``, whose
 counts are checked against a tensor of known size in a child process); and the same
 with ``--model hf_llama`` (transformers' ``LlamaForCausalLM``) for ours and torch's
-eager and compiled variants, whose losses must agree. Never a timing assertion: these
+eager and compiled variants, whose losses must agree; and ``env_ab.py``, whose ranks
+must start under each value of its variable. Never a timing assertion: these
 are checks of the harness, not of speed.
 """
 
@@ -40,6 +41,7 @@ import ac_cost  # noqa: E402
 import collective_latency  # noqa: E402
 import compile_ab  # noqa: E402
 import compile_time  # noqa: E402
+import env_ab  # noqa: E402
 import guard_cost  # noqa: E402
 import hf_models  # noqa: E402
 import profile_step  # noqa: E402
@@ -948,3 +950,30 @@ def test_collective_latency_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert collective_latency._crossing([4, 16], [1.0, 1.9]) is None
     with pytest.raises(SystemExit):
         collective_latency.main([])  # --out is required
+
+
+def test_env_ab_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``env_ab.py`` on 2 gloo ranks, our eager variant on the smoke shape, one pair:
+    the ranks start with the variable unset, then set (each rank reports what it saw),
+    the parent's environment is as before afterwards, and the report names both values
+    with each process's steps and step-1 loss (the same: the variable changes nothing
+    here). The A/B order alternates pair by pair; bad ``--values`` are refused."""
+    name = "TRACEABLE_HSDP_ENV_AB_TEST"
+    assert name not in os.environ
+    rc = env_ab.main(["--env", name, "--values", "unset,1", "--variant", "ours_eager",
+                      "--shape", "smoke", "--pairs", "1", "--steps", "2", "--warmup", "0",
+                      "--out", str(tmp_path)])
+    assert rc == 0
+    assert name not in os.environ
+    md = (tmp_path / f"env_ab_{name}_smoke.md").read_text()
+    assert f"| `{name}` unset |" in md and f"| `{name}=1` |" in md, md
+    data = json.loads((tmp_path / f"env_ab_{name}_smoke.json").read_text())
+    assert [(r["value"], r["seen"]) for r in data["runs"]] == [(0, None), (1, "1")]
+    assert all(len(r["steps_s"]) == 2 and r["first_step_s"] > 0 for r in data["runs"])
+    assert len({r["loss_step1"] for r in data["runs"]}) == 1
+    assert data["summary"]["ratio_b_over_a"] > 0
+    assert env_ab.order(3) == [0, 1, 1, 0, 0, 1]
+    for values in ("1", "1,1", "0,1,2"):
+        with pytest.raises(SystemExit):
+            env_ab.main(["--env", name, "--values", values, "--out", str(tmp_path)])
+    capsys.readouterr()
