@@ -739,12 +739,18 @@ def batch_for(
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    if value is None:
+def set_env(name: str, value: str | None, keep_none: bool = True) -> Iterator[None]:
+    """``os.environ[name]`` set to ``value`` for the block (ranks spawned in it inherit
+    it), as it was after. ``None`` leaves the variable as it is (``keep_none``) or
+    removes it."""
+    if value is None and keep_none:
         yield
         return
     old = os.environ.get(name)
-    os.environ[name] = value
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
     try:
         yield
     finally:
@@ -923,7 +929,8 @@ class Runner:
             # torch's variants compile as torch would: without our passes.
             iconfig.post_grad_custom_pre_pass = self.default_pre_pass
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_env(PASSES_ENV, self.v.passes if self.v.impl == "ours" else None))
+            stack.enter_context(
+                set_env(PASSES_ENV, self.v.passes if self.v.impl == "ours" else None))
             stack.enter_context(_passes_config(self.v.passes_config))
             if self.backend == "inductor" and RECORDER.pass_ not in existing:
                 iconfig.post_grad_custom_post_pass = [*existing, RECORDER.pass_]

@@ -38,8 +38,6 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,24 +47,6 @@ import _report as R  # noqa: E402
 
 UNSET = "unset"
 """A ``--values`` entry that leaves the variable unset."""
-
-
-@contextmanager
-def _environ(name: str, value: str | None) -> Iterator[None]:
-    """``os.environ[name]`` set to ``value`` (removed for ``None``), restored on exit;
-    spawned ranks inherit it."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _rank(rank: int, placement: Any, env: str, **kwargs: Any) -> dict[str, Any]:
@@ -162,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="env_ab_") as caches:
         for n, i in enumerate(order(args.pairs)):
             value = values[i]
-            with _environ(args.env, None if value == UNSET else value), \
-                    _environ("TORCHINDUCTOR_CACHE_DIR", os.path.join(caches, str(i))):
+            with H.set_env(args.env, None if value == UNSET else value, keep_none=False), \
+                    H.set_env("TORCHINDUCTOR_CACHE_DIR", os.path.join(caches, str(i))):
                 ranks = H.run_spawned_fn(
                     _rank, placement, env=args.env, shape=H.SHAPES[args.shape],
                     variants=[variant], rounds=1, steps=args.steps, warmup=args.warmup,
