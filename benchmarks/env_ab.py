@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """One variant's step time under two values of an environment variable, A/B in fresh
-ranks.
+CPU ranks.
 
     python benchmarks/env_ab.py --env NAME [--values A,B] --out DIR [--variant ours_compiled]
         [--shape compute] [--model demo] [--pairs 6] [--steps 30] [--warmup 3]
@@ -10,8 +10,8 @@ For a lever that a switch or an experimental patch puts behind an environment
 variable: an existing one (``--env TRACEABLE_HSDP_BUCKET_CAP_MB --values unset,1``, where
 ``unset`` leaves the variable unset), or one of the patches kept beside their results
 (``benchmarks/results/*.code.diff``, applied with ``git apply``), whose variable turns
-the change on. Each of ``--pairs`` pairs starts the variant twice in its own spawned
-ranks (:func:`_harness.run_spawned`: the harness's own step loop), once under each
+the change on. Each of ``--pairs`` pairs starts the variant twice in its own 2 spawned
+gloo ranks (:func:`_harness.run_rank`: the harness's own step loop), once under each
 value, the order reversed every other pair, so both values see the machine within a
 few minutes of each other; fresh processes move by more than these effects on 2-core
 machines, hence many pairs and medians. Each rank reports the value it started with,
