@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from ._dump import dump_graphs
     from ._fully_shard import (
         FSDPModule,
+        GradientReductionHandle,
+        UnshardHandle,
         fully_shard,
         register_fsdp_forward_method,
         share_comm_ctx,
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "fully_shard": "._fully_shard",
     "FSDPModule": "._fully_shard",
+    "GradientReductionHandle": "._fully_shard",
+    "UnshardHandle": "._fully_shard",
     "register_fsdp_forward_method": "._fully_shard",
     "share_comm_ctx": "._fully_shard",
     "hsdp": "._hsdp",

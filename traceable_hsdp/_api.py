@@ -7,9 +7,12 @@ when the policy is built, so a bad dtype fails at the line that wrote it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
+from torch.torch_version import TorchVersion
 
 __all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
 
@@ -27,6 +30,16 @@ def _check_dtype(name: str, value: object) -> None:
         )
 
 
+# [Note: reduce_dtype follows the installed torch]
+# With ``reduce_dtype=None``, torch 2.13 and 2.14 reduce gradients in ``param_dtype``
+# and torch 2.15 in the parameter's ``grad_dtype`` (its original dtype unless set):
+# fp32 for fp32 parameters under ``param_dtype=torch.bfloat16``. A drop-in computes
+# what the installed torch's fully_shard computes, so the default follows the
+# version; an explicit ``reduce_dtype`` means the same on every version.
+# tests/test_features.py checks the bf16 step against torch's fully_shard bitwise.
+REDUCE_IN_GRAD_DTYPE = TorchVersion(torch.__version__) >= "2.15"
+
+
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Dtypes for the unsharded parameters, gradient reduction and outputs.
@@ -34,22 +47,36 @@ class MixedPrecisionPolicy:
     Args:
         param_dtype: dtype of the all-gathered (unsharded) parameters used in
             forward and backward. ``None`` (default) keeps the original dtype.
-        reduce_dtype: dtype in which gradients are reduce-scattered. ``None``
-            (default) uses ``param_dtype``'s gradient dtype.
+        reduce_dtype: dtype in which gradients are reduced (and accumulated while
+            gradient sync is off). ``None`` (default) follows the installed torch:
+            ``param_dtype`` on torch 2.13 and 2.14, the parameter's ``grad_dtype``
+            (its original dtype) on 2.15. See [Note: reduce_dtype follows the
+            installed torch].
         output_dtype: dtype to cast floating-point forward outputs to. ``None``
             (default) leaves outputs alone.
         cast_forward_inputs: cast floating-point forward inputs to
             ``param_dtype`` (default ``True``).
+        param_dtype_override_fn: keyword only; called once per managed parameter
+            at ``fully_shard``, it returns ``None`` or ``param_dtype`` (use
+            ``param_dtype``) or the parameter's own dtype (keep it, e.g. fp32
+            norms under bf16), as torch 2.15's. It must answer the same on every
+            rank. Forward inputs are still cast to ``param_dtype``. Default
+            ``None``.
 
     Raises:
-        TypeError: a dtype field is not a ``torch.dtype`` or ``None``.
-        ValueError: a dtype field is not floating point.
+        TypeError: a dtype field is not a ``torch.dtype`` or ``None``, or
+            ``param_dtype_override_fn`` is not callable.
+        ValueError: a dtype field is not floating point; at ``fully_shard``,
+            ``param_dtype_override_fn`` returned another dtype.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
+        default=None, kw_only=True
+    )
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -59,6 +86,35 @@ class MixedPrecisionPolicy:
                 "MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "
                 f"{type(self.cast_forward_inputs).__name__}."
             )
+        fn = self.param_dtype_override_fn
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                "MixedPrecisionPolicy.param_dtype_override_fn must be callable or None, "
+                f"got {type(fn).__name__}."
+            )
+
+    def resolve_for_param(self, param: nn.Parameter, fqn: str) -> MixedPrecisionPolicy:
+        """This policy for one parameter: ``param_dtype_override_fn`` applied and
+        dropped. Raises ``ValueError`` for an answer torch 2.15 refuses."""
+        fn = self.param_dtype_override_fn
+        if fn is None:
+            return self
+        dtype = fn(param)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(
+                "param_dtype_override_fn must return a torch.dtype or None but got "
+                f"{type(dtype)} for parameter {fqn!r}"
+            )
+        if dtype is not None and dtype not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                "param_dtype_override_fn must return None, param_dtype, or the "
+                f"parameter's original dtype but got {dtype} for parameter {fqn!r} with "
+                f"dtype {param.dtype} and param_dtype {self.param_dtype}"
+            )
+        return replace(
+            self, param_dtype=self.param_dtype if dtype is None else dtype,
+            param_dtype_override_fn=None,
+        )
 
 
 @dataclass(frozen=True)

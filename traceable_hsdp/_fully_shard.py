@@ -32,6 +32,7 @@ from ._exit import install_exit_hook
 from ._init import (
     CollectedParams,
     UnitOptions,
+    check_grad_dtype,
     check_modules,
     collect_params,
     mark_managed,
@@ -45,7 +46,14 @@ from ._state import FSDPState, marks_compile_region, state_of
 from .passes import install as _install_passes
 from .passes import track_unit_options
 
-__all__ = ["fully_shard", "FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "GradientReductionHandle",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
 
 
 # [Note: A subclass of torch's FSDPModule]
@@ -445,6 +453,85 @@ class FSDPModule(_TorchFSDPModule):
             )
         state.reset_iter()
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Whether resharding keeps the unsharded parameters' storage (torch 2.15's
+        method). ``True`` keeps each placeholder's full-size storage allocated across
+        reshard and unshard, so its data pointer stays the same (what CUDA graph
+        capture needs), at the cost of holding the unsharded parameters; the next
+        unshard refills it. ``False`` (a unit's default) frees it at every reshard.
+        Eager and compiled alike (a compiled graph that sees the change recompiles).
+
+        Args:
+            keep: keep the storage (``True``) or free it (``False``).
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _check_bool("keep", keep)
+        for state in _states(self, recurse):
+            if state.param_group is not None:
+                for fp in state.param_group.fsdp_params:
+                    fp.keep_storage = keep
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Whether the caller ends each backward iteration with
+        :meth:`finalize_backward` (torch 2.15's method). When enabled, the end of a
+        backward neither reduces the gradients a unit kept nor reshards what backward
+        left gathered, whatever ``set_is_last_backward`` says; ``finalize_backward``
+        does both. torch.distributed.pipelining (2.15) uses it for its micro-batches.
+        See [Note: Manual backward finalization] in ``_state.py``.
+
+        Raises:
+            RuntimeError: called on a unit that is not the root, or, to change the
+                mode, during a backward or while a finalization is pending.
+        """
+        _check_bool("enabled", enabled)
+        state = _require_state(self)
+        if not state.is_root:
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root FSDP "
+                f"module; this {type(self).__name__} is nested in another fully_shard "
+                "unit. Call it on the outermost module fully_shard was applied to."
+            )
+        if enabled != state.manual_finalization:
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError(
+                    "set_manual_backward_finalization cannot change mode during backward"
+                )
+            if state.reduction_pending:
+                raise RuntimeError(
+                    "set_manual_backward_finalization cannot change mode while a gradient "
+                    "reduction is pending: call wait() on its GradientReductionHandle first"
+                )
+        state.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
+        """Ends the backward iteration under manual finalization (torch 2.15's
+        method): reduces the gradients the units kept and reshards them as
+        ``set_reshard_after_backward`` says. Call it on the root after every
+        backward of the iteration, with gradient sync on again. See [Note: Manual
+        backward finalization] in ``_state.py``.
+
+        Args:
+            async_op: return a :class:`GradientReductionHandle` to ``wait()`` on
+                (default ``False`` returns ``None``). The reduction is complete when
+                it returns either way: our collectives run on the current stream.
+
+        Raises:
+            RuntimeError: not the root; manual finalization is off; called inside a
+                backward; a previous ``async_op`` handle was not waited on.
+        """
+        _check_bool("async_op", async_op)
+        state = _require_state(self)
+        if not state.is_root:
+            raise RuntimeError(
+                "finalize_backward must be called on the root FSDP module; this "
+                f"{type(self).__name__} is nested in another fully_shard unit."
+            )
+        state.finalize_backward()
+        if not async_op:
+            return None
+        state.reduction_pending = True
+        return GradientReductionHandle(state)
+
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
@@ -589,6 +676,38 @@ class UnshardHandle:
             self._group.wait_for_unshard()
             self._group.register_unsharded()
             self._group = None
+
+
+# torch 2.15 adds the class; a handle of ours is an instance of torch's where it exists.
+_TorchGradientReductionHandle: type = getattr(
+    torch.distributed.fsdp, "GradientReductionHandle", object
+)
+
+
+class GradientReductionHandle(_TorchGradientReductionHandle):  # type: ignore[misc,valid-type]
+    """Returned by ``finalize_backward(async_op=True)``: ``wait()`` ends the pending
+    reduction. See [Note: Manual backward finalization] in ``_state.py``."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state: FSDPState | None = state
+        self._iteration = state.iteration
+
+    def wait(self) -> None:
+        """Releases the reduction (already complete). Idempotent.
+
+        Raises:
+            RuntimeError: ``reset_iter_state`` invalidated this handle.
+        """
+        state = self._state
+        if state is None:
+            return
+        if state.iteration != self._iteration:
+            raise RuntimeError(
+                "This gradient reduction handle was invalidated by reset_iter_state; "
+                "the iteration's gradients were dropped."
+            )
+        state.reduction_pending = False
+        self._state = None
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -820,13 +939,15 @@ def _build_unit(
                 )
         post_forward = post_forward_info(options.mesh_info, raf)
     where = collected.where
+    for p in collected.params:
+        check_grad_dtype(p, where[p][0][0], options.mp_policy)
     fsdp_params = [
         FSDPParam(
             p,
             where[p][0][0],
             [info for _, info in where[p]],
             collected.placements[p][1],
-            options.mp_policy,
+            options.mp_policy.resolve_for_param(p, where[p][0][0]),
             shard_dim=collected.placements[p][0],
             offload=options.offload,
             replicate=options.replicate is not None and options.replicate(p),

@@ -17,6 +17,7 @@ changes.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,9 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as _TorchMixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
-from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._api import REDUCE_IN_GRAD_DTYPE, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._common import MeshInfo, PostForwardInfo
 from ._param import ParamModuleInfo, check_tp_placements, spmd_mesh
 from ._state import state_of
@@ -473,18 +475,37 @@ def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int 
 
 
 # Set on a DeviceMesh object: {k: the mesh of groups of k ranks built from it}.
+def check_grad_dtype(param: nn.Parameter, fqn: str, mp_policy: MixedPrecisionPolicy) -> None:
+    """Refuses a ``grad_dtype`` set on ``param`` that torch 2.15 would reduce in
+    (``reduce_dtype=None``) and ours would not. See [Note: reduce_dtype follows the
+    installed torch] (_api.py)."""
+    if not REDUCE_IN_GRAD_DTYPE or mp_policy.reduce_dtype is not None:
+        return
+    if param.dtype.is_floating_point and param.grad_dtype != param.dtype:
+        raise NotImplementedError(
+            f"Parameter {fqn!r} has grad_dtype={param.grad_dtype} (its dtype is "
+            f"{param.dtype}); traceable_hsdp reduces gradients in the parameter's own "
+            "dtype when MixedPrecisionPolicy.reduce_dtype is None. Set reduce_dtype "
+            "explicitly, or leave grad_dtype at the parameter's dtype."
+        )
+
+
 def _check_mp_policy(mp_policy: Any) -> MixedPrecisionPolicy:
     if isinstance(mp_policy, MixedPrecisionPolicy):
         return mp_policy
     # torch.distributed.fsdp.MixedPrecisionPolicy has the same fields: accept it, so a
-    # half-switched import still works.
-    if type(mp_policy).__name__ == "MixedPrecisionPolicy" and hasattr(mp_policy, "param_dtype"):
-        return MixedPrecisionPolicy(
-            param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
-            output_dtype=mp_policy.output_dtype,
-            cast_forward_inputs=mp_policy.cast_forward_inputs,
-        )
+    # half-switched import still works. A field of torch's that ours lacks (a newer
+    # torch) is refused, never dropped.
+    if isinstance(mp_policy, _TorchMixedPrecisionPolicy):
+        theirs = {f.name for f in dataclasses.fields(mp_policy)}
+        ours = {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
+        if theirs - ours:
+            raise NotImplementedError(
+                "torch's MixedPrecisionPolicy has fields traceable_hsdp does not "
+                f"support on torch {torch.__version__}: {sorted(theirs - ours)}. Use a "
+                "supported torch (2.13, 2.14 or 2.15) or leave them out."
+            )
+        return MixedPrecisionPolicy(**{n: getattr(mp_policy, n) for n in theirs})
     raise TypeError(
         "mp_policy must be a traceable_hsdp.MixedPrecisionPolicy, got "
         f"{type(mp_policy).__name__}."

@@ -313,7 +313,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
-from ._api import CPUOffloadPolicy, MixedPrecisionPolicy
+from ._api import REDUCE_IN_GRAD_DTYPE, CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
 from ._common import MeshInfo, PostForwardInfo, ShardedState, compiling
 from ._optim_check import register_placeholder, register_replaced
@@ -502,7 +502,9 @@ class FSDPParam:
         floating = orig_dtype.is_floating_point
         mp = self.mp_policy
         self.dtype = (mp.param_dtype if floating else None) or orig_dtype
-        self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.dtype
+        # See [Note: reduce_dtype follows the installed torch] (_api.py).
+        default = orig_dtype if REDUCE_IN_GRAD_DTYPE else self.dtype
+        self.reduce_dtype = (mp.reduce_dtype if floating else None) or default
 
     def _empty_placeholder(self) -> torch.Tensor:
         """A tensor of the full shape in ``dtype`` on the compute device, with 0 bytes of

@@ -417,6 +417,10 @@ class FSDPState:
         self.states: list[FSDPState] = [self]
         self.training_state = TrainingState.IDLE
         self.is_last_backward = True  # root only: finish every unit after backward
+        # Root only; see [Note: Manual backward finalization].
+        self.manual_finalization = False
+        self.reduction_pending = False  # finalize_backward(async_op=True) not waited
+        self.iteration = 0  # bumped by reset_iter: invalidates a pending handle
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         self._final_callback_queued = False
@@ -977,14 +981,53 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
 
     def _root_post_backward_final(self) -> None:
+        self._final_callback_queued = False
+        if self.manual_finalization:
+            return  # finalize_backward() ends the iteration
+        self._end_backward_iteration()
+
+    def _end_backward_iteration(self) -> None:
         # See [Note: Unused parameters] (_param_group.py).
         for state in self.states:
             if state.param_group is not None:
                 state.param_group.end_of_backward()
-        if self.is_last_backward:
+        if self.is_last_backward or self.manual_finalization:
             for state in self.states:
                 state._finish_backward()
-        self._final_callback_queued = False
+
+    # [Note: Manual backward finalization]
+    # torch 2.15's ``set_manual_backward_finalization(True)`` moves the end of the
+    # backward iteration from the autograd engine's final callback to an explicit
+    # ``finalize_backward()`` call, so that a schedule can run several backwards (the
+    # micro-batches of a pipeline stage, with gradient sync off) and reduce once.
+    # Here the root's final callback then does nothing, and ``finalize_backward``
+    # does what the callback does on the last backward: every group reduces the
+    # gradients it kept (gradient sync is on again by then) and every unit finishes
+    # its backward (reshards as ``reshard_after_backward`` says). Our collectives run
+    # on the current stream, so ``async_op=True`` finishes the reduction before it
+    # returns its handle; the handle's ``wait()`` checks that no
+    # ``reset_iter_state`` came between (``iteration``), as torch's does.
+    # tests/test_module_methods.py checks it against torch's fully_shard, and
+    # tests/test_pipelining.py through torch.distributed.pipelining.
+    def finalize_backward(self) -> None:
+        """Root only. See [Note: Manual backward finalization]."""
+        if not self.manual_finalization:
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) on the root before forward."
+            )
+        if self.reduction_pending:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing "
+                "backward again: call wait() on the handle finalize_backward(async_op="
+                "True) returned."
+            )
+        if _in_backward():
+            raise RuntimeError(
+                "FSDP finalize_backward must be called after backward completes, not "
+                "inside it (a hook or a callback of the backward)."
+            )
+        self._end_backward_iteration()
 
     # ------------------------------------------------------------ iteration
     def reset_iter(self) -> None:
@@ -995,6 +1038,8 @@ class FSDPState:
                 state.param_group.reset()
             state.training_state = TrainingState.IDLE
         self._final_callback_queued = False
+        self.reduction_pending = False
+        self.iteration += 1  # a pending GradientReductionHandle is invalid now
 
     def set_post_optim_event(self, event: Any) -> None:
         """Root only. See [Note: The post-optimizer event]."""
