@@ -81,24 +81,15 @@ first changed it:
   optimization and the placeholders].
 
 Each :func:`install` sets them again (a ``fully_shard`` after the user changed one
-changes it back), but remembers only the values from before the first change. The
-six other process-wide changes are the runtime's, each with its own undo. Two are
-for the FX graph cache's key, in ``traceable_hsdp/_cache.py``: a ``copyreg`` reducer
-for ``DeviceMesh`` made on import, and ``FxGraphCache.prepare_key`` wrapped by
-``fully_shard`` to key the forward's ``BackwardState`` input as ``None``. The third is
-dynamo's ``side_effect_replay_policy``, set to ``"silent"`` by ``fully_shard`` while
-nothing reads its messages (``traceable_hsdp/_compile.py``). The fourth is an
-optimizer step pre-hook, registered by ``fully_shard``, that refuses an optimizer
-holding parameters the model no longer trains (``traceable_hsdp/_optim_check.py``). The fifth
-is an ``atexit`` function that frees destroyed process groups before the interpreter
-finalizes (``traceable_hsdp/_exit.py``). The sixth, by ``fully_shard``, wraps
-compiled autograd's ``AutogradCompilerInstance.is_placeholder`` so that its ordering
-of tensor hooks leaves a hook on no gradient alone instead of failing on it
-(``traceable_hsdp/_compile.py``). Nothing else (not
-``hsdp()``, not a unit's options) writes process-wide configuration, but for the
-debugging tool ``dump_graphs``, and only for the length of its block: its recorders
-around our pass (which bypass Inductor's FX graph cache), depyf's patches, and
-dynamo skipping depyf's files, each undone when the block exits
+changes it back), but remembers only the values from before the first change. These
+and the runtime's own process-wide changes (the FX graph cache keys, dynamo's
+side-effect messages, compiled autograd's hook ordering, the exit hook, the optimizer
+check) are entries of [Note: Torch internals] (``traceable_hsdp/_torch_internals.py``),
+whose ``install()`` ``fully_shard`` calls and whose ``undo()`` undoes them all.
+Nothing else (not ``hsdp()``, not a unit's options) writes process-wide
+configuration, but for the debugging tool ``dump_graphs``, and only for the length of
+its block: its recorders around our pass (which bypass Inductor's FX graph cache),
+depyf's patches, and dynamo skipping depyf's files, each undone when the block exits
 (``traceable_hsdp/_dump.py``).
 
 [Note: Saved views of the placeholder]
@@ -174,6 +165,7 @@ from .free_after_last_read import free_after_last_read
 from .gather_into_buffers import gather_into_buffers
 from .overlap import overlap
 from .exchange import all_gather_by_exchange, reduce_scatter_by_exchange
+from .._torch_internals import owner
 from .remove_resize_copy import remove_resize_copy
 from .recompute_placeholder_views import recompute_placeholder_views
 from .save_checkpoint_outputs import save_checkpoint_outputs
@@ -582,20 +574,21 @@ class _LayoutOptDecision:
         return self.wrapped(gm, is_inference=is_inference)
 
 
-def _install_layout_opt_decision() -> None:
-    from torch._inductor.graph import GraphLowering
+_DECIDE_LAYOUT_OPT = "torch._inductor.graph.GraphLowering.decide_layout_opt"
 
-    current = GraphLowering.decide_layout_opt  # the function, or ours (not a descriptor)
+
+def _install_layout_opt_decision() -> None:
+    lowering, name = owner(_DECIDE_LAYOUT_OPT)
+    current = getattr(lowering, name)  # the function, or ours (not a descriptor)
     if not isinstance(current, _LayoutOptDecision):
-        GraphLowering.decide_layout_opt = _LayoutOptDecision(current)
+        setattr(lowering, name, _LayoutOptDecision(current))
 
 
 def _uninstall_layout_opt_decision() -> None:
-    from torch._inductor.graph import GraphLowering
-
-    current = GraphLowering.decide_layout_opt
+    lowering, name = owner(_DECIDE_LAYOUT_OPT)
+    current = getattr(lowering, name)
     if isinstance(current, _LayoutOptDecision):
-        GraphLowering.decide_layout_opt = staticmethod(current.wrapped)
+        setattr(lowering, name, staticmethod(current.wrapped))
 
 
 def install(config: PassConfig | None = None) -> None:

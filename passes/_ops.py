@@ -23,12 +23,13 @@ them), so it needs no autograd formula.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from typing import Any
 
 import torch
+
+from .._torch_internals import resolve
 
 __all__ = [
     "POOLED_ALL_TO_ALL",
@@ -39,8 +40,6 @@ __all__ = [
     "release_exchange_buffers",
     "split_columns",
 ]
-
-log = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("traceable_hsdp::split_columns", mutates_args=())
@@ -121,8 +120,9 @@ SPLIT_COLUMNS = torch.ops.traceable_hsdp.split_columns.default
 # Inductor lowers the op as it lowers torch's (:func:`pooled_all_to_all_lowering`:
 # ``ir._CollectiveKernel.create_out_of_place``), so its input stays alive until the
 # wait and its buffer is not reused before then (``_WaitKernel.get_volatile_reads``),
-# and its scheduler counts it as a collective. Where that lowering cannot be
-# registered (another torch), the exchanges keep torch's op.
+# and its scheduler counts it as a collective. On a torch without what that lowering
+# needs, registering it raises ``TorchInternalError`` ([Note: Torch internals]);
+# ``PassConfig(pool_exchange_outputs=False)`` compiles torch's op instead.
 
 POOL_DEPTH = 8
 """Most buffers kept for one (shape, dtype, device)."""
@@ -131,10 +131,13 @@ _pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Untype
 _pool_lock = threading.Lock()
 
 
+_storage_use_count = resolve("torch._C._storage_Use_Count")
+
+
 def _unused(storage: torch.UntypedStorage) -> bool:
     """Whether only the pool references ``storage`` (its use count is the pool's own
     reference). See [Note: Exchange outputs from a pool]."""
-    return torch._C._storage_Use_Count(storage._cdata) == 1
+    return _storage_use_count(storage._cdata) == 1
 
 
 def _take(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -189,12 +192,10 @@ def all_to_all_single(
     """``_c10d_functional.all_to_all_single`` with its output from the pool: issues
     the all-to-all and registers its work for ``wait_tensor``. See [Note: Exchange
     outputs from a pool]."""
-    from torch._C import _distributed_c10d as c10d
-
     out = _take([sum(output_split_sizes), *input.shape[1:]], input.dtype, input.device)
-    group = c10d._resolve_process_group(group_name)
+    group = resolve("torch._C._distributed_c10d._resolve_process_group")(group_name)
     work = group.alltoall_base(out, input, output_split_sizes, input_split_sizes)
-    c10d._register_work(out, work)
+    resolve("torch._C._distributed_c10d._register_work")(out, work)
     return out
 
 
@@ -208,39 +209,31 @@ def _(
 
 POOLED_ALL_TO_ALL = torch.ops.traceable_hsdp.all_to_all_single.default
 
-_lowering: bool | None = None
+_lowering = False
 
 
 def pooled_all_to_all_lowering() -> bool:
     """Registers Inductor's lowering of :data:`POOLED_ALL_TO_ALL` (once; the one
-    torch gives its own all-to-all) and says whether it is registered. ``False``
-    where this torch's Inductor lacks what it needs: the exchanges then issue
-    torch's op. See [Note: Exchange outputs from a pool]."""
+    torch gives its own all-to-all). See [Note: Exchange outputs from a pool].
+
+    Returns:
+        ``True``: it is registered.
+
+    Raises:
+        TorchInternalError: this torch's Inductor lacks what the lowering needs.
+    """
     global _lowering
-    if _lowering is None:
-        try:
-            from torch._inductor import ir
-            from torch._inductor.lowering import (
-                add_layout_constraint,
-                constrain_to_fx_strides,
-                register_lowering,
-            )
+    if not _lowering:
+        create = resolve("torch._inductor.ir._CollectiveKernel.create_out_of_place")
+        box = resolve("torch._inductor.ir.TensorBox.create")
+        lowering = "torch._inductor.lowering."
 
-            create = ir._CollectiveKernel.create_out_of_place
+        def lower(inp: Any, out_splits: Any, in_splits: Any, group_name: str) -> Any:
+            return box(create(POOLED_ALL_TO_ALL, inp, out_splits, in_splits, group_name))
 
-            def lower(inp: Any, out_splits: Any, in_splits: Any, group_name: str) -> Any:
-                node = create(POOLED_ALL_TO_ALL, inp, out_splits, in_splits, group_name)
-                return ir.TensorBox.create(node)
-
-            packet = torch.ops.traceable_hsdp.all_to_all_single
-            add_layout_constraint(packet, constrain_to_fx_strides)
-            register_lowering(packet)(lower)
-            _lowering = True
-        except (ImportError, AttributeError) as e:
-            log.warning(
-                "traceable_hsdp: cannot lower the pooled all-to-all on torch %s (%s); "
-                "the exchanges issue torch's _c10d_functional.all_to_all_single",
-                torch.__version__, e,
-            )
-            _lowering = False
+        packet = torch.ops.traceable_hsdp.all_to_all_single
+        resolve(lowering + "add_layout_constraint")(
+            packet, resolve(lowering + "constrain_to_fx_strides"))
+        resolve(lowering + "register_lowering")(packet)(lower)
+        _lowering = True
     return _lowering

@@ -59,9 +59,9 @@ import logging
 import operator
 
 from torch import fx
-from torch.fx.experimental._backward_state import BackwardState
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._torch_internals import BackwardState
 from ._graph import is_view
 from ._rewrite import tensor_val
 

@@ -48,11 +48,13 @@ _PICKLE_MESH = r"""
 import hashlib, sys, tempfile
 import torch, torch.distributed as dist
 import traceable_hsdp
+from traceable_hsdp._torch_internals import install
 from torch._inductor.codecache import FxGraphCachePickler
 from torch.distributed.device_mesh import init_device_mesh
 with tempfile.TemporaryDirectory() as d:
     dist.init_process_group("gloo", init_method=f"file://{d}/s", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
+    install()  # as fully_shard does
     hash(mesh)
     pickler = FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
     pickler.fast = False
@@ -89,8 +91,18 @@ def test_mesh_pickle_without_the_reducer_differs_between_processes() -> None:
     assert a != b
 
 
+def test_import_leaves_copyreg_alone() -> None:
+    code = ("import copyreg, traceable_hsdp; from torch.distributed.device_mesh import "
+            "DeviceMesh; assert DeviceMesh not in copyreg.dispatch_table")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
 def test_reducer_drops_only_the_cached_hash(one_rank: DeviceMesh) -> None:
-    assert _cache.stable_mesh_key_installed()  # on by default, on import
+    from traceable_hsdp._torch_internals import install
+
+    install()
+    assert _cache.stable_mesh_key_installed()  # on by default
     mesh = one_rank
     h = hash(mesh)
     assert mesh._hash == h

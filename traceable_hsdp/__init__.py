@@ -3,9 +3,8 @@
 A drop-in for ``torch.distributed.fsdp``: ``from traceable_hsdp import fully_shard``.
 
 [Note: Lazy public names]
-``import traceable_hsdp`` imports torch and installs the stable mesh cache key
-([Note: FX graph cache keys across processes] in ``_cache.py``), nothing more. The
-public names are loaded on first use through the module ``__getattr__`` (PEP 562):
+``import traceable_hsdp`` imports torch, nothing more: it changes nothing in torch
+(``fully_shard`` does, through ``_torch_internals.install``). The public names are loaded on first use through the module ``__getattr__`` (PEP 562):
 ``fully_shard`` brings in the runtime and its Inductor passes, ``dump_graphs`` the
 dump tool (depyf and Inductor). So ``traceable-hsdp train --help`` and any program
 that only imports the package do not pay for Inductor.
@@ -17,7 +16,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._cache import _install_from_env
 
 if TYPE_CHECKING:
     from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -66,6 +64,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-# Stable FX graph cache keys; see [Note: FX graph cache keys across processes] (_cache.py).
-_install_from_env()

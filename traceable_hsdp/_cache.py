@@ -41,8 +41,10 @@ reducer returns the mesh's own reduction with ``_hash`` left out of the state; t
 unpickled mesh recomputes it on first use (``DeviceMesh.__hash__``), as a new mesh
 does. Everything that identifies the mesh (ranks, layout, device type, dimension
 names, process-group names, this rank) stays in the pickle and in the key. It is on
-by default (``traceable_hsdp`` installs it on import); ``TRACEABLE_HSDP_STABLE_MESH_KEY=0``
-in the environment leaves it off, and :func:`uninstall_stable_mesh_key` removes it.
+by default (``fully_shard`` installs it, through [Note: Torch internals] in
+``_torch_internals.py``); ``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` in the
+environment leaves it off, and :func:`uninstall_stable_mesh_key` removes it. A reducer
+for ``DeviceMesh`` that someone else registered is refused (``TorchInternalError``).
 
 Both AOTAutograd bypasses are decided inside torch by function name, and are left
 alone: the forward's ``_register_hook_trampoline`` is a closure over the hook's name,
@@ -64,11 +66,13 @@ get the inputs unchanged. Then a restart's forward hits like its backward: on th
 demo Llama with 4 layers and 1 rank, a warm first step's Inductor time fell from
 4.3 s to 1.7 s (docs/compile.md, "Compile time and caches"). The rest of the key
 (the graph's code, the other inputs, the configuration and our passes' ``uuid()``)
-is computed by torch as before. This is the one place traceable_hsdp patches a torch
-function rather than setting a switch torch offers: torch 2.13 has no switch for it.
-``fully_shard`` installs it (it needs Inductor, which ``import traceable_hsdp`` does
-not load: [Note: Lazy public names]); ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0`` leaves it
-off, and :func:`uninstall_forward_cache_key` puts torch's function back.
+is computed by torch as before. torch has no switch for it, so the function is
+replaced (an entry of [Note: Torch internals]). ``fully_shard`` installs it (it needs
+Inductor, which ``import traceable_hsdp`` does not load: [Note: Lazy public names]);
+``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0`` leaves it off, and
+:func:`uninstall_forward_cache_key` puts torch's function back. Where another
+``prepare_key`` replaced ours since, :func:`install_forward_cache_key` leaves it and
+says so, and ``fully_shard`` raises ``TorchInternalError``, naming the switch.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from ._torch_internals import internal_error, owner, resolve
 
 __all__ = [
     "CacheCounts",
@@ -104,11 +110,21 @@ def _device_mesh_type() -> type | None:
     return DeviceMesh
 
 
+_MESH_REDUCER = "copyreg.dispatch_table[torch.distributed.device_mesh.DeviceMesh]"
+_MESH_HASH = "torch.distributed.device_mesh.DeviceMesh.__hash__"
+
+
 def _reduce_device_mesh(mesh: Any) -> tuple[Any, ...]:
     """``mesh``'s own reduction, without the per-process ``_hash`` in its state. See
-    [Note: FX graph cache keys across processes]."""
+    [Note: FX graph cache keys across processes].
+
+    Raises:
+        TorchInternalError: the reduction holds no state dict (another torch).
+    """
     reduced = mesh.__reduce_ex__(2)  # the type's own; copyreg's table is not consulted
-    if len(reduced) < 3 or not isinstance(reduced[2], dict) or "_hash" not in reduced[2]:
+    if len(reduced) < 3 or not isinstance(reduced[2], dict):
+        raise internal_error(_MESH_HASH, "pickles a DeviceMesh without a state dict")
+    if "_hash" not in reduced[2]:  # an unpickled mesh, not hashed since
         return reduced
     state = dict(reduced[2])
     del state["_hash"]
@@ -120,30 +136,35 @@ def install_stable_mesh_key() -> bool:
     across processes. Idempotent. See [Note: FX graph cache keys across processes].
 
     Returns:
-        Whether it is installed now (``False`` without ``torch.distributed``, or when
-        another reducer for ``DeviceMesh`` is registered: that one is left alone).
+        Whether it is installed now (``False`` without ``torch.distributed``: no mesh
+        to key).
+
+    Raises:
+        TorchInternalError: another reducer for ``DeviceMesh`` is registered.
     """
     mesh_type = _device_mesh_type()
     if mesh_type is None:
         return False
-    current = copyreg.dispatch_table.get(mesh_type)
+    current = resolve(_MESH_REDUCER)
     if current is None:
         copyreg.pickle(mesh_type, _reduce_device_mesh)
-        return True
-    return current is _reduce_device_mesh
+    elif current is not _reduce_device_mesh:
+        raise internal_error(
+            _MESH_REDUCER, f"is {current!r}, registered by other code",
+            f"set {ENV_STABLE_MESH_KEY}=0 to leave traceable_hsdp's reducer off")
+    return True
 
 
 def uninstall_stable_mesh_key() -> None:
     """Removes the reducer :func:`install_stable_mesh_key` registered, if it is there."""
     mesh_type = _device_mesh_type()
-    if mesh_type is not None and copyreg.dispatch_table.get(mesh_type) is _reduce_device_mesh:
+    if mesh_type is not None and resolve(_MESH_REDUCER) is _reduce_device_mesh:
         del copyreg.dispatch_table[mesh_type]
 
 
 def stable_mesh_key_installed() -> bool:
     """Whether :func:`install_stable_mesh_key`'s reducer is registered."""
-    mesh_type = _device_mesh_type()
-    return mesh_type is not None and copyreg.dispatch_table.get(mesh_type) is _reduce_device_mesh
+    return _device_mesh_type() is not None and resolve(_MESH_REDUCER) is _reduce_device_mesh
 
 
 def env_switch(name: str, environ: Mapping[str, str] | None, what: str) -> bool:
@@ -164,7 +185,7 @@ def env_switch(name: str, environ: Mapping[str, str] | None, what: str) -> bool:
 
 
 def _install_from_env(environ: Mapping[str, str] | None = None) -> None:
-    """On import: installs the reducer unless ``TRACEABLE_HSDP_STABLE_MESH_KEY`` is
+    """Installs the reducer unless ``TRACEABLE_HSDP_STABLE_MESH_KEY`` is
     ``0`` (or ``false``/``off``/``no``).
 
     Raises:
@@ -177,16 +198,7 @@ def _install_from_env(environ: Mapping[str, str] | None = None) -> None:
 # ------------------------------------------------------------------ the forward's key
 
 
-def _fx_graph_cache() -> Any:
-    from torch._inductor.codecache import FxGraphCache
-
-    return FxGraphCache
-
-
-def _backward_state_type() -> type:
-    from torch.fx.experimental._backward_state import BackwardState
-
-    return BackwardState
+_PREPARE_KEY = "torch._inductor.codecache.FxGraphCache.prepare_key"
 
 
 def _prepare_key_with_backward_state_as_none(
@@ -194,7 +206,7 @@ def _prepare_key_with_backward_state_as_none(
 ) -> Any:
     """``FxGraphCache.prepare_key`` with ``None`` in the place of each ``BackwardState``
     example input. See [Note: The forward's BackwardState and the FX graph cache key]."""
-    bw_state = _backward_state_type()
+    bw_state = resolve("torch.fx.experimental._backward_state.BackwardState")
     if any(isinstance(x, bw_state) for x in example_inputs):
         example_inputs = [None if isinstance(x, bw_state) else x for x in example_inputs]
     return _torch_prepare_key(gm, example_inputs, *args, **kwargs)
@@ -210,17 +222,18 @@ def install_forward_cache_key() -> bool:
     graph cache key].
 
     Returns:
-        Whether it is installed now (``False`` when ``FxGraphCache.prepare_key`` was
-        replaced by someone else since: theirs is left alone).
+        Whether it is installed now: ``False`` when another ``prepare_key`` replaced
+        ours since, which is left alone (:func:`install_forward_cache_key_from_env`
+        raises then).
     """
     global _torch_prepare_key
     if forward_cache_key_installed():
         return True
     if _torch_prepare_key is not None:  # ours was installed, then replaced: not ours to touch
         return False
-    cache = _fx_graph_cache()
-    _torch_prepare_key = cache.prepare_key
-    cache.prepare_key = staticmethod(_prepare_key_with_backward_state_as_none)
+    cache, name = owner(_PREPARE_KEY)
+    _torch_prepare_key = getattr(cache, name)
+    setattr(cache, name, staticmethod(_prepare_key_with_backward_state_as_none))
     return True
 
 
@@ -228,15 +241,14 @@ def uninstall_forward_cache_key() -> None:
     """Puts torch's ``FxGraphCache.prepare_key`` back, if ours is there."""
     global _torch_prepare_key
     if forward_cache_key_installed():
-        _fx_graph_cache().prepare_key = staticmethod(_torch_prepare_key)
+        cache, name = owner(_PREPARE_KEY)
+        setattr(cache, name, staticmethod(_torch_prepare_key))
         _torch_prepare_key = None
 
 
 def forward_cache_key_installed() -> bool:
     """Whether :func:`install_forward_cache_key`'s ``prepare_key`` is in place."""
-    current = _fx_graph_cache().__dict__["prepare_key"]
-    ours = _prepare_key_with_backward_state_as_none
-    return isinstance(current, staticmethod) and current.__func__ is ours
+    return resolve(_PREPARE_KEY) is _prepare_key_with_backward_state_as_none
 
 
 def install_forward_cache_key_from_env(environ: Mapping[str, str] | None = None) -> None:
@@ -245,9 +257,13 @@ def install_forward_cache_key_from_env(environ: Mapping[str, str] | None = None)
 
     Raises:
         ValueError: any other value than those and ``1``/``true``/``on``/``yes``/empty.
+        TorchInternalError: another ``prepare_key`` replaced ours.
     """
-    if env_switch(ENV_FORWARD_CACHE_KEY, environ, "the forward keyed in the FX graph cache"):
-        install_forward_cache_key()
+    switch = env_switch(ENV_FORWARD_CACHE_KEY, environ, "the forward keyed in the FX graph cache")
+    if switch and not install_forward_cache_key():
+        raise internal_error(
+            _PREPARE_KEY, f"is {resolve(_PREPARE_KEY)!r}, which replaced traceable_hsdp's",
+            f"set {ENV_FORWARD_CACHE_KEY}=0 to leave traceable_hsdp's key off")
 
 
 # ------------------------------------------------------------------ reporting
@@ -268,8 +284,7 @@ class CacheCounts:
     @classmethod
     def now(cls) -> CacheCounts:
         """The counts so far in this process."""
-        from torch._dynamo.utils import counters
-
+        counters = resolve("torch._dynamo.utils.counters")
         ind, aot = counters["inductor"], counters["aot_autograd"]
         return cls(
             fx_hit=int(ind["fxgraph_cache_hit"]),
@@ -327,7 +342,7 @@ class CompileTimes:
     @classmethod
     def now(cls) -> CompileTimes:
         """The totals so far in this process."""
-        from torch._dynamo.utils import compilation_time_metrics as m
+        m = resolve("torch._dynamo.utils.compilation_time_metrics")
 
         def s(key: str) -> float:
             return float(sum(m.get(key, ())))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ._common import compiling
+from ._torch_internals import _get_current_dispatch_mode_stack
 from .passes import get_config
 from .passes._graph import group_backend
 from .passes.exchange import is_gloo_group

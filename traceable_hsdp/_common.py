@@ -8,8 +8,9 @@ from enum import Enum, auto
 from typing import Any, NoReturn
 
 import torch
-from torch._dynamo import compiled_autograd
 from torch.distributed.device_mesh import DeviceMesh
+
+from ._torch_internals import compiled_autograd
 
 
 class TrainingState(Enum):
@@ -185,7 +186,7 @@ def unit_forwards_in_frame() -> int:
     """While dynamo traces: how many unit forwards the frame being traced holds, from
     its outermost call down to here (0 eagerly, and in a compiled-autograd backward).
     See [Note: One graph for every unit of a class]."""
-    from torch._guards import TracingContext
+    from ._torch_internals import TracingContext
 
     if TracingContext.try_get() is None:
         return 0

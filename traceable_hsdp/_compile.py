@@ -22,15 +22,14 @@ may move the re-gather into the forward: wrong numbers, no error). Two ways in:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-from torch._dynamo import compiled_autograd as _ca
 
 from ._cache import env_switch
+from ._torch_internals import owner, resolve
 
 _enabled: list[AbstractContextManager[None]] = []  # the context we entered, if any
 
@@ -53,7 +52,7 @@ def enable_compiled_autograd(backend: str | Any = "inductor", **compile_kwargs: 
     """
     if _enabled:
         return
-    ctx = _ca._enable(torch.compile(backend=backend, **compile_kwargs))
+    ctx = _enable(torch.compile(backend=backend, **compile_kwargs))
     ctx.__enter__()
     _enabled.append(ctx)
 
@@ -72,8 +71,13 @@ def compiled_autograd(backend: str | Any = "inductor", **compile_kwargs: Any) ->
         backend: as for :func:`enable_compiled_autograd`.
         compile_kwargs: as for :func:`enable_compiled_autograd`.
     """
-    with _ca._enable(torch.compile(backend=backend, **compile_kwargs)):
+    with _enable(torch.compile(backend=backend, **compile_kwargs)):
         yield
+
+
+def _enable(compiler_fn: Any) -> AbstractContextManager[None]:
+    """Compiled autograd's own context, on with ``compiler_fn``."""
+    return resolve("torch._dynamo.compiled_autograd._enable")(compiler_fn)
 
 
 # [Note: Dynamo's side-effect messages]
@@ -98,30 +102,29 @@ def compiled_autograd(backend: str | Any = "inductor", **compile_kwargs: Any) ->
 # ``fully_shard`` runs. A reader turned on later (``torch._logging.set_logs(
 # side_effects=True)``) gets no messages until :func:`restore_side_effect_messages`
 # puts ``"info"`` back; ``TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0`` leaves torch's
-# default alone. ``dump_graphs(trace=True)``, which adds its structured-trace reader
+# default alone. torch's default trace handler with no directory counts as no reader:
+# it writes only inside Meta's own jobs, whose environment traceable_hsdp does not
+# read. ``dump_graphs(trace=True)``, which adds its structured-trace reader
 # for its block, has ``"info"`` inside the block (:func:`side_effect_messages_on`).
 # Dynamo reads the policy while it compiles, so it is set before compiling starts,
 # never during (fully_shard is not traced).
 
 ENV_QUIET_SIDE_EFFECTS = "TRACEABLE_HSDP_QUIET_SIDE_EFFECTS"
 
-_quieted: list[bool] = []  # [True] while "silent" is ours to undo
+_POLICY = "torch._dynamo.config.side_effect_replay_policy"
+_quieted: list[str] = []  # [torch's policy] while "silent" is ours to undo
 
 
 def side_effect_messages_read() -> bool:
     """Whether anything would read dynamo's side-effect messages now: the
     ``side_effects`` logging artifact is on, or the structured trace writes somewhere.
     See [Note: Dynamo's side-effect messages]."""
-    from torch._dynamo.side_effects import side_effects_log
-    from torch._logging._internal import LazyTraceHandler, trace_log
-
-    if side_effects_log.isEnabledFor(logging.DEBUG):
+    if resolve("torch._dynamo.side_effects.side_effects_log").isEnabledFor(logging.DEBUG):
         return True
-    for handler in trace_log.handlers:
-        # torch's default handler, with no directory (no TORCH_TRACE), writes nothing
-        # outside Meta's jobs (LazyTraceHandler.emit, MAST_HPC_JOB_NAME): no reader.
-        default = isinstance(handler, LazyTraceHandler) and handler.root_dir is None
-        if not default or os.environ.get("MAST_HPC_JOB_NAME"):
+    default_handler = resolve("torch._logging._internal.LazyTraceHandler")
+    for handler in resolve("torch._logging._internal.trace_log").handlers:
+        # torch's default handler, with no directory (no TORCH_TRACE): no reader.
+        if not (isinstance(handler, default_handler) and handler.root_dir is None):
             return True
     return False
 
@@ -134,15 +137,16 @@ def quiet_side_effect_messages() -> bool:
     Returns:
         Whether the policy is ``"silent"`` by this call or an earlier one.
     """
-    config = torch._dynamo.config
+    config, name = owner(_POLICY)
+    policy = getattr(config, name)
     if _quieted:
-        if config.side_effect_replay_policy == "silent":
+        if policy == "silent":
             return True
         _quieted.clear()  # the user set another policy since: theirs stays
-    if config.side_effect_replay_policy != "info" or side_effect_messages_read():
+    if policy != "info" or side_effect_messages_read():
         return False
-    config.side_effect_replay_policy = "silent"
-    _quieted.append(True)
+    setattr(config, name, "silent")
+    _quieted.append(policy)
     return True
 
 
@@ -150,9 +154,10 @@ def restore_side_effect_messages() -> None:
     """Puts torch's ``"info"`` back if :func:`quiet_side_effect_messages` set
     ``"silent"`` and nobody changed it since."""
     if _quieted:
-        _quieted.clear()
-        if torch._dynamo.config.side_effect_replay_policy == "silent":
-            torch._dynamo.config.side_effect_replay_policy = "info"
+        torchs = _quieted.pop()
+        config, name = owner(_POLICY)
+        if getattr(config, name) == "silent":
+            setattr(config, name, torchs)
 
 
 @contextmanager
@@ -160,7 +165,7 @@ def side_effect_messages_on() -> Iterator[None]:
     """Torch's ``"info"`` policy inside the block if :func:`quiet_side_effect_messages`
     had set ``"silent"`` (quieted again after): for a reader added for the block, such
     as the structured trace of ``dump_graphs(trace=True)``."""
-    ours = bool(_quieted) and torch._dynamo.config.side_effect_replay_policy == "silent"
+    ours = bool(_quieted) and resolve(_POLICY) == "silent"
     if ours:
         restore_side_effect_messages()
     try:
@@ -211,22 +216,27 @@ def quiet_side_effect_messages_from_env(environ: Mapping[str, str] | None = None
 # (tests/test_reliability.py). :func:`restore_compiled_autograd_ordering` puts
 # torch's function back.
 
+_IS_PLACEHOLDER = "torch._dynamo.compiled_autograd.AutogradCompilerInstance.is_placeholder"
 _torch_is_placeholder: list[Any] = []  # torch's function, while ours is installed
 
 
 def tolerate_outputs_without_gradient() -> None:
     """Makes compiled autograd's tensor-hook ordering leave alone a hook whose gradient
     is None, instead of failing on it. Idempotent. See [Note: An output hook that gets
-    no gradient]."""
-    cls = _ca.AutogradCompilerInstance
-    if _torch_is_placeholder or not hasattr(cls, "is_placeholder"):
+    no gradient].
+
+    Raises:
+        TorchInternalError: this torch's compiled autograd has no ``is_placeholder``.
+    """
+    cls, name = owner(_IS_PLACEHOLDER)
+    if _torch_is_placeholder:
         return
-    torch_is_placeholder = cls.is_placeholder
+    torch_is_placeholder = getattr(cls, name)
 
     def is_placeholder(node: Any) -> bool:
         return node is None or torch_is_placeholder(node)
 
-    cls.is_placeholder = staticmethod(is_placeholder)
+    setattr(cls, name, staticmethod(is_placeholder))
     _torch_is_placeholder.append(torch_is_placeholder)
 
 
@@ -234,4 +244,5 @@ def restore_compiled_autograd_ordering() -> None:
     """Undoes :func:`tolerate_outputs_without_gradient`. Does nothing if it is not
     installed."""
     if _torch_is_placeholder:
-        _ca.AutogradCompilerInstance.is_placeholder = staticmethod(_torch_is_placeholder.pop())
+        cls, name = owner(_IS_PLACEHOLDER)
+        setattr(cls, name, staticmethod(_torch_is_placeholder.pop()))

@@ -116,7 +116,8 @@ the step failed inside the dump only). The plain loop (``enable_compiled_autogra
 and a compiled model) calls the backward outside any compiled frame and never met
 this. ``dump_graphs`` therefore adds depyf's package to dynamo's skipped directories
 (``torch._dynamo.trace_rules.add``, torch's function for it) while depyf is on, and
-takes it out again after the block (``_dynamo_skips_depyf``).
+takes it out again after the block (``_torch_internals.dynamo_skips``: a change to
+torch, listed in [Note: Torch internals]).
 
 [Note: Entering before the first compile]
 depyf and the recorders see only compiles that happen inside the block; a function
@@ -153,6 +154,7 @@ import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch import fx
 
+from ._torch_internals import dynamo_skips
 from .passes._graph import (
     CollectiveRow,
     Kind,
@@ -920,7 +922,7 @@ def dump_graphs(
                 _bytecode_hook(lambda code, new: dynamo_code.__setitem__(code, new))
             )
             # See [Note: dynamo must not compile depyf's own functions].
-            stack.enter_context(_dynamo_skips_depyf())
+            stack.enter_context(dynamo_skips("depyf"))
             with warnings.catch_warnings():
                 # depyf warns on every entry that the code must run several times.
                 warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`")
@@ -947,25 +949,6 @@ def dump_graphs(
             _write_results(dump)
             if print_summary:
                 print(dump.summary(), file=sys.stdout if file is None else file, flush=True)
-
-
-@contextlib.contextmanager
-def _dynamo_skips_depyf() -> Iterator[None]:
-    """Dynamo skips every frame of depyf's files while the block runs, and only the
-    frames it skipped before after it. See [Note: dynamo must not compile depyf's own
-    functions]."""
-    from torch._dynamo import trace_rules
-
-    before = len(trace_rules.SKIP_DIRS)
-    trace_rules.add("depyf")
-    added = trace_rules.SKIP_DIRS[before:]
-    try:
-        yield
-    finally:
-        for d in added:
-            trace_rules.SKIP_DIRS.remove(d)
-        if added:
-            trace_rules._recompile_re()
 
 
 @contextlib.contextmanager

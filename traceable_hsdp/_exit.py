@@ -31,10 +31,17 @@ finalization, where the race is.
 :func:`release_process_groups` with ``atexit``, which runs while the interpreter is
 still whole, after the script has returned. Once every group is destroyed (the
 default group is gone; before that it does nothing), it clears torch's
-sharding-propagation caches, empties the group table of every live ``DeviceMesh``
+sharding-propagation caches, empties the group tables of the meshes our units use
 (the groups in them are destroyed: nothing may use them again) and collects
 garbage, so the groups are destroyed there, while their workers can still take the
-GIL to finish their releases, and are joined. Checked by
+GIL to finish their releases, and are joined. Those meshes are the ones
+:func:`track_meshes` is given where a unit or a post-forward mesh is built, held
+weakly, each with its root mesh (whose table holds a submesh's groups), and every
+copy of them: a compiled step's DTensor guards (dynamo's ``DTENSOR_SPEC_MATCH``)
+deep-copy each spec with its mesh, the copy looks its groups up again by name, and
+the guards live in dynamo's C++ cache entries, which only the garbage collector's
+list of objects reaches (without the copies, a compiled step kept its 3 gloo threads
+to the end). Other meshes are not ours to change. Checked by
 ``tests/test_reliability.py`` (thread count at exit, with a control run without the
 hook), eager and torch's AdamW; with a compiled step (aot_eager) the group's
 references fell from 50 to none. Not covered: a script that never calls
@@ -50,32 +57,47 @@ from __future__ import annotations
 
 import atexit
 import gc
+import weakref
+from typing import TYPE_CHECKING
 
-__all__ = ["install_exit_hook", "uninstall_exit_hook", "release_process_groups"]
+from ._torch_internals import resolve
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["install_exit_hook", "uninstall_exit_hook", "release_process_groups", "track_meshes"]
 
 _installed = False
+_meshes: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()  # our units' meshes
+
+
+def track_meshes(*meshes: DeviceMesh) -> None:
+    """Notes meshes our units use, for :func:`release_process_groups`, for as long as
+    they live. See [Note: Exiting with gloo worker threads]."""
+    _meshes.update(meshes)
 
 
 def release_process_groups() -> None:
     """Once every process group is destroyed (``destroy_process_group()``), drops the
     references that keep them alive: torch's DTensor sharding-propagation caches, and
-    each live ``DeviceMesh``'s table of its groups. Then collects garbage, so the
-    groups are destroyed now and their gloo worker threads joined. Does nothing
-    while the default group exists. See [Note: Exiting with gloo worker threads]."""
+    the group tables of the meshes our units use, of their root meshes and of copies
+    of either. Then
+    collects garbage, so the groups are destroyed now and their gloo worker threads
+    joined. Does nothing while the default group exists. See [Note: Exiting with gloo
+    worker threads]."""
     import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():
         return
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    for obj in gc.get_objects():
-        # The MRO test, not isinstance: DeviceMesh's metaclass inspects the object.
-        if DeviceMesh in type(obj).__mro__:
-            registry = getattr(obj, "_pg_registry", None)
-            if isinstance(registry, dict):
-                registry.clear()
+    resolve("torch.distributed.tensor.debug._clear_sharding_prop_cache")()
+    mesh_type = resolve("torch.distributed.device_mesh.DeviceMesh")  # reads _pg_registry
+    root_of = resolve("torch.distributed.device_mesh.DeviceMesh._get_root_mesh")
+    ours = [m for mesh in list(_meshes) for m in (mesh, root_of(mesh))]
+    if ours:
+        for obj in gc.get_objects():  # the copies too: only the collector reaches them
+            # The MRO test, not isinstance: DeviceMesh's metaclass inspects the object.
+            if mesh_type in type(obj).__mro__ and any(obj == m for m in ours):
+                obj._pg_registry.clear()
     gc.collect()
 
 

@@ -18,17 +18,14 @@ from typing import Any, Literal, NoReturn, get_args, overload
 
 import torch
 from torch import nn
-from torch._dynamo import compiled_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
-from torch.distributed.fsdp._fully_shard import _fully_shard as _torch_fully_shard_impl
 from torch.distributed.tensor import Shard
 
+from . import _torch_internals
 from ._api import MixedPrecisionPolicy, OffloadPolicy
-from ._cache import install_forward_cache_key_from_env
 from ._common import compiling
-from ._compile import quiet_side_effect_messages_from_env, tolerate_outputs_without_gradient
-from ._exit import install_exit_hook
+from ._exit import track_meshes
 from ._init import (
     CollectedParams,
     UnitOptions,
@@ -39,11 +36,10 @@ from ._init import (
     post_forward_info,
     unit_options,
 )
-from ._optim_check import install_optimizer_check
 from ._param import FSDPParam
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, marks_compile_region, state_of
-from .passes import install as _install_passes
+from ._torch_internals import compiled_autograd, internal_error, resolve
 from .passes import track_unit_options
 
 __all__ = [
@@ -149,16 +145,17 @@ def _expose_to_torch(modules: list[nn.Module], state: FSDPState) -> None:
     registry of composable APIs, which torch's ``replicate()`` reads to leave
     fully_shard's parameters alone (without it, it turned our sharded parameters into
     plain ones and handed them to DDP). See [Note: A subclass of torch's FSDPModule]."""
-    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
-
+    contract = "torch.distributed._composable.contract."
+    state_key, registry_key = resolve(contract + "STATE_KEY"), resolve(contract + "REGISTRY_KEY")
+    registry_item = resolve(contract + "RegistryItem")
     # torch's contract keys the state by the function it wraps. Read from the module
     # that defines it: users switch a library that calls torch's public name (HF
     # accelerate) by patching that name with ours, and ours wraps nothing.
-    key = _torch_fully_shard_impl.fully_shard.__wrapped__
+    key = resolve("torch.distributed.fsdp._fully_shard._fully_shard.fully_shard.__wrapped__")
     view = TorchStateView(state)
     for m in modules:
-        m.__dict__.setdefault(STATE_KEY, {})[key] = view
-        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
+        m.__dict__.setdefault(state_key, {})[key] = view
+        m.__dict__.setdefault(registry_key, {})["fully_shard"] = registry_item()
 
 
 class FSDPModule(_TorchFSDPModule):
@@ -167,6 +164,8 @@ class FSDPModule(_TorchFSDPModule):
     subclass of torch's FSDPModule]."""
 
     # The generated class's MRO: FSDP<Orig>, this mixin, torch's FSDPModule, Orig.
+    # torch's FSDPModule.__new__ reads it too: an entry of [Note: Torch internals],
+    # checked by _torch_internals.install().
     _orig_cls_mro_index: int = 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -893,26 +892,18 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     place), install the global switches."""
     collected = collect_params(modules, options)
     state = _build_unit(modules, collected, options)
+    # See [Note: Exiting with gloo worker threads] (_exit.py).
+    track_meshes(options.mesh, *(info.mesh for _, info in collected.placements.values()))
     state.adopt_nested()
     _expose_to_torch(modules, state)
     for m in modules:
         _add_fsdp_class(m)
         _dispatch_compiled_call(m)  # See [Note: A unit compiled in place].
-    # Inductor's post-grad passes and the other switches of [Note: Global switches]
-    # (passes/_install.py), each undone by traceable_hsdp.passes.uninstall().
-    _install_passes()
-    # The forward's FX graph cache key; see [Note: The forward's BackwardState and the
-    # FX graph cache key] (_cache.py). TRACEABLE_HSDP_FORWARD_CACHE_KEY=0 leaves it off.
-    install_forward_cache_key_from_env()
-    # Dynamo's unread side-effect messages; see [Note: Dynamo's side-effect messages]
-    # (_compile.py). TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0 leaves torch's default.
-    quiet_side_effect_messages_from_env()
-    # Compiled autograd's ordering of a hook on no gradient; see [Note: An output hook
-    # that gets no gradient] (_compile.py).
-    tolerate_outputs_without_gradient()
-    install_exit_hook()  # See [Note: Exiting with gloo worker threads] (_exit.py).
-    # See [Note: An optimizer must hold the model's sharded parameters] (_optim_check.py).
-    install_optimizer_check()
+    # Every process-wide change to torch (the passes and the switches of [Note: Global
+    # switches], the FX graph cache keys, dynamo's side-effect messages, compiled
+    # autograd's hook ordering, the exit hook, the optimizer check), each entry
+    # checked first; undone by _torch_internals.undo(). See [Note: Torch internals].
+    _torch_internals.install()
     from ._dump_env import start_from_env
 
     start_from_env()  # TRACEABLE_HSDP_DUMP; see [Note: The dump switch] (_dump_env.py)
@@ -1080,8 +1071,9 @@ def _add_fsdp_class(module: nn.Module) -> None:
 # eagerly and its module's own forward is compiled, with the same ``torch.compile``
 # settings (the ``OptimizeContext`` that nn.Module.compile's function closes over,
 # applied to the class's original forward, one code for every unit of the class).
-# Where that context is not found (another torch), or the module has a forward of
-# its own on the instance, the unit keeps the compiled call and its refusal. A root
+# Where that context is not found (another torch), ``TorchInternalError`` says so. A
+# module with a forward of its own on the instance keeps the compiled call and its
+# refusal; one compiled with ``disable=True`` has nothing compiled to route. A root
 # compiled in place, and any unit while compiled autograd is on, keep the compiled
 # call: the whole step traced, as with torch.compile(model).
 #
@@ -1100,28 +1092,33 @@ _COMPILED_FORWARD = "_traceable_hsdp_compiled_forward"
 
 def _skipped_by_dynamo(fn: Callable[..., Any]) -> bool:
     """Whether dynamo skips ``fn``'s frame (torch's own modules' forwards). See [Note:
-    A unit compiled in place]."""
-    try:
-        from torch._dynamo import trace_rules
+    A unit compiled in place].
 
-        return bool(trace_rules.check(fn))
-    except (ImportError, AttributeError):  # another torch: compile it, as before
-        return False
+    Raises:
+        TorchInternalError: this torch's dynamo has no ``trace_rules.check``.
+    """
+    return bool(resolve("torch._dynamo.trace_rules.check")(fn))
+
+
+_OPTIMIZE_CONTEXT = "torch._dynamo.eval_frame.OptimizeContext"
 
 
 def _optimize_context(compiled: Any) -> Any:
-    """The dynamo ``OptimizeContext`` that ``torch.compile``'s result closes over, or
-    None."""
-    from torch._dynamo.eval_frame import OptimizeContext
+    """The dynamo ``OptimizeContext`` that ``torch.compile``'s result closes over.
 
+    Raises:
+        TorchInternalError: ``compiled`` closes over none (another torch).
+    """
+    context_type = resolve(_OPTIMIZE_CONTEXT)
     for cell in getattr(compiled, "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if isinstance(value, OptimizeContext):
+        if isinstance(value, context_type):
             return value
-    return None
+    raise internal_error(
+        _OPTIMIZE_CONTEXT, f"is not in the closure of nn.Module.compile's function {compiled!r}")
 
 
 def _dispatch_compiled_call(module: nn.Module) -> None:
@@ -1130,9 +1127,9 @@ def _dispatch_compiled_call(module: nn.Module) -> None:
     compiled = module.__dict__.get("_compiled_call_impl")
     if compiled is None or getattr(compiled, "_traceable_hsdp_dispatch", False):
         return
+    if "forward" in module.__dict__ or getattr(compiled, "__self__", None) is module:
+        return  # a forward on the instance, or compile(disable=True): nothing compiled
     ctx = _optimize_context(compiled)
-    if ctx is None or "forward" in module.__dict__:
-        return
     orig = type(module)._traceable_hsdp_orig_forward
     module.__dict__[_COMPILED_FORWARD] = orig if _skipped_by_dynamo(orig) else ctx(orig)
     dispatch = functools.partial(_compiled_call, module, compiled)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import Shard
 
 from ._api import REDUCE_IN_GRAD_DTYPE, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._common import MeshInfo, PostForwardInfo
+from ._exit import track_meshes
 from ._param import ParamModuleInfo, check_tp_placements, spmd_mesh
 from ._state import state_of
 from .passes._graph import UnitPassOptions
@@ -254,6 +255,7 @@ def post_forward_info(mesh_info: MeshInfo, k: int) -> PostForwardInfo:
         ranks = mesh.mesh
         shape = (*ranks.shape[:-1], ranks.shape[-1] // k, k)
         pf_mesh = DeviceMesh(mesh.device_type, ranks.reshape(shape))
+        track_meshes(pf_mesh)  # See [Note: Exiting with gloo worker threads] (_exit.py).
         cache[k] = pf_mesh
     return PostForwardInfo(
         group_name=pf_mesh.get_group(pf_mesh.ndim - 1).group_name,

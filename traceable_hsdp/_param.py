@@ -310,13 +310,13 @@ import torch.distributed.fsdp  # noqa: F401  registers torch.ops.fsdp.copy_
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement
 
 from ._api import REDUCE_IN_GRAD_DTYPE, CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
 from ._common import MeshInfo, PostForwardInfo, ShardedState, compiling
 from ._optim_check import register_placeholder, register_replaced
+from ._torch_internals import DTensorSpec, _StridedShard
 
 
 class UserChange(Enum):

@@ -40,16 +40,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch._dynamo import compiled_autograd
 from torch.autograd import Variable
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import RegisterPostBackwardFunction
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._pytree import tree_flatten, tree_map
 
 from ._common import TrainingState, compiling, refusal, unit_forward
 from ._param import FSDPParam, UserChange, refuse_all_gather_extension
 from ._param_group import FSDPParamGroup
+from ._torch_internals import (
+    CheckpointWrapper,
+    RegisterPostBackwardFunction,
+    compiled_autograd,
+    tree_flatten,
+    tree_map,
+)
 
 if TYPE_CHECKING:
     from ._init import UnitOptions

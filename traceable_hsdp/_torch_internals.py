@@ -1,0 +1,377 @@
+"""Every torch internal traceable_hsdp relies on: the private names it reads and the
+process-wide changes it makes to torch, each checked on the torch versions it lists.
+
+[Note: Torch internals]
+traceable_hsdp builds on torch's FSDP2 protocols and on compile machinery that torch
+does not publish. Each such internal is one :class:`TorchInternal` of
+:data:`INTERNALS`: its target (a dotted path), why it is needed, for a change the
+functions that install and undo it, and the torch versions on which it was checked
+to exist and to behave as the code assumes. The table is rendered at the end of this
+docstring. Code reaches a name of the table only through this module (``from
+traceable_hsdp._torch_internals import RegisterPostBackwardFunction``, or
+:func:`resolve` for a name that must stay lazy: Inductor's), and changes torch only
+through the functions the table names. torch's compile configuration modules and the
+pass hook torch documents (``torch._dynamo.config``, ``torch._inductor.config``,
+``torch._functorch.config``, ``torch._inductor.custom_graph_pass``) are read directly;
+what we write in them is in the table.
+
+A target that is missing, or whose code no longer reads what ours relies on (the
+entry's ``uses``), raises :class:`TorchInternalError` naming the target, the installed
+torch, the versions checked and what needs it. Nothing falls back to another path.
+:func:`install` (``fully_shard`` calls it) checks every entry, then makes every
+change (one that an environment switch turns off stays off); :func:`undo` undoes
+them all. Both are idempotent. A change made only inside a block of ours (``block``)
+is left to that block. The exit hook and the optimizer check are not torch internals
+but process-wide changes all the same, so they are installed and undone here too.
+
+``import traceable_hsdp`` changes nothing. The ``DeviceMesh`` pickling reducer is
+installed by :func:`install` like every other change: Inductor's cache-key pickler
+copies ``copyreg``'s table when it is made, at each compile, which comes after
+``fully_shard``. Outside the cache its one effect is that a pickled mesh leaves out
+the hash it cached, which the unpickled mesh computes again on first use.
+``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` leaves it off; :func:`undo` removes it.
+``tests/test_compile_cache.py`` checks that the import leaves ``copyreg`` alone and
+that a pickler made after :func:`install` gives the same bytes in two processes.
+
+``tests/test_torch_internals.py`` checks that every entry resolves, that
+:func:`install` then :func:`undo` leaves every target the identical object it was,
+and that a missing target raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["INTERNALS", "TorchInternal", "TorchInternalError", "install", "resolve", "undo"]
+
+CHECKED_ON = ("2.13.0", "2.14.1", "2.15.0")
+"""The torch versions on which every entry was checked."""
+
+
+class TorchInternalError(RuntimeError):
+    """A torch internal that traceable_hsdp relies on is missing or changed on the
+    installed torch. See [Note: Torch internals]."""
+
+
+@dataclass(frozen=True)
+class TorchInternal:
+    """One entry of :data:`INTERNALS`. See [Note: Torch internals]."""
+
+    target: str
+    """Dotted path; ``registry[key]`` names an entry of a registry."""
+    why: str
+    """What needs it, in one line."""
+    install: str = ""
+    """A change: the function (``module.function``) :func:`install` calls to make it,
+    or for a ``block`` the context manager that makes it."""
+    undo: str = ""
+    """A change: the function :func:`undo` calls to undo it."""
+    uses: tuple[str, ...] = ()
+    """Names the target's code (a class's ``__init__``) must read: the behaviour ours
+    relies on."""
+    block: bool = False
+    """Changed only inside a ``with`` block of ours, and undone at its exit."""
+    checked_on: tuple[str, ...] = CHECKED_ON
+
+
+_E = TorchInternal
+_PASSES = ("traceable_hsdp.passes.install", "traceable_hsdp.passes.uninstall")
+
+INTERNALS: tuple[TorchInternal, ...] = (
+    # fully_shard and FSDPModule: torch's FSDP2 protocols (_fully_shard.py, _state.py).
+    _E("torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction",
+       "each unit's post-backward runs in this autograd function, as in torch's fully_shard"),
+    _E("torch.distributed.fsdp.FSDPModule.__new__",
+       "it finds a unit's original class at the MRO index our FSDPModule subclass sets",
+       uses=("_orig_cls_mro_index",)),
+    _E("torch.distributed.fsdp._fully_shard._fully_shard.fully_shard.__wrapped__",
+       "the key under which torch's fully_shard.state(module) finds a unit's state"),
+    _E("torch.distributed._composable.contract.STATE_KEY",
+       "torch's fully_shard.state(module) finds a unit's state there (pipelining calls it)"),
+    _E("torch.distributed._composable.contract.REGISTRY_KEY",
+       "our units are in torch's registry of composable APIs, which replicate() reads"),
+    _E("torch.distributed._composable.contract.RegistryItem",
+       "marks a unit as fully_shard's in that registry, which replicate() reads"),
+    _E("torch.distributed.tensor._dtensor_spec.DTensorSpec",
+       "the spec a tensor-parallel parameter keeps (FSDPParam.tp_spec)"),
+    # A unit compiled in place (_fully_shard.py).
+    _E("torch._dynamo.eval_frame.OptimizeContext",
+       "a unit compiled in place compiles its forward with nn.Module.compile's context"),
+    _E("torch._dynamo.trace_rules.check",
+       "a unit whose forward dynamo skips (torch's own modules) runs it eagerly"),
+    # Compiled autograd and dynamo's side-effect messages (_compile.py).
+    _E("torch._dynamo.compiled_autograd",
+       "the runtime asks whether compiled autograd is on and capturing"),
+    _E("torch._dynamo.compiled_autograd.compiled_autograd_enabled",
+       "a compiled forward is refused while compiled autograd is off"),
+    _E("torch._dynamo.compiled_autograd.in_compiled_autograd_region",
+       "a hook traced into a compiled-autograd backward takes the traced path"),
+    _E("torch._guards.TracingContext",
+       "which unit's forward dynamo is tracing (its frames), for the collectives' labels"),
+    _E("torch.utils._python_dispatch._get_current_dispatch_mode_stack",
+       "eager collectives issue torch's c10d ops under CommDebugMode, which counts them"),
+    _E("torch.utils._pytree.tree_flatten", "a unit's forward inputs and outputs, flattened"),
+    _E("torch.utils._pytree.tree_map", "casts a unit's forward inputs and outputs"),
+    _E("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",
+       "a checkpoint put around a unit's call is recognised (torch's checkpoint_wrapper)"),
+    _E("torch.distributed.tensor.placement_types._StridedShard",
+       "FSDP x TP: the sharded parameter's placement on the dp x tp mesh, as torch's"),
+    _E("torch._dynamo.compiled_autograd._enable",
+       "enable_compiled_autograd and compiled_autograd() turn compiled autograd on"),
+    _E("torch._dynamo.compiled_autograd.AutogradCompilerInstance.is_placeholder",
+       "wrapped: compiled autograd leaves a hook on no gradient where it is, not failing",
+       "traceable_hsdp._compile.tolerate_outputs_without_gradient",
+       "traceable_hsdp._compile.restore_compiled_autograd_ordering"),
+    _E("torch._dynamo.config.side_effect_replay_policy",
+       "set to 'silent' while nothing reads dynamo's side-effect messages",
+       "traceable_hsdp._compile.quiet_side_effect_messages_from_env",
+       "traceable_hsdp._compile.restore_side_effect_messages"),
+    _E("torch._dynamo.side_effects.side_effects_log",
+       "whether TORCH_LOGS=side_effects reads those messages"),
+    _E("torch._logging._internal.trace_log",
+       "whether the structured trace (TORCH_TRACE) reads them"),
+    _E("torch._logging._internal.LazyTraceHandler",
+       "torch's default trace handler, which writes nothing without a directory",
+       uses=("root_dir",)),
+    # The FX graph cache keys across processes, and what the caches did (_cache.py).
+    _E("copyreg.dispatch_table[torch.distributed.device_mesh.DeviceMesh]",
+       "a DeviceMesh pickled into the FX graph cache key leaves out its per-process hash",
+       "traceable_hsdp._cache._install_from_env",
+       "traceable_hsdp._cache.uninstall_stable_mesh_key"),
+    _E("torch.distributed.device_mesh.DeviceMesh.__hash__",
+       "DeviceMesh caches its per-process hash in _hash, which the reducer leaves out",
+       uses=("_hash",)),
+    _E("torch._inductor.codecache.FxGraphCachePickler.__init__",
+       "the cache-key pickler starts from copyreg's table, which holds the reducer",
+       uses=("copyreg", "dispatch_table")),
+    _E("torch._inductor.codecache.FxGraphCache.prepare_key",
+       "wrapped: the forward's BackwardState input is keyed as None, so the forward hits",
+       "traceable_hsdp._cache.install_forward_cache_key_from_env",
+       "traceable_hsdp._cache.uninstall_forward_cache_key"),
+    _E("torch.fx.experimental._backward_state.BackwardState",
+       "the forward's input that the FX graph cache refuses to key"),
+    _E("torch._dynamo.utils.counters",
+       "CacheCounts reads the FX graph and AOTAutograd cache counts there"),
+    _E("torch._dynamo.utils.compilation_time_metrics",
+       "CompileTimes reads torch's compile timers there"),
+    # The passes' switches in torch's compile configuration (passes/_install.py).
+    _E("torch._inductor.config.post_grad_custom_pre_pass",
+       "our passes run on every post-grad graph", *_PASSES),
+    _E("torch._functorch.config.joint_custom_pass",
+       "checkpoint outputs are saved and placeholder views recomputed in joint graphs",
+       *_PASSES),
+    _E("torch._functorch.config.recompute_views",
+       "the partitioner recomputes a placeholder's views after the re-gather", *_PASSES),
+    _E("torch._inductor.config.reorder_for_peak_memory",
+       "off with overlap: Inductor's scheduler would put each wait back by its collective",
+       *_PASSES),
+    _E("torch._inductor.graph.GraphLowering.decide_layout_opt",
+       "no channels-last copy of a placeholder that the graph resizes and fills",
+       *_PASSES),
+    # The exchanges' pooled all-to-all (passes/_ops.py).
+    _E("torch._inductor.ir._CollectiveKernel.create_out_of_place",
+       "the pooled all-to-all is lowered as Inductor lowers torch's collectives"),
+    _E("torch._inductor.ir.TensorBox.create",
+       "the pooled all-to-all's lowering returns its node as Inductor's lowerings do"),
+    _E("torch._inductor.lowering.register_lowering",
+       "Inductor lowers the pooled all-to-all"),
+    _E("torch._inductor.lowering.add_layout_constraint",
+       "the pooled all-to-all's lowering keeps the graph's strides, as torch's all-to-all's"),
+    _E("torch._inductor.lowering.constrain_to_fx_strides",
+       "the layout constraint of the pooled all-to-all's lowering"),
+    _E("torch._C._distributed_c10d._resolve_process_group",
+       "the pooled all-to-all finds its group by name, as torch's functional collectives"),
+    _E("torch._C._distributed_c10d._register_work",
+       "the pooled all-to-all registers its work for wait_tensor"),
+    _E("torch._C._storage_Use_Count",
+       "a pooled buffer is handed out only when nothing else holds its storage"),
+    # The exit hook and the optimizer check (_exit.py, _optim_check.py).
+    _E("torch.distributed.device_mesh.DeviceMesh",
+       "at exit, the meshes of our units drop their destroyed process groups",
+       "traceable_hsdp._exit.install_exit_hook", "traceable_hsdp._exit.uninstall_exit_hook",
+       uses=("_pg_registry",)),
+    _E("torch.distributed.device_mesh.DeviceMesh._get_root_mesh",
+       "a submesh's process groups are in its root mesh's table"),
+    _E("torch.distributed.tensor.debug._clear_sharding_prop_cache",
+       "at exit, DTensor's sharding caches drop the meshes they hold"),
+    _E("torch.optim.optimizer.register_optimizer_step_pre_hook",
+       "no optimizer steps parameters the model no longer trains",
+       "traceable_hsdp._optim_check.install_optimizer_check",
+       "traceable_hsdp._optim_check.uninstall_optimizer_check"),
+    # dump_graphs (_dump.py): dynamo skips depyf's files inside its block.
+    _E("torch._dynamo.trace_rules.SKIP_DIRS",
+       "dump_graphs: dynamo does not compile depyf's functions",
+       "traceable_hsdp._torch_internals.dynamo_skips", block=True),
+    _E("torch._dynamo.trace_rules.add",
+       "dump_graphs adds depyf's files to dynamo's skipped directories"),
+    _E("torch._dynamo.trace_rules._recompile_re",
+       "dynamo rereads its skipped directories after dump_graphs' block"),
+)
+
+_BY_TARGET = {e.target: e for e in INTERNALS}
+
+
+def _entry(target: str) -> TorchInternal:
+    entry = _BY_TARGET.get(target)
+    if entry is None:
+        raise KeyError(
+            f"{target!r} is not in traceable_hsdp's table of torch internals: add it to "
+            "INTERNALS in traceable_hsdp/_torch_internals.py, checked on every supported torch."
+        )
+    return entry
+
+
+def internal_error(target: str, problem: str, fix: str = "") -> TorchInternalError:
+    """The error for ``target`` (an entry of :data:`INTERNALS`): ``problem`` on this
+    torch, what needs it, the versions checked, and the fix (``fix``, or installing a
+    supported torch)."""
+    entry = _entry(target)
+    return TorchInternalError(
+        f"traceable_hsdp: {entry.target} {problem} on torch {torch.__version__}. "
+        f"traceable_hsdp relies on it ({entry.why}) and was checked on torch "
+        f"{', '.join(entry.checked_on)}. Fix: "
+        f"{fix or 'install a supported torch (2.13, 2.14 or 2.15)'}."
+    )
+
+
+def _path(target: str, dotted: str) -> Any:
+    parts = dotted.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
+        name = ".".join(parts[:i])
+        if isinstance(obj, types.ModuleType):
+            # A submodule wins over its package's attribute of the same name (the
+            # package torch.distributed._composable exports the function contract).
+            if sys.modules.get(name) is not None:
+                obj = sys.modules[name]
+                continue
+            if not hasattr(obj, part):
+                try:
+                    obj = importlib.import_module(name)
+                except ImportError:
+                    raise _missing(target, name) from None
+                continue
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise _missing(target, name) from None
+    return obj
+
+
+def _missing(target: str, name: str) -> TorchInternalError:
+    return internal_error(target, "is missing" if name == target else f"is missing ({name})")
+
+
+def resolve(target: str) -> Any:
+    """The object at ``target``, an entry of :data:`INTERNALS`, after checking that its
+    code reads the entry's ``uses``. For ``registry[key]``: the registry's entry for
+    ``key``, or ``None``.
+
+    Raises:
+        TorchInternalError: ``target`` is missing or changed on this torch.
+        KeyError: ``target`` is not in the table.
+    """
+    entry = _entry(target)
+    base, _, key = target.partition("[")
+    obj = _path(target, base)
+    if key:
+        return obj.get(_path(target, key.rstrip("]")))
+    code = getattr(obj.__init__ if isinstance(obj, type) else obj, "__code__", None)
+    missing = [n for n in entry.uses if code is None or n not in code.co_names]
+    if missing:
+        raise internal_error(target, f"no longer reads {', '.join(missing)}")
+    return obj
+
+
+def owner(target: str) -> tuple[Any, str]:
+    """The object that holds ``target`` and the attribute's name, to change it."""
+    holder, _, name = target.rpartition(".")
+    resolve(target)
+    return _path(target, holder), name
+
+
+def __getattr__(name: str) -> Any:
+    """``from traceable_hsdp._torch_internals import <name>``: the one entry whose
+    target ends with ``.<name>``, resolved once."""
+    targets = [e.target for e in INTERNALS if e.target.endswith("." + name)]
+    if name.startswith("__") or len(targets) != 1:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = resolve(targets[0])
+    return value
+
+
+def _call(dotted: str) -> None:
+    module, _, fn = dotted.rpartition(".")
+    getattr(importlib.import_module(module), fn)()
+
+
+def _changes(kind: str) -> list[str]:
+    """Each distinct ``install`` (or ``undo``) function of the process-wide changes,
+    in table order."""
+    fns = [getattr(e, kind) for e in INTERNALS if getattr(e, kind) and not e.block]
+    return list(dict.fromkeys(fns))
+
+
+def install() -> None:
+    """Checks every entry of :data:`INTERNALS` on this torch, then makes every
+    process-wide change (each one's environment switch still decides). Idempotent.
+    See [Note: Torch internals].
+
+    Raises:
+        TorchInternalError: an entry is missing or changed on this torch.
+    """
+    for entry in INTERNALS:
+        resolve(entry.target)
+    for fn in _changes("install"):
+        _call(fn)
+
+
+def undo() -> None:
+    """Undoes every process-wide change :func:`install` made, last first. Idempotent."""
+    for fn in reversed(_changes("undo")):
+        _call(fn)
+
+
+@contextlib.contextmanager
+def dynamo_skips(package: str) -> Iterator[None]:
+    """Dynamo skips every frame of ``package``'s files while the block runs, and only
+    the frames it skipped before after it (``torch._dynamo.trace_rules.add``, torch's
+    function for it)."""
+    skip_dirs = resolve("torch._dynamo.trace_rules.SKIP_DIRS")
+    recompile = resolve("torch._dynamo.trace_rules._recompile_re")
+    before = len(skip_dirs)
+    resolve("torch._dynamo.trace_rules.add")(package)
+    added = skip_dirs[before:]
+    try:
+        yield
+    finally:
+        for d in added:
+            skip_dirs.remove(d)
+        if added:
+            recompile()
+
+
+def _render() -> str:
+    rows = [f"Checked on torch {', '.join(CHECKED_ON)}.", ""]
+    for e in INTERNALS:
+        rows.append(f"- ``{e.target}``: {e.why}.")
+        if e.uses:
+            rows.append(f"  Reads: {', '.join(e.uses)}.")
+        if e.install:
+            short = [f.removeprefix("traceable_hsdp.") for f in (e.install, e.undo) if f]
+            rows.append(f"  {'Inside the block of' if e.block else 'Install, undo:'} "
+                        f"{', '.join(short)}.")
+        if e.checked_on != CHECKED_ON:
+            rows.append(f"  Checked on torch {', '.join(e.checked_on)}.")
+    return "\n".join(rows) + "\n"
+
+
+__doc__ = f"{__doc__}\nThe table:\n\n{_render()}"
