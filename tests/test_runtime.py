@@ -134,8 +134,16 @@ def test_error_wrong_mesh_type(one_rank) -> None:
 
 def test_error_3d_mesh(one_rank) -> None:
     mesh = DeviceMesh("cpu", torch.arange(1).view(1, 1, 1))
-    with pytest.raises(ValueError, match="3-D mesh"):
+    # torch's exception type and first words, then ours.
+    with pytest.raises(ValueError, match="^fully_shard expects a 1D or 2D DeviceMesh.*3-D mesh"):
         th.fully_shard(nn.Linear(2, 2), mesh=mesh)
+
+
+def test_error_scalar_parameter(one_rank) -> None:
+    m = nn.Linear(2, 2)
+    m.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(ValueError, match="^fully_shard doesn't support scalar .* Change scale to a 1D"):
+        th.fully_shard(m, mesh=one_rank)
 
 
 def test_error_param_on_other_device(one_rank) -> None:
@@ -145,14 +153,16 @@ def test_error_param_on_other_device(one_rank) -> None:
 
 
 def test_meta_params_refused_until_materialized(one_rank) -> None:
-    """fully_shard accepts meta parameters; a forward before to_empty() names the
-    parameter and the fix, and after it the module trains."""
+    """fully_shard accepts meta parameters; a forward before to_empty() raises
+    torch's error naming every parameter still on meta, and the fix; after it the
+    module trains."""
     with torch.device("meta"):
         m = nn.Linear(2, 2)
     th.fully_shard(m, mesh=one_rank)
     assert m.weight.is_meta and isinstance(m.weight, DTensor)
     with pytest.raises(
-        ValueError, match=r"'weight' of the fully_shard unit Linear is on meta.*to_empty"
+        RuntimeError,
+        match=r"^FSDP parameters should be materialized .*: \['weight', 'bias'\].*to_empty",
     ):
         m(torch.randn(1, 2))
     m.to_empty(device="cpu")
@@ -181,7 +191,7 @@ def test_error_applied_twice_and_bad_options(one_rank) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     m = th.fully_shard(nn.Linear(2, 2), mesh=one_rank)
-    with pytest.raises(ValueError, match="already applied"):
+    with pytest.raises(AssertionError, match="^Each distinct composable .* already applied"):
         th.fully_shard(m, mesh=one_rank)
     torch_unit = torch_fully_shard(nn.Linear(2, 2), mesh=one_rank)
     with pytest.raises(ValueError, match=r"^FSDPLinear was already sharded by torch\.distributed"
@@ -722,7 +732,7 @@ def test_error_bad_shard_placement_and_offload(one_rank) -> None:
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank, shard_placement_fn=3)
     with pytest.raises(TypeError, match=r"returned Replicate\(\) for 'weight'"):
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank, shard_placement_fn=lambda p: Replicate())
-    with pytest.raises(ValueError, match=r"Shard\(2\) for 'weight', which has 2 dim"):
+    with pytest.raises(AssertionError, match=r"^Shard dim 2 is invalid for 2D tensor.*'weight'"):
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank,
                        shard_placement_fn=lambda p: Shard(2) if p.dim() == 2 else None)
     with pytest.raises(TypeError, match="offload_policy must be"):

@@ -229,7 +229,7 @@ def test_list_unit_built_on_meta_loads_with_assign(one_rank) -> None:
     partial = {k: v for k, v in sharded.items() if not k.startswith("3.")}
     model.load_state_dict(partial, assign=True, strict=False)
     with pytest.raises(
-        ValueError, match=r"'weight' of the fully_shard unit \[0, 3\] is on meta.*to_empty"
+        RuntimeError, match=r"still on meta device: \['3.weight', '3.bias'\].*to_empty"
     ):
         model(torch.randn(2, 4))
     model.load_state_dict(sharded, assign=True)

@@ -275,10 +275,10 @@ def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
         return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
     if mesh.ndim == 2:
         return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
-    raise ValueError(
-        f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP, "
-        f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Slice it, e.g. "
-        "mesh['dp_replicate', 'dp_shard']."
+    raise ValueError(  # torch's exception and first words
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh for FSDP "
+        f"or a 2-D mesh (replicate, shard) for HSDP, not a {mesh.ndim}-D mesh of shape "
+        f"{tuple(mesh.shape)}. Slice it, e.g. mesh['dp_replicate', 'dp_shard']."
     )
 
 
@@ -430,9 +430,10 @@ def check_modules(module: Any) -> list[nn.Module]:
                 f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}."
             )
         if state_of(m) is not None:
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; apply it once "
-                "per module."
+            raise AssertionError(  # torch's exception and first words
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. fully_shard was already applied to this {type(m).__name__}; apply "
+                "it once per module."
             )
         _check_no_torch_units(m)
         _check_no_forward_writes(m)
@@ -547,9 +548,10 @@ def shard_placement(
     data = param._local_tensor if isinstance(param, torch.distributed.tensor.DTensor) else param
     ndim = data.dim()
     if not -ndim <= dim < ndim:
-        raise ValueError(
-            f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which has {ndim} "
-            f"dim(s) (shape {tuple(data.shape)}); pick a dim in [{-ndim}, {ndim})."
+        raise AssertionError(  # torch's exception and first words
+            f"Shard dim {dim} is invalid for {ndim}D tensor: shard_placement_fn returned "
+            f"Shard({dim}) for {fqn!r} of shape {tuple(data.shape)}; pick a dim in "
+            f"[{-ndim}, {ndim})."
         )
     return dim % ndim, mesh_info
 

@@ -395,9 +395,9 @@ class FSDPParam:
         self.mp_policy = mp_policy
         self._set_dtypes(param.dtype)
         if param.dim() == 0:
-            raise ValueError(
-                f"fully_shard cannot shard the 0-dim parameter {fqn!r} on dim 0. "
-                "Keep it out with ignored_params={...} or make it 1-D."
+            raise ValueError(  # torch's words first
+                f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D "
+                "tensor with numel equal to 1, or keep it out with ignored_params={...}."
             )
         if not data.is_contiguous():
             # torch's fully_shard refuses these too: the shards, the gathered

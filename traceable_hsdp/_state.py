@@ -605,8 +605,33 @@ class FSDPState:
     def _apply_user_changes(self, check_device: bool = True) -> None:
         pg = self.param_group
         if pg is not None:
+            if check_device:
+                self._refuse_meta_params()
             pg.reset_sharded_params(check_device)
             self._register_post_acc_hooks()
+
+    def _refuse_meta_params(self) -> None:
+        """torch's check, with torch's exception and first words: the unit's parameters
+        still on the meta device, by their paths under the root."""
+        assert self.param_group is not None
+        on_meta = [
+            info for fp in self.param_group.fsdp_params
+            for info in fp.module_infos[:1]
+            if info.module._parameters[info.param_name].is_meta
+        ]
+        if on_meta:
+            paths = {m: p for rm in self.root.modules for p, m in rm.named_modules()}
+            on_meta = [
+                f"{paths[i.module]}.{i.param_name}" if paths.get(i.module) else i.param_name
+                for i in on_meta
+            ]
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {on_meta}. Materialize "
+                "them first: module.to_empty(device=...) and then initialize them "
+                "(reset_parameters() or load a state dict)."
+            )
 
     # ------------------------------------------------------------------ forward
     @unit_forward
