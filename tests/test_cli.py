@@ -205,7 +205,7 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert block, "README.md has no bash block under '## Set up'"
     commands = block.group(1).strip().splitlines()
     assert len(commands) == 2, commands
-    assert commands[0] == "pip install torch==2.13.0 && pip install -e . && traceable-hsdp train"
+    assert commands[0] == "pip install torch==2.15.0 && pip install -e . && traceable-hsdp train"
     assert commands[1] == match.group(1)
 
 

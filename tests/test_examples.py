@@ -108,3 +108,18 @@ def test_dcp_resume(tmp_path: Path) -> None:
     assert re.search(r"^resume check passed: steps 4-6 equal", out, re.M), out
     assert sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp") == [
         "__0_0.distcp", "__1_0.distcp"], list(ckpt.iterdir())  # one file per rank
+
+
+@pytest.mark.slow
+def test_readme_usage_runs_as_written(tmp_path: Path) -> None:
+    """README's usage block, copied verbatim to a file and launched as it says (2
+    ranks, Inductor, compiled autograd): 5 steps with finite losses that start near
+    log(256) (its tokens are random, so nothing is learnable)."""
+    readme = (_EXAMPLES.parent / "README.md").read_text()
+    block = re.search(r"## Usage.*?```python\n(.*?)```", readme, re.S)
+    assert block, "README.md has no python block under '## Usage'"
+    script = tmp_path / "train.py"
+    script.write_text(block.group(1))
+    out = _torchrun(str(script), 2, timeout=600)
+    losses = _losses(out)
+    assert len(losses) == 5 and 5.0 < losses[0] < 6.5, out
