@@ -443,14 +443,7 @@ class FSDPModule(_TorchFSDPModule):
             RuntimeError: called on a unit that is not the root (the outermost
                 ``fully_shard`` module).
         """
-        state = _require_state(self)
-        if not state.is_root:
-            raise RuntimeError(
-                f"reset_iter_state must be called on the root fully_shard module; this "
-                f"{type(self).__name__} is nested in another fully_shard unit. Call it on "
-                "the outermost module fully_shard was applied to."
-            )
-        state.reset_iter()
+        _require_root(self, "reset_iter_state").reset_iter()
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Whether resharding keeps the unsharded parameters' storage (torch 2.15's
@@ -483,13 +476,7 @@ class FSDPModule(_TorchFSDPModule):
                 mode, during a backward or while a finalization is pending.
         """
         _check_bool("enabled", enabled)
-        state = _require_state(self)
-        if not state.is_root:
-            raise RuntimeError(
-                "set_manual_backward_finalization must be called on the root FSDP "
-                f"module; this {type(self).__name__} is nested in another fully_shard "
-                "unit. Call it on the outermost module fully_shard was applied to."
-            )
+        state = _require_root(self, "set_manual_backward_finalization")
         if enabled != state.manual_finalization:
             if torch._C._current_graph_task_id() != -1:
                 raise RuntimeError(
@@ -519,12 +506,7 @@ class FSDPModule(_TorchFSDPModule):
                 backward; a previous ``async_op`` handle was not waited on.
         """
         _check_bool("async_op", async_op)
-        state = _require_state(self)
-        if not state.is_root:
-            raise RuntimeError(
-                "finalize_backward must be called on the root FSDP module; this "
-                f"{type(self).__name__} is nested in another fully_shard unit."
-            )
+        state = _require_root(self, "finalize_backward")
         state.finalize_backward()
         if not async_op:
             return None
@@ -767,6 +749,17 @@ def _require_state(module: Any) -> FSDPState:
     state = state_of(module)
     if state is None:
         raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
+    return state
+
+
+def _require_root(module: Any, method: str) -> FSDPState:
+    state = _require_state(module)
+    if not state.is_root:
+        raise RuntimeError(
+            f"{method} must be called on the root FSDP module; this "
+            f"{type(module).__name__} is nested in another fully_shard unit. Call it on "
+            "the outermost module fully_shard was applied to."
+        )
     return state
 
 
