@@ -250,8 +250,10 @@ def _path(target: str, dotted: str) -> Any:
         if isinstance(obj, types.ModuleType):
             # A submodule wins over its package's attribute of the same name (the
             # package torch.distributed._composable exports the function contract).
+            # import_module, not sys.modules: a module another thread is importing
+            # sits there half-initialized, and import_module waits for it.
             if sys.modules.get(name) is not None:
-                obj = sys.modules[name]
+                obj = importlib.import_module(name)
                 continue
             if not hasattr(obj, part):
                 try:
