@@ -33,7 +33,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from transformers import LlamaConfig, LlamaForCausalLM
+try:
+    from transformers import LlamaConfig, LlamaForCausalLM
+except ImportError as e:  # an extra, not a dependency of traceable_hsdp
+    raise SystemExit(
+        f"examples/hf_causal_lm.py needs Hugging Face transformers ({e}). Install it: "
+        "pip install transformers (or the test extra: pip install -e \".[test]\")."
+    ) from None
 
 from traceable_hsdp import enable_compiled_autograd, fully_shard
 from traceable_hsdp.optim import AdamW

@@ -62,6 +62,19 @@ def _parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 # ------------------------------------------------------------- argument checks
 
 
+def test_missing_cxx_is_named_before_compiling(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    err = _parse_error(["train", "--device", "cpu"], capsys)
+    assert "needs a C++ compiler" in err and "--backend aot_eager or --eager" in err, err
+    monkeypatch.setenv("PATH", str(tmp_path))  # nor --eager nor aot_eager need one
+    monkeypatch.delenv("CXX")
+    for flags in (["--eager"], ["--backend", "aot_eager"]):
+        assert cli._train_config(cli.build_parser()[0].parse_args(["train", "--device", "cpu", *flags]),
+                                 cli.build_parser()[1]["train"]).device == "cpu"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -145,7 +158,7 @@ def test_import_does_not_load_inductor() -> None:
         "cli.build_parser()\n"
         "heavy = ('torch._inductor', 'torch._dynamo', 'depyf')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
-        "assert 'fully_shard' in dir(traceable_hsdp)\n"
+        "assert 'fully_shard' in dir(traceable_hsdp) and 'importlib' not in dir(traceable_hsdp)\n"
         "from traceable_hsdp import fully_shard, dump_graphs\n"
         "print('torch._inductor' in sys.modules, fully_shard.__module__, dump_graphs.__module__)\n"
     )

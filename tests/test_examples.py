@@ -123,3 +123,11 @@ def test_readme_usage_runs_as_written(tmp_path: Path) -> None:
     out = _torchrun(str(script), 2, timeout=600)
     losses = _losses(out)
     assert len(losses) == 5 and 5.0 < losses[0] < 6.5, out
+
+
+def test_hf_example_without_transformers_names_the_extra() -> None:
+    code = ("import runpy, sys; sys.modules['transformers'] = None; "
+            f"sys.argv = ['hf_causal_lm.py', '--help']; runpy.run_path({str(_EXAMPLES / 'hf_causal_lm.py')!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "needs Hugging Face transformers" in proc.stderr and "pip install transformers" in proc.stderr, proc.stderr

@@ -139,6 +139,14 @@ def test_error_3d_mesh(one_rank) -> None:
         th.fully_shard(nn.Linear(2, 2), mesh=mesh)
 
 
+def test_error_block_sharded_after_its_root(one_rank) -> None:
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    th.fully_shard(m, mesh=one_rank)
+    with pytest.raises(ValueError, match=r"'weight' of Linear is already sharded by the "
+                       r"fully_shard unit Sequential.*blocks first, then to the root"):
+        th.fully_shard(m[0], mesh=one_rank)
+
+
 def test_error_scalar_parameter(one_rank) -> None:
     m = nn.Linear(2, 2)
     m.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))

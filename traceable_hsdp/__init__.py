@@ -62,5 +62,6 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    # The public names and the module's own dunders, not its imports.
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
 

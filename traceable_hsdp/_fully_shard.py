@@ -942,7 +942,7 @@ def _build_unit(
     ]
     label = type(modules[0]).__name__
     for p, fp in zip(collected.params, fsdp_params):
-        mark_managed(p, f"{fp.fqn!r} of the fully_shard unit {label}")
+        mark_managed(p, fp.sharded_param, f"{fp.fqn!r} of the fully_shard unit {label}", label)
     group = None
     if fsdp_params:
         group = FSDPParamGroup(fsdp_params, options.mesh_info, label, options.pass_options)

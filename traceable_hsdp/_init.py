@@ -215,11 +215,13 @@ def collect_params(modules: list[nn.Module], options: UnitOptions) -> CollectedP
     return CollectedParams(order, where, conflicts, placements)
 
 
-def mark_managed(param: nn.Parameter, desc: str) -> None:
+def mark_managed(param: nn.Parameter, sharded: nn.Parameter, desc: str, unit: str) -> None:
     """Records on an original parameter that a unit sharded it (``desc``: "'<fqn>' of
-    the fully_shard unit <Class>"), for the sharing rule. See [Note: One unit per
-    parameter]."""
+    the fully_shard unit <Class>"), for the sharing rule (see [Note: One unit per
+    parameter]), and on the sharded one which unit holds it, so that fully_shard on a
+    module inside that unit, applied later, names the order of calls."""
     setattr(param, _SHARDED_AS_ATTR, desc)
+    setattr(sharded, _SHARD_OF_ATTR, unit)
 
 
 # [Note: Post-forward meshes]
@@ -322,6 +324,15 @@ def _managed_params(
                 )
             if id(p) in owned_elsewhere:
                 continue
+            unit = getattr(p, _SHARD_OF_ATTR, None)
+            if unit is not None:
+                raise ValueError(
+                    f"Parameter {fqn!r} of {type(module).__name__} is already sharded by "
+                    f"the fully_shard unit {unit}, which holds this module: fully_shard was "
+                    "applied to an enclosing module first. Apply it to the blocks first, "
+                    "then to the root: for block in model.layers: fully_shard(block); "
+                    "then fully_shard(model)."
+                )
             prior = getattr(p, _SHARDED_AS_ATTR, None)
             if prior is not None:
                 # Raised at the first forward, as torch's; see [Note: One unit per
@@ -353,6 +364,7 @@ _SHARED_FIX = (
 # Set on an original parameter once fully_shard replaced it with its sharded DTensor:
 # "'<fqn>' of the fully_shard unit <Class>". See [Note: One unit per parameter].
 _SHARDED_AS_ATTR = "_traceable_hsdp_sharded_as"
+_SHARD_OF_ATTR = "_traceable_hsdp_shard_of"
 
 
 # [Note: One unit per parameter]

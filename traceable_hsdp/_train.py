@@ -430,7 +430,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
 
     mode = "eager" if cfg.eager else f"compiled ({cfg.backend})"
     layout = (
-        f"FSDP over {world} ranks" if cfg.replicate == 1
+        f"FSDP over {world} rank{'s' if world > 1 else ''}" if cfg.replicate == 1
         else f"HSDP {cfg.replicate} replicas x {world // cfg.replicate} shards"
     )
     command = "train" if cfg.dump_dir is None else "dump"

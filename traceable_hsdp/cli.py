@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,6 +181,14 @@ def _train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         device = resolve_device(args.device)
     except ValueError as e:
         parser.error(str(e))
+    cxx = os.environ.get("CXX") or "g++"
+    if device == "cpu" and not args.eager and args.backend == "inductor" and not shutil.which(cxx):
+        # Found here, not after a minute of tracing inside Inductor's traceback.
+        parser.error(
+            f"--backend inductor on the CPU builds C++ kernels and needs a C++ compiler, "
+            f"but {cxx!r} is not on PATH. Install one (e.g. apt-get install g++), or run "
+            "with --backend aot_eager or --eager."
+        )
     if env is not None:
         world = env[1]
         where = f"torchrun's WORLD_SIZE={world}"
