@@ -153,3 +153,31 @@ def per_unit_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     4 MiB cap would merge every unit into one bucket; the default is checked in
     test_inductor_features.py and test_passes_unit.py."""
     monkeypatch.setenv("TRACEABLE_HSDP_BUCKET_CAP_MB", "none")
+
+
+# Tests that fail on torch 2.15 and pass on 2.13 and 2.14: each marked with why,
+# strict, so that a fix (or a torch that fixes it) turns the mark into a failure and
+# the mark is removed. docs/api.md lists them as known limits on 2.15.
+ON_TORCH_2_15 = {
+    "test_conformance_compiled_inductor": "the root called twice before one backward "
+    "('twice'), compiled by Inductor, ends beyond the eager run's tolerance (atol 2e-5) "
+    "on torch 2.15",
+    "test_passes_in_compiled_fsdp_step": "Inductor 2.15 schedules one kernel before the "
+    "first forward all-gather's wait, which the test pins at 0",
+    "test_variable_sequence_lengths_compiled": "a sequence length marked dynamic meets "
+    "ConstraintViolationError in the compiled-autograd backward on torch 2.15",
+    "test_fsdp_tp_eager": "FSDP x TP under bf16 differs from torch 2.15's fully_shard by "
+    "up to 4e-5 (a norm weight): not yet bitwise",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+    from torch.torch_version import TorchVersion
+
+    if TorchVersion(torch.__version__) < "2.15":
+        return
+    for item in items:
+        why = ON_TORCH_2_15.get(item.originalname)
+        if why is not None:
+            item.add_marker(pytest.mark.xfail(reason=why, strict=True))
