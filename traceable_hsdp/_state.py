@@ -619,19 +619,19 @@ class FSDPState:
             for info in fp.module_infos[:1]
             if info.module._parameters[info.param_name].is_meta
         ]
-        if on_meta:
-            paths = {m: p for rm in self.root.modules for p, m in rm.named_modules()}
-            on_meta = [
-                f"{paths[i.module]}.{i.param_name}" if paths.get(i.module) else i.param_name
-                for i in on_meta
-            ]
-        if on_meta:
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {on_meta}. Materialize "
-                "them first: module.to_empty(device=...) and then initialize them "
-                "(reset_parameters() or load a state dict)."
-            )
+        if not on_meta:
+            return
+        paths = {m: p for rm in self.root.modules for p, m in rm.named_modules()}
+        names = [
+            f"{paths[i.module]}.{i.param_name}" if paths.get(i.module) else i.param_name
+            for i in on_meta
+        ]
+        raise RuntimeError(
+            "FSDP parameters should be materialized from meta device before training, "
+            f"but the following were still on meta device: {names}. Materialize them "
+            "first: module.to_empty(device=...) and then initialize them "
+            "(reset_parameters() or load a state dict)."
+        )
 
     # ------------------------------------------------------------------ forward
     @unit_forward
@@ -1035,8 +1035,8 @@ class FSDPState:
     # on the current stream, so ``async_op=True`` finishes the reduction before it
     # returns its handle; the handle's ``wait()`` checks that no
     # ``reset_iter_state`` came between (``iteration``), as torch's does.
-    # tests/test_module_methods.py checks it against torch's fully_shard, and
-    # tests/test_pipelining.py through torch.distributed.pipelining.
+    # tests/test_backward_finalization.py checks it against torch's fully_shard, and
+    # tests/test_pipelining.py through torch.distributed.pipelining (2.15).
     def finalize_backward(self) -> None:
         """Root only. See [Note: Manual backward finalization]."""
         if not self.manual_finalization:
