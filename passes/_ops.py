@@ -131,7 +131,10 @@ _pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Untype
 _pool_lock = threading.Lock()
 
 
+# Resolved once: the pooled op runs for every exchange of every step.
 _storage_use_count = resolve("torch._C._storage_Use_Count")
+_resolve_process_group = resolve("torch._C._distributed_c10d._resolve_process_group")
+_register_work = resolve("torch._C._distributed_c10d._register_work")
 
 
 def _unused(storage: torch.UntypedStorage) -> bool:
@@ -193,9 +196,9 @@ def all_to_all_single(
     the all-to-all and registers its work for ``wait_tensor``. See [Note: Exchange
     outputs from a pool]."""
     out = _take([sum(output_split_sizes), *input.shape[1:]], input.dtype, input.device)
-    group = resolve("torch._C._distributed_c10d._resolve_process_group")(group_name)
+    group = _resolve_process_group(group_name)
     work = group.alltoall_base(out, input, output_split_sizes, input_split_sizes)
-    resolve("torch._C._distributed_c10d._register_work")(out, work)
+    _register_work(out, work)
     return out
 
 
