@@ -209,12 +209,10 @@ def run_child(code: str, expected: type[Exception]) -> None:
 # torch 2.13's gloo crashes, rarely, in the allocating functional all-gather
 # (``_c10d_functional.all_gather_into_tensor``, which reaches gloo's
 # ``allgather_into_tensor_coalesced``) even with nothing else in flight and waited
-# for at once: a rank died with SIGSEGV twice in 2,000,000 bare calls (2 gloo ranks,
-# ``benchmarks/gloo_in_flight.py --pattern ag --runs 4 --rounds 250000``, twice,
-# 2026-11-27; no traceable_hsdp code runs there). ``DTensor.full_tensor()`` issues
-# that op, the suite calls it thousands of times a run to compare parameters and
-# gradients, and three full runs (2026-11-25 and 2026-11-27) lost a rank inside it
-# (docs/design.md). The tests therefore gather through :func:`full_tensor` below:
+# for at once: a rank dies with SIGSEGV about once in a million bare calls (2 gloo
+# ranks, ``benchmarks/gloo_in_flight.py --pattern ag``; no traceable_hsdp code runs
+# there). ``DTensor.full_tensor()`` issues that op, and the suite calls it thousands
+# of times a run to compare parameters and gradients. The tests therefore gather through :func:`full_tensor` below:
 # torch's own ``full_tensor()``, with that one op issued as
 # ``all_gather_into_tensor_out`` into a buffer allocated before it (gloo's
 # ``_allgather_base``, the op the runtime and the passes use on gloo; the same

@@ -187,9 +187,8 @@ def _hook_eager(rank: int, world: int) -> dict[str, Any]:
     def setup(m: Llama) -> None:
         m.layers[0].set_all_reduce_hook(doubling)  # this unit only
         # On the root only: its own parameters are summed, not averaged; the
-        # blocks keep the average (torch's setter has no recurse; ours applied it to
-        # every unit inside until 2026-11-27: the blocks' gradients were off by the
-        # world size, silently).
+        # blocks keep the average (torch's setter has no recurse: applied to every
+        # unit inside, the blocks' gradients would be off by the world size).
         m.set_gradient_divide_factor(1.0)
         local_shapes.extend(
             tuple(fp.sharded_param.to_local().shape) for fp in _managed(m.layers[0])

@@ -8,7 +8,7 @@ Tolerances: eager and aot_eager bitwise (atol=rtol=0: the same ops on the same d
 in the same order). Inductor: losses rtol 1e-5, parameters atol 1e-4. Inductor fuses
 and reorders float arithmetic, and AdamW (lr 1e-2) turns that into parameter steps:
 the same GPT-2 unsharded on one process, compiled against eager with the same three
-steps, moved 2.3e-5; ours compiled against torch's eager 2.6e-5 (2026-12-05).
+steps, moves 2.3e-5; ours compiled against torch's eager 2.6e-5.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def test_accelerate_fsdp2_prepare_eager() -> None:
     there, rank 0's weights broadcast and loaded with ``load_state_dict(assign=True)``).
     Llama also with accelerate's bf16 mixed precision (its policy, torch's class).
     Same units as torch's, bitwise equal to torch's over 3 AdamW steps with HF's loss
-    and accelerate's clipping. Before 2026-12-05 ours failed both ways: under torch's
-    patched name (AttributeError on ``__wrapped__``), and in the broadcast load (the
-    tail unit refused its head as still on meta after loading its norm)."""
+    and accelerate's clipping: under torch's patched name (which accelerate reads
+    ``__wrapped__`` of), and in the broadcast load (where the tail unit's head is
+    loaded after its norm)."""
     for r in run_ranks(accelerate_eager, 2):
         for kind, efficient, mixed_precision in EAGER_CASES:
             what = f"{kind} efficient={efficient} mixed_precision={mixed_precision}"

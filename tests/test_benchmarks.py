@@ -383,9 +383,8 @@ def test_step_time_heap_smoke_on_cpu(
 ) -> None:
     """``--heap``: the ranks start with the shim, and the memory column is each
     variant's heap peak above its blocks' start. Ours and torch's eager step gather,
-    compute and reduce the same tensors, so their peaks are close (6% apart on the
-    compute shape, 3% on the overhead shape, 2026-12-05); the peak RSS, read instead,
-    would be the same high-water mark for both or grow with the run order."""
+    compute and reduce the same tensors, so their peaks are close; the peak RSS, read
+    instead, would be the same high-water mark for both or grow with the run order."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
     out = tmp_path / "results"

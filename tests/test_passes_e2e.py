@@ -290,8 +290,8 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses, graphs_after_step, bytes_after_step = [], [], [], []
     # Without depyf (optional: the dump writes every other file, and nothing here
-    # reads depyf's): its decompilation of every frame and graph added 22 s to this
-    # test (95 s against 73 s, 2026-11-28). A whole step dumped with depyf on is
+    # reads depyf's): its decompilation of every frame and graph would add about a
+    # third to this test. A whole step dumped with depyf on is
     # test_dump.py's test_dump_graphs_of_a_whole_step_compiled_with_compiled_autograd.
     with mock.patch.dict(sys.modules, {"depyf": None}), dump_graphs(
         f"{out_dir}/rank{rank}", print_summary=False
