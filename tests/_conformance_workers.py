@@ -37,6 +37,7 @@ from _workers import (
     _loss,
     _managed,
     _placeholder_bytes,
+    dynamo_counts,
 )
 from traceable_hsdp.models import Llama, RMSNorm
 
@@ -482,9 +483,8 @@ def _meta_assign(fs: Callable[..., Any]) -> nn.Module:
 
 def _replicate_root(fs: Callable[..., Any]) -> nn.Module:
     """fully_shard on the blocks and torch's replicate() (DDP) on the root, whose own
-    parameters it all-reduces; it must leave the blocks' to fully_shard (it turned
-    ours into plain parameters before 2026-11-27: torch's registry did not list our
-    units)."""
+    parameters it all-reduces; it must leave the blocks' to fully_shard (torch's
+    composable-API registry lists our units)."""
     from torch.distributed._composable import replicate
 
     model = Llama(CFG)
@@ -738,6 +738,43 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
     return out
 
 
+def compiled_without_ca(rank: int, world: int) -> dict[str, Any]:
+    """``torch.compile(model)`` with compiled autograd off, Inductor (torchtitan's
+    plain compile line): our Llama (one block) and HF ``LlamaForCausalLM`` (one
+    decoder layer), each trained with ours compiled and with torch's fully_shard
+    eager on the same model and data. The graphs dynamo hands Inductor are counted
+    (:func:`dynamo_counts`): the collectives run eagerly at the units' boundaries,
+    so none is in them, as none of torch's is under the same line."""
+    from torch._inductor.compile_fx import compile_fx
+    from transformers import LlamaForCausalLM
+
+    cases: dict[str, tuple[Build, Step]] = {
+        "llama": (lambda fs: _shard_llama(Llama(CFG1), fs), _llama_step),
+        "hf_llama": (lambda fs: _hf_shard(LlamaForCausalLM(_hf_config(layers=1)), fs), _hf_step),
+    }
+    out: dict[str, Any] = {}
+    for name, (build, step) in cases.items():
+        torch.manual_seed(0)
+        out[f"{name}_torch"] = _train(build(_fs("torch")), rank, world, step)
+        torch.manual_seed(0)
+        model = build(_fs("ours"))
+        graphs: list[dict[str, int]] = []
+
+        def inductor(gm: torch.fx.GraphModule, inputs: Any, graphs: list = graphs) -> Any:
+            graphs.append(dynamo_counts(gm.graph))
+            return compile_fx(gm, inputs)
+
+        torch._dynamo.reset()
+        fwd = torch.compile(model, backend=inductor)
+        out[f"{name}_ours"] = _train(
+            model, rank, world, lambda _m, x, y, fwd=fwd, step=step: step(fwd, x, y)
+        )
+        out[f"{name}_graphs"] = graphs
+        out[f"{name}_bytes_after"] = _placeholder_bytes(model)
+    torch._dynamo.reset()
+    return out
+
+
 def assert_same_run(a: tuple, b: tuple, what: str) -> None:
     """Two runs' ``(losses, final parameters)``, as the workers return them, equal
     bitwise (the tests' side of the comparison)."""
@@ -776,14 +813,14 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
     - "inplace": torchtitan's form today, ``block.compile(fullgraph=True)``, compiled
       autograd off: the unit's pre- and post-forward run eagerly and the block's own
       forward is compiled, as around torch's hooks (see [Note: A unit compiled in
-      place] in traceable_hsdp/_fully_shard.py; before 2026-12-05 ours refused it);
+      place] in traceable_hsdp/_fully_shard.py);
       "inplace_after": the same with ``block.compile`` called after fully_shard;
       "inplace_ca": compiled autograd on, the unit's gathers traced in the block's
-      graph, one graph for the three blocks (before 2026-12-05 one per block: see
-      [Note: One graph for every unit of a class] in traceable_hsdp/_common.py);
+      graph, one graph for the three blocks (see [Note: One graph for every unit
+      of a class] in traceable_hsdp/_common.py);
       "inplace_ca_nested": the same with each block's feed-forward a unit of its own
       inside the block's (as torchtitan shards a block's MoE experts), also one graph
-      for the blocks (one per block before 2026-12-06).
+      for the blocks.
     - "root", "root_ca": HF accelerate's FSDP2 flow with a dynamo backend:
       ``torch.compile(model)``, then fully_shard on the blocks and on the compiled
       model; compiled autograd off (accelerate's way: the root gathers eagerly, and

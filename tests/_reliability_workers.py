@@ -238,18 +238,18 @@ def _below_root_model(frozen_block: bool) -> tuple[nn.Module, nn.Module]:
 
 
 def below_root_worker(rank: int, world: int) -> dict[str, Any]:
-    """Compiled units below an eager root, without compiled autograd (aot_eager):
-    "nested" compiles the block (a unit holding another unit) alone; "frozen" the
-    same with the block frozen; "frozen_root": a wholly frozen model compiled whole
-    (the root's compile check sees no trainable parameter), fed by a trainable
-    Linear outside it. Each against a one-process reference: losses, parameters and
+    """Compiled units without compiled autograd (aot_eager): "nested" compiles the
+    block (a unit holding another unit) alone, below an eager root; "frozen" the
+    same with the block frozen; "root": the whole model compiled
+    (``torch.compile(model)``); "frozen_root": a wholly frozen model compiled whole,
+    fed by a trainable Linear outside it. Each against a one-process reference: losses, parameters and
     the outside Linear's gradient; and the placeholder bytes left after each forward
     and backward."""
     from _workers import _placeholder_bytes
 
     mesh = init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
-    for case in ("nested", "frozen", "frozen_root"):
+    for case in ("nested", "frozen", "root", "frozen_root"):
         torch._dynamo.reset()  # each case its own dynamo caches (and recompile limit)
         ref, model = _below_root_model(frozen_block=case == "frozen")
         if case == "frozen_root":
@@ -263,7 +263,7 @@ def below_root_worker(rank: int, world: int) -> dict[str, Any]:
         for i in (0, 2, 4):
             th.fully_shard(model[i], mesh=mesh)
         th.fully_shard(model, mesh=mesh)
-        if case == "frozen_root":
+        if case in ("root", "frozen_root"):
             fwd = torch.compile(model, backend="aot_eager")
         else:
             model[2] = torch.compile(model[2], backend="aot_eager")

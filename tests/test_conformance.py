@@ -32,19 +32,16 @@ One spawned 2-rank group runs every scenario (see tests/_conformance_workers.py)
 - freezing and unfreezing between steps after the first forward: against a
   one-process model (tolerance below);
 - torch's rank-0 broadcast flow (HF accelerate's FSDP2 loading): build on meta,
-  fully_shard, load_state_dict of DTensors with assign=True (ours refused it, naming
-  CPUOffloadPolicy, before 2026-11-27);
-- a frozen float8 parameter in a unit with fp32 ones (ours failed in gloo's
-  all-gather, "Invalid scalar type", before 2026-11-27);
-- torch's ``replicate()`` (DDP) on the root over fully_shard blocks (it converted
-  our sharded parameters, before 2026-11-27);
+  fully_shard, load_state_dict of DTensors with assign=True;
+- a frozen float8 parameter in a unit with fp32 ones (gloo's all-gather has no
+  float8 type: the bytes are gathered);
+- torch's ``replicate()`` (DDP) on the root over fully_shard blocks (it must leave
+  our sharded parameters as they are);
 - optimizer in backward (torchtitan's): an SGD per parameter, stepped by a
-  post-accumulate-grad hook registered on the sharded parameter (ours never ran
-  those hooks, so nothing trained, before 2026-11-29);
+  post-accumulate-grad hook registered on the sharded parameter;
 - HF accelerate's mixed precision: ``model.forward`` replaced, before fully_shard,
   by an instance method running it under ``torch.autocast(bfloat16)`` (that
-  attribute hid our unit's forward wrapper, so the root never gathered, before
-  2026-11-29);
+  attribute must not hide the unit's forward wrapper);
 - the root called twice before one backward (two batches, one summed loss);
 - fp16 with ``torch.amp.GradScaler``, gradients unscaled and clipped, steps skipped
   on overflow (HF accelerate's fp16 with FSDP2).
@@ -58,6 +55,7 @@ import torch
 from _conformance_workers import (
     MOE_LAYERS,
     assert_same_run,
+    compiled_without_ca,
     conformance_2x2,
     conformance_compiled,
     conformance_eager,
@@ -129,7 +127,7 @@ def test_conformance_hf_llama_vs_torch_fully_shard() -> None:
         assert r["t5"]["bytes_after"] == 0
         # One flat all-gather per unit forward (4 blocks and the root) and one per
         # block backward; the position bias each block passes through gathered no
-        # block again after its backward (6 in the backward before 2026-11-28).
+        # block again after its backward.
         assert r["t5_units"] == 5, r["t5_units"]
         assert r["t5_all_gathers"] == 5 + 4, r["t5_all_gathers"]
         assert_same_run(r["hf_ac"]["ours"], r["hf_ac"]["torch"], "hf_ac")
@@ -227,13 +225,11 @@ def test_conformance_compiled_aot_eager() -> None:
         assert bwd[1]["reduce_scatter_tensor"] == MIXED_ROOT + 2 * 4 + 2 - 4 - 1, bwd
         # Compiled before fully_shard (torchtitan's per-block forms, HF accelerate's
         # compiled root): bitwise equal to torch's fully_shard eager. torchtitan's
-        # block.compile(fullgraph=True) without compiled autograd (refused before
-        # 2026-12-05), before or after fully_shard, compiles the block's forward alone:
-        # one graph for the three blocks, as with torch's fully_shard. With compiled
-        # autograd on, one graph for the blocks (their gathers in it) and one for
-        # the backward: one per block before 2026-12-05, the ninth block then failed
-        # under fullgraph=True (dynamo's recompile limit); with a unit nested in each
-        # block, one per block until 2026-12-06.
+        # block.compile(fullgraph=True) without compiled autograd, before or after
+        # fully_shard, compiles the block's forward alone: one graph for the three
+        # blocks, as with torch's fully_shard. With compiled autograd on, one graph
+        # for the blocks (their gathers in it) and one for the backward, with or
+        # without a unit nested in each block.
         b = r["before_shard"]
         forms = ("wrap", "inplace", "inplace_after", "inplace_ca", "inplace_ca_nested", "root",
                  "root_ca")
@@ -279,6 +275,25 @@ def test_conformance_compiled_inductor() -> None:
             for k, v in b["torch"][1].items():
                 torch.testing.assert_close(b[form][1][k], v, rtol=0, atol=2e-5, msg=f"{form} {k}")
             assert b[f"{form}_bytes_after"] == 0, form
+
+
+@pytest.mark.slow
+def test_compiled_without_compiled_autograd_inductor() -> None:
+    """``torch.compile(model)`` with compiled autograd off, Inductor, on our Llama and
+    HF Llama (tests/_conformance_workers.py, ``compiled_without_ca``): against torch's
+    fully_shard eager, losses rtol 1e-5 and parameters atol 1e-4 (Inductor fuses and
+    reorders float arithmetic, which AdamW turns into steps); no collective, resize or
+    ``fsdp.copy_`` in any graph dynamo compiled (the units' hooks run eagerly around
+    them); every placeholder freed after the steps."""
+    for r in run_ranks(compiled_without_ca, 2):
+        for name in ("llama", "hf_llama"):
+            ours, ref = r[f"{name}_ours"], r[f"{name}_torch"]
+            torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=0, msg=name)
+            for k, v in ref[1].items():
+                torch.testing.assert_close(ours[1][k], v, rtol=0, atol=1e-4, msg=f"{name} {k}")
+            graphs = r[f"{name}_graphs"]
+            assert graphs and all(g == {} for g in graphs), (name, graphs)
+            assert r[f"{name}_bytes_after"] == 0, name
 
 
 @pytest.mark.slow

@@ -196,15 +196,15 @@ def test_uneven_shards_at_the_edges() -> None:
             assert v["graphs"] == ((1, 1) if run.endswith("compiled") else (0, 0)), (run, v["graphs"])
 
 
-# ------------------------------------------------------ compiled below the root
+# ------------------------------------------- compiled without compiled autograd
 @pytest.mark.slow
-def test_units_compiled_below_an_eager_root_train_correctly() -> None:
-    """The root refuses a compiled forward that needs a backward while compiled
-    autograd is off (tests/test_runtime.py checks the message). Below the root that
-    check does not run; these cases are not refused, and must train correctly
-    (aot_eager, compiled autograd off, 2 ranks, 3 SGD steps): a unit holding another
-    unit compiled on its own under an eager root (``torch.compile(model[2])``); the
-    same with that block frozen while its input needs grad; and a wholly frozen
+def test_units_compiled_without_compiled_autograd_train_correctly() -> None:
+    """Compiled with compiled autograd off, each unit's hooks run eagerly around the
+    compiled compute ([Note: A unit compiled without compiled autograd] in
+    _state.py), and train correctly (aot_eager, 2 ranks, 3 SGD steps): a unit holding
+    another unit compiled on its own under an eager root (``torch.compile(model[2])``);
+    the same with that block frozen while its input needs grad; the whole model
+    compiled (``torch.compile(model)``, torchtitan's plain line); and a wholly frozen
     model compiled whole, fed by a trainable Linear outside it. Against a one-process
     reference: losses rtol 1e-6, parameters (and the outside Linear) atol 1e-6 (not
     bitwise: averaging over ranks sums in another order). Every placeholder is 0
@@ -214,7 +214,7 @@ def test_units_compiled_below_an_eager_root_train_correctly() -> None:
     from _reliability_workers import below_root_worker
 
     for r in run_ranks(below_root_worker, 2):
-        assert set(r) == {"nested", "frozen", "frozen_root"}
+        assert set(r) == {"nested", "frozen", "root", "frozen_root"}
         for case, v in r.items():
             torch.testing.assert_close(v["losses"], v["ref_losses"], rtol=1e-6, atol=0, msg=case)
             worst = max(v["diff"].items(), key=lambda kv: kv[1])
@@ -227,23 +227,19 @@ def test_units_compiled_below_an_eager_root_train_correctly() -> None:
 def test_graph_break_inside_a_unit_compiled_with_inductor() -> None:
     """``torch.compile(model)`` without ``fullgraph`` on a model whose blocks (units)
     break the graph in their forward: dynamo then compiles the units' forward as a
-    frame of its own, once for the root and once for both blocks (once per block
-    before 2026-12-05, and past dynamo's recompile limit the further blocks ran
-    eagerly: [Note: One graph for every unit of a class] in _common.py), and on the
-    second (the blocks after the root) its
-    automatic dynamic shapes made the plain ints the runtime reads symbolic. Inductor
-    failed to lower the placeholder's resize ("TODO: dynamic shapes") before
-    2026-11-29 ([Note: Ints read while tracing] in _param.py). The root returns the
-    loss and the log-probabilities it was taken from, as HF's causal LMs given labels
-    return loss and logits: those get no gradient, and their hook, registered outside
-    the graph after the break, made torch's compiled autograd fail before 2026-12-05
-    (without the fix: "'NoneType' object has no attribute 'op'"; [Note: An output
-    hook that gets no gradient] in _compile.py). The last step calls the model's
-    forward eagerly with compiled autograd still on: the backward graph then takes
-    the placeholder autograd saved as an input of its own beside the one the
-    re-gather fills, and ``remove_resize_copy`` rewrote the latter's region away,
-    so Inductor's graph read a freed storage ("data is not allocated yet") before
-    2026-12-05 ([Note: Removing resize/copy regions]). 2 ranks, Inductor, compiled
+    frame of its own, once for the root and once for both blocks ([Note: One graph
+    for every unit of a class] in _common.py), and on the second (the blocks after
+    the root) its automatic dynamic shapes make the plain ints the runtime reads
+    symbolic, which Inductor must lower in the placeholder's resize ([Note: Ints read
+    while tracing] in _param.py). The root returns the loss and the
+    log-probabilities it was taken from, as HF's causal LMs given labels return loss
+    and logits: those get no gradient, and their hook, registered outside the graph
+    after the break, must not fail torch's compiled autograd ("'NoneType' object has
+    no attribute 'op'": [Note: An output hook that gets no gradient] in _compile.py).
+    The last step calls the model's forward eagerly with compiled autograd still on:
+    the backward graph then takes the placeholder autograd saved as an input of its
+    own beside the one the re-gather fills, and must not read a freed storage after
+    ``remove_resize_copy`` ([Note: Removing resize/copy regions]). 2 ranks, Inductor, compiled
     autograd, 4 AdamW steps, against the same model eager: losses rtol 1e-5,
     parameters atol 1e-5 (seen: 2 ulp on a loss, 4.7e-6); every placeholder
     freed after each step; graphs compiled in step 1 only, and the last step's

@@ -1007,7 +1007,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 # (test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient in
 # tests/test_reliability.py, seen 2026-11-29 and again 2026-12-05), most likely
 # because the region, traced once, was reused across units (not confirmed). See
-# [Note: A unit compiled without its root] in _state.py for the other per-unit
+# [Note: A unit compiled without compiled autograd] in _state.py for the other per-unit
 # guards such a block met.
 _FSDP_CLASSES: dict[type, type] = {}
 

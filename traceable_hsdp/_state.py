@@ -25,8 +25,9 @@ traced by compiled autograd into the backward graph. That needs compiled autogra
 be on when the forward is traced, so that dynamo defers the output hooks to the
 backward (through a ``BackwardState``). Without it, AOTAutograd traces the hook into
 its own joint graph and its partitioner may move the re-gather into the forward: the
-numbers come out wrong with no error. ``_check_compile_mode`` therefore refuses to
-trace a forward that needs a backward unless compiled autograd is on.
+numbers come out wrong with no error. So a forward compiled while compiled autograd
+is off never traces a hook: each unit's pre- and post-forward run eagerly around the
+compiled compute ([Note: A unit compiled without compiled autograd]).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -57,77 +59,65 @@ from ._torch_internals import (
 if TYPE_CHECKING:
     from ._init import UnitOptions
 
-COMPILE_FIX = (
-    "traceable_hsdp: this forward is being compiled while compiled autograd is off, so "
-    "its backward (re-gathers and reduce-scatters) could not be captured and would be "
-    "silently wrong; it is refused. Fix: call `traceable_hsdp.enable_compiled_autograd()` "
-    "once before the training loop, or set `torch._dynamo.config.compiled_autograd = "
-    "True` before `torch.compile` and compile the whole step (forward, loss, backward). "
-    "Forwards under torch.no_grad() need neither. See docs/compile.md."
-)
-
-
-_refuse_compile_without_compiled_autograd = refusal(COMPILE_FIX)
-
-
 UNIT_FULLGRAPH_FIX = (
     "traceable_hsdp: a fully_shard unit's forward is being compiled with "
-    "fullgraph=True below an eager root while compiled autograd is off, so the hooks "
-    "that re-gather it for backward cannot be put in the graph (torch.compile(model, "
-    "fullgraph=True) with fully_shard applied to the compiled model, for example). "
-    "Fix: call `traceable_hsdp.enable_compiled_autograd()` once before the training "
-    "loop (the unit's gathers are then in the block's graph), or compile each block "
-    "instead (block.compile(), before or after fully_shard, or torch.compile(block) "
-    "before it: its gathers then run eagerly around it, as torch's fully_shard runs "
-    "them), or drop fullgraph=True. See docs/compile.md, 'Compiled before "
-    "fully_shard'."
+    "fullgraph=True while compiled autograd is off. Without compiled autograd the "
+    "unit's gathers and the hooks that re-gather it for backward and reduce its "
+    "gradients run eagerly around the compiled compute, as torch's fully_shard hooks "
+    "do, which needs the graph breaks that fullgraph=True forbids. Fix: call "
+    "`traceable_hsdp.enable_compiled_autograd()` once before the training loop (the "
+    "whole step, collectives included, is then traced), or drop fullgraph=True, or "
+    "compile each block instead (block.compile(), before or after fully_shard). See "
+    "docs/compile.md, 'Compiled without compiled autograd'."
 )
 
+_log = logging.getLogger("traceable_hsdp")
+_EAGER_HOOKS_SAID = False
 
-# [Note: A unit compiled without its root]
-# The root refuses a traced forward that needs a backward while compiled autograd is
-# off (see the module's docstring). Below an eager root, a unit's forward traced on
-# its own (``torch.compile(unit)`` after fully_shard, a compiled model whose root
-# ``fully_shard`` wraps from outside, HF accelerate's FSDP2 flow with a dynamo
-# backend) is not refused: its backward hooks cannot be traced without compiled
-# autograd, so they are registered eagerly, and those cases train correctly
-# (``test_units_compiled_below_an_eager_root_train_correctly``). Such a unit runs its
-# pre-forward and its post-forward eagerly, as functions disabled for dynamo whose
-# reason is the fix: dynamo breaks the graph around each and traces only the
-# module's own forward between them, as around torch's fully_shard hooks. Under
-# ``fullgraph=True`` there is no graph break to fall back on, and that reason is the
-# error the user reads (dynamo had failed with "HOP: Unsafe side effect" inside our
-# hook, which names neither cause nor fix). Until 2026-12-05 the pre-forward was
-# traced after one such break: the unit's label (in its collectives' annotations)
-# and its parameter count went into the guards, so per-block compiles recompiled
-# for each unit, and past dynamo's ``recompile_limit`` (8) the further blocks ran
-# eagerly. A unit compiled in place (``block.compile()``) does not get here: see
-# [Note: A unit compiled in place] and [Note: One FSDP class per module class] in
-# _fully_shard.py. With compiled autograd on, a unit traced on its own keeps its
+
+# [Note: A unit compiled without compiled autograd]
+# ``torch.compile(model)`` with compiled autograd off (torchtitan's plain compile
+# line, HF accelerate's FSDP2 flow with a dynamo backend, ``torch.compile(unit)``
+# below an eager root) cannot trace a unit's backward hooks. Such a unit, the root
+# included, runs its pre-forward and its post-forward eagerly, as functions disabled
+# for dynamo: dynamo breaks the graph around each and compiles the module's own
+# forward between them, as around torch's fully_shard hooks. Its gathers and its
+# reduce-scatters then run eagerly at the unit's boundaries and its backward hooks
+# are registered eagerly, so the step trains with the eager numbers; the process
+# logs once how to get the traced step instead. Under ``fullgraph=True`` there is no
+# graph break to fall back on: the disabled function's reason,
+# ``UNIT_FULLGRAPH_FIX``, is the error the user reads. Tested by
+# ``test_compiled_without_compiled_autograd`` (test_runtime.py) and
+# ``test_units_compiled_without_compiled_autograd_train_correctly``. A unit compiled in
+# place (``block.compile()``) does not get here: see [Note: A unit compiled in place]
+# in _fully_shard.py. With compiled autograd on, a unit traced on its own keeps its
 # pre-forward in the graph, one graph for every unit of its class: [Note: One graph
 # for every unit of a class] in _common.py.
 @torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
 def _pre_forward_untraced(
     state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The unit's pre-forward, eagerly: see [Note: A unit compiled without its root]."""
+    """The unit's pre-forward, eagerly: see [Note: A unit compiled without compiled
+    autograd]."""
+    global _EAGER_HOOKS_SAID
+    if not _EAGER_HOOKS_SAID:
+        _EAGER_HOOKS_SAID = True
+        _log.warning(
+            "traceable_hsdp: fully_shard units are compiled while compiled autograd is "
+            "off, so their all-gathers and reduce-scatters run eagerly at each unit's "
+            "boundaries (as torch's fully_shard's do) and the compiled graphs hold only "
+            "the compute. To trace the whole step, collectives included, call "
+            "traceable_hsdp.enable_compiled_autograd() before the training loop "
+            "(docs/compile.md)."
+        )
     return state._pre_forward(args, kwargs)
 
 
 @torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
 def _post_forward_untraced(state: FSDPState, output: Any, inputs: Any) -> Any:
-    """The unit's post-forward, eagerly: see [Note: A unit compiled without its root]."""
+    """The unit's post-forward, eagerly: see [Note: A unit compiled without compiled
+    autograd]."""
     return state._post_forward(output, inputs)
-
-
-def _check_compile_mode(needs_backward: bool) -> None:
-    # See [Note: Why compiled autograd] in _compile.py.
-    if (
-        needs_backward
-        and compiling()
-        and not compiled_autograd.compiled_autograd_enabled
-    ):
-        _refuse_compile_without_compiled_autograd()
 
 
 UNUSED_PARAMS_COMPILE_FIX = (
@@ -640,11 +630,10 @@ class FSDPState:
         See [Note: Forward wrapper, not module hooks]."""
         if (
             compiling()
-            and not self.is_root
             and not compiled_autograd.compiled_autograd_enabled
             and self.root._needs_backward()
         ):
-            # See [Note: A unit compiled without its root].
+            # See [Note: A unit compiled without compiled autograd].
             args, kwargs = _pre_forward_untraced(self, args, kwargs)
             output = orig_forward(*args, **kwargs)
             return _post_forward_untraced(self, output, (args, kwargs))
@@ -740,7 +729,6 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         needs_backward = self._needs_backward()
-        _check_compile_mode(needs_backward)
         if (
             needs_backward
             and compiling()

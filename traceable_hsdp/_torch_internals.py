@@ -111,7 +111,7 @@ INTERNALS: tuple[TorchInternal, ...] = (
     _E("torch._dynamo.compiled_autograd",
        "the runtime asks whether compiled autograd is on and capturing"),
     _E("torch._dynamo.compiled_autograd.compiled_autograd_enabled",
-       "a compiled forward is refused while compiled autograd is off"),
+       "without compiled autograd a compiled unit runs its hooks eagerly"),
     _E("torch._dynamo.compiled_autograd.in_compiled_autograd_region",
        "a hook traced into a compiled-autograd backward takes the traced path"),
     _E("torch._guards.TracingContext",
