@@ -339,7 +339,7 @@ def _variable_length_run(
         if rank is not None:
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         if mark:
-            torch._dynamo.mark_dynamic(x, 1)
+            torch._dynamo.maybe_mark_dynamic(x, 1)
         loss = _loss(fwd(x), y)
         loss.backward()
         opt.step()
@@ -363,7 +363,7 @@ def variable_length_reference(world: int) -> tuple[list[float], torch.Tensor]:
 
 def variable_length_worker(rank: int, world: int) -> dict[str, Any]:
     """Batches whose sequence length changes every step, the length marked dynamic
-    (``torch._dynamo.mark_dynamic``), compiled whole on Inductor with every pass and
+    (``torch._dynamo.maybe_mark_dynamic``), compiled whole on Inductor with every pass and
     compiled autograd, with an evaluation forward under ``torch.inference_mode``
     after step EVAL_AFTER. Reports the losses, this rank's evaluation logits, and the
     post-grad graphs compiled after each step (counted before that step's

@@ -463,15 +463,19 @@ def _check_final_schedule(dump_dir: Path, r: dict[str, Any]) -> None:
     fwd, bwd = recs["00_fwd"]["collectives"], recs["01_bwd"]["collectives"]
     # One bucketed all-gather per unit: the root (labelled by its class) first, then
     # the blocks (by their path). Each but the first is issued before the previous
-    # unit's compute (prefetch): kernels run before its wait. The first has nothing
-    # to overlap with. Over two gloo ranks each all-gather is an exchange
-    # (all_gather_by_exchange).
+    # unit's compute (prefetch): kernels run before its wait. The first has no
+    # compute of its own to overlap with: between its issue and the second's, one
+    # kernel runs, the second bucket's copy-in, which Inductor places after the
+    # first's wait (torch 2.13, 2.14) or before it (2.15). Over two gloo ranks each
+    # all-gather is an exchange (all_gather_by_exchange).
     agx = ("all_to_all_single", "all_gather")
     assert [(c["op"], c["family"], c["unit"]) for c in fwd] == [(*agx, "Llama")] + [
         (*agx, f"layers.{i}") for i in range(N_LAYERS)
     ], fwd
-    assert fwd[0]["kernels_before_wait"] == 0
-    assert all(c["kernels_before_wait"] >= 1 for c in fwd[1:]), recs["00_fwd"]["schedule"]
+    sched = recs["00_fwd"]["schedule"]
+    first_to_second = sched[fwd[0]["issued_at"] + 1 : fwd[1]["issued_at"]]
+    assert sum(1 for e in first_to_second if not re.fullmatch(r"[CW](\d+|-)", e)) == 1, sched
+    assert all(c["kernels_before_wait"] >= 1 for c in fwd[1:]), sched
     # Over two gloo ranks each reduce-scatter is an exchange (see [Note: gloo
     # reduce-scatters as an exchange] in passes/exchange.py).
     rs = [c for c in bwd if (c["op"], c["family"]) == ("all_to_all_single", "reduce_scatter")]
@@ -484,7 +488,8 @@ def _check_final_schedule(dump_dir: Path, r: dict[str, Any]) -> None:
     ] * 2, off
     assert all(c["kernels_before_wait"] == 0 for c in off), recs["03_fwd"]["schedule"]
     label = "all_to_all_single as all_gather"
-    assert f"overlap: {label}: {N_UNITS - 1} of {N_UNITS} with >=1 kernel" in r["summary"], (
+    overlapped = N_UNITS - (fwd[0]["kernels_before_wait"] == 0)
+    assert f"overlap: {label}: {overlapped} of {N_UNITS} with >=1 kernel" in r["summary"], (
         r["summary"])
     assert "wait after" in r["summary"]
     # The overlap pass keeps one all-gather in flight, and Inductor's scheduler does
