@@ -35,9 +35,9 @@ above the block's start counts them whole. The pool is the process's, so a buffe
 pooled for another variant of ours counts too, and so does the whole pool for a
 variant of ours whose passes leave the exchanges out: its figure can only be too
 high. Every other variant (torch's, the eager ones) counts the pool in its start, as
-any memory it does not touch, so its peak leaves it out. Until 2026-12-06 the pool
-counted in every variant's figure: in an ``ac_cost.py`` run that mixed ours compiled
-with torch's variants (not kept), torch's peaks read about 21 MiB too high.
+any memory it does not touch, so its peak leaves it out (counted in every variant's
+figure, the pool would read torch's peaks about 21 MiB too high in an ``ac_cost.py``
+run that mixes ours compiled with torch's variants).
 
 [Note: Round-robin timing]
 Every variant lives in the same processes (one per rank) for the whole run. A round gives each
@@ -48,18 +48,17 @@ instead of on whichever ran during it. Each variant keeps its own model, optimiz
 and step counter across rounds, so its k-th step always sees batch k.
 
 The default alternates step by step (``step_time.py``: 1 timed step per variant per
-round, 20 rounds, no warm-up after the compile step). Blocks of 5 steps were the
-default until 2026-11-27, and the machine's speed moves in steps of seconds to
-minutes that land on a whole block: on the 2-core Xeon, six runs of the same code
-that day put our compiled step at 0.44x to 0.61x of torch's per-block compile, and
-of two of our compiled variants the one first in the order lost by 11-26% in three
-runs (swapping the order swapped the winner). Two step-by-step runs, the order of
-five variants reversed between them, gave torch's per-block step 214.0 and 209.2 ms
-and our eager step 1.01x of torch's in both (``docs/benchmarks.md``, "Results after
-the default change"). Two of our compiled variants in one process (the same code
-with one setting changed) still differed by 7-10% with the order, the earlier one
-faster in both runs, so an A/B of two of ours is run in both orders and read as the
-geometric mean of the two.
+round, 20 rounds, no warm-up after the compile step). The machine's speed moves in
+steps of seconds to minutes, which land on whole blocks of steps: on the 2-core
+Xeon, blocks of 5 steps put six runs of the same code at 0.44x to 0.61x of torch's
+per-block compile, and of two of our compiled variants the one first in the order
+lost by 11-26% (swapping the order swapped the winner). Step by step, two runs with
+the order of five variants reversed between them give torch's per-block step 214.0
+and 209.2 ms and our eager step 1.01x of torch's in both
+(``benchmarks/results/step_time_overhead_demo_interleaved{,_rev}_1127.*``). Two of
+our compiled variants in one process still differ by 7-10% with the order, the
+earlier one faster, so an A/B of two of ours runs each variant in its own processes
+(``--processes``), or in both orders, read as the geometric mean of the two.
 
 [Note: One model per process]
 A user's process holds one model; the round-robin loop holds every variant's. With
@@ -463,7 +462,7 @@ def _pools_by_default() -> bool:
 # 20-25 ms a step (docs/benchmarks.md). torchtitan's default is ``fused`` and HF
 # Trainer's ``adamw_torch_fused``: what those jobs run. ``--adamw`` sets the same
 # implementation for every variant of a run, so the ratios stay side by side; the
-# default keeps torch's choice, as the tables before 2026-12-06 ran.
+# default keeps torch's choice.
 ADAMW_IMPLS: dict[str, dict[str, bool]] = {
     "default": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
 }
@@ -556,9 +555,8 @@ def pass_variants() -> tuple[list[Variant], str]:
 # of one module class share one FSDP class (as torch's), two models of the same class
 # and shapes pass each other's guards: in one process, the second variant's first step
 # runs the graphs the first variant compiled, with the first one's passes, and compiles
-# nothing (a round-robin run at 2026-12-06 reported a compile of 0.0 s for
-# ``ours_compiled_per_unit`` and ``ours_compiled_cap16mb`` after ``ours_compiled``,
-# and the same step time). So variants of ours compiled the same way (``whole`` or
+# nothing (in a round-robin, ``ours_compiled_per_unit`` and ``ours_compiled_cap16mb``
+# after ``ours_compiled`` report a compile of 0.0 s and the same step time). So variants of ours compiled the same way (``whole`` or
 # ``blocks_ca``) but with different passes cannot share a set of processes: in the
 # round-robin :func:`graph_sharing_conflicts` names them and ``step_time.py`` refuses
 # the mix, naming ``--processes`` (each variant alone in its own ranks), and
@@ -626,8 +624,8 @@ def all_variants() -> tuple[list[Variant], str]:
             Variant("ours_eager", "ours", "none"),
             *ours_compiled,
             dataclasses.replace(default, name="ours_compiled_local_adamw", optimizer="local"),
-            # Every unit resharded after forward, the root too: our default before
-            # 2026-11-27, beside today's (the root kept gathered for backward).
+            # Every unit resharded after forward, the root too, beside the default
+            # (``None``: the root kept gathered for backward).
             dataclasses.replace(default, name="ours_compiled_reshard_root",
                                 reshard_after_forward=True),
             # torchtitan's per-block recipe with our fully_shard: the blocks compiled,

@@ -6,8 +6,8 @@ On CUDA the harness reads ``torch.cuda.max_memory_allocated()`` after resetting 
 each block's start, so each variant gets its own peak although every variant lives in
 the same process. The CPU has no such counter: the process's peak RSS cannot be reset,
 and the profiler's memory timeline (``torch.profiler._memory_profiler``) read the peak
-of one 1024x1024 matmul (its two inputs and its output, 12 MiB) as 8 MiB when checked
-(2026-12-05). ``heap_peak.c`` counts instead the usable size of every live block that
+of one 1024x1024 matmul (its two inputs and its output, 12 MiB) as 8 MiB on torch
+2.13. ``heap_peak.c`` counts instead the usable size of every live block that
 glibc's allocator hands out, in every thread, and keeps the peak; the harness resets the
 peak where it resets CUDA's, so ``peak - live at the block's start`` is what the
 variant's steps added at most: its activations, gathered parameters, gradients,

@@ -4,7 +4,7 @@
     python benchmarks/compile_ab.py --lever LEVER --out DIR [--layers 4,8] [--rounds 4]
         [--backend aot_eager]
 
-Levers (the first variant is torch's or the earlier behaviour, the second ours):
+Levers (the first variant is torch's behaviour or the alternative, the second ours):
 
 - ``side_effects``: dynamo's ``side_effect_replay_policy``, torch's ``"info"`` against
   the ``"silent"`` that ``fully_shard`` sets while nothing reads the messages (see
@@ -52,7 +52,7 @@ import _report as R  # noqa: E402
 @dataclass(frozen=True)
 class Lever:
     report: str  # the report's file stem
-    variants: tuple[str, str]  # (torch's or the earlier behaviour, ours)
+    variants: tuple[str, str]  # (torch's or the alternative, ours)
     what: str  # the table's caption
 
 

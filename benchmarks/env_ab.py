@@ -6,11 +6,10 @@ CPU ranks.
         [--shape compute] [--model demo] [--pairs 6] [--steps 30] [--warmup 3]
         [--adamw {default,foreach,fused}]
 
-For a lever that a switch or an experimental patch puts behind an environment
-variable: an existing one (``--env TRACEABLE_HSDP_BUCKET_CAP_MB --values unset,1``, where
-``unset`` leaves the variable unset), or one of the patches kept beside their results
-(``benchmarks/results/*.code.diff``, applied with ``git apply``), whose variable turns
-the change on. Each of ``--pairs`` pairs starts the variant twice in its own 2 spawned
+For a lever behind an environment variable: a switch of the library
+(``--env TRACEABLE_HSDP_BUCKET_CAP_MB --values unset,1``, where ``unset`` leaves the
+variable unset), or an experimental change applied to a checkout whose variable turns
+it on. Each of ``--pairs`` pairs starts the variant twice in its own 2 spawned
 gloo ranks (:func:`_harness.run_rank`: the harness's own step loop), once under each
 value, the order reversed every other pair, so both values see the machine within a
 few minutes of each other; fresh processes move by more than these effects on 2-core

@@ -53,8 +53,8 @@ waiting. The same file gives each thread's minor page faults, also reported per
 step: a fault is a page of memory the kernel maps and zeroes on its first touch,
 paid as system time by the thread that touches it. A step that frees its buffers
 and allocates them again faults each step when the allocator has given the memory
-back in between (glibc trims the top of its heap; docs/benchmarks.md, "One model per
-process: the compute shape"); gloo's threads fault where they receive into a fresh
+back in between (glibc trims the top of its heap; docs/benchmarks.md, "Step
+time"); gloo's threads fault where they receive into a fresh
 collective output. Only on Linux; elsewhere the table is left out.
 
 Writes ``<out>/profile_<shape>.md`` (printed too) and ``.json`` into the folder
