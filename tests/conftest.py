@@ -103,10 +103,6 @@ ON_TORCH_2_15 = {
     "test_conformance_compiled_inductor": "the root called twice before one backward "
     "('twice'), compiled by Inductor, ends beyond the eager run's tolerance (atol 2e-5) "
     "on torch 2.15",
-    "test_passes_in_compiled_fsdp_step": "Inductor 2.15 schedules one kernel before the "
-    "first forward all-gather's wait, which the test pins at 0",
-    "test_variable_sequence_lengths_compiled": "a sequence length marked dynamic meets "
-    "ConstraintViolationError in the compiled-autograd backward on torch 2.15",
     "test_fsdp_tp_eager": "FSDP x TP under bf16 differs from torch 2.15's fully_shard by "
     "up to 4e-5 (a norm weight): not yet bitwise",
 }
