@@ -90,7 +90,7 @@ step 240 "step time, 1 rank, compute shape" \
     --variants "$FOUR,ours_eager,torch_eager" --adamw fused --out "$RESULTS" --no-progress
 for mp in none bf16; do
     step 90 "trainer, $mp" "$PY" -m torch.distributed.run --nproc_per_node 1 \
-        -m traceable_hsdp.cli train --device "$DEVICE" --mixed-precision "$mp" "${TRAIN[@]}"
+        -m traceable_hsdp.demo.cli train --device "$DEVICE" --mixed-precision "$mp" "${TRAIN[@]}"
 done
 step 120 "profile, compute shape" "$PY" "$B/profile_step.py" --device "$DEVICE" --world 1 \
     "${PSHAPE[@]}" --variants ours_compiled,unsharded_compiled_1rank --adamw fused \

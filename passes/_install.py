@@ -90,7 +90,7 @@ Nothing else (not ``hsdp()``, not a unit's options) writes process-wide
 configuration, but for the debugging tool ``dump_graphs``, and only for the length of
 its block: its recorders around our pass (which bypass Inductor's FX graph cache),
 depyf's patches, and dynamo skipping depyf's files, each undone when the block exits
-(``traceable_hsdp/_dump.py``).
+(``traceable_hsdp/debug/_dump.py``).
 
 [Note: Saved views of the placeholder]
 AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward

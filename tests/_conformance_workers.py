@@ -38,7 +38,7 @@ from _workers import (
     _managed,
     _placeholder_bytes,
 )
-from traceable_hsdp.models import Llama, RMSNorm
+from traceable_hsdp.demo.models import Llama, RMSNorm
 
 STEPS = 3
 Build = Callable[[Callable[..., Any]], nn.Module]

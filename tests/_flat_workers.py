@@ -21,7 +21,7 @@ import traceable_hsdp as th
 from _dist import full_tensor
 from _workers import CFG, _data, _loss, _placeholder_bytes, dp_mesh
 from traceable_hsdp._annotate import ANNOTATION_KEY
-from traceable_hsdp.models import Llama
+from traceable_hsdp.demo.models import Llama
 
 STEPS = 3
 LR = 1e-2

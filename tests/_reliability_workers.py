@@ -16,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
 import traceable_hsdp.passes._graph as G
+from traceable_hsdp.debug._recorder import current_compile
 from _dist import full_tensor
-from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.demo.models import Llama, LlamaConfig
 
 # ------------------------------------------------------------------- prefetch
 # Three units of distinct widths, so the numel of an all-gather's input names its
@@ -112,7 +113,7 @@ def prefetch_order_worker(rank: int, world: int) -> dict[str, Any]:
     graphs: list[tuple[bool, list[str]]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append((G.current_compile()[1], _compress(_graph_order(gm, unit_of))))
+        graphs.append((current_compile()[1], _compress(_graph_order(gm, unit_of))))
         return aot_eager(gm, example_inputs)
 
     model = _prefetch_model(mesh)
@@ -594,7 +595,7 @@ def _train_region_case(world: int, rank: int, region: bool, compiled: bool = Tru
     from _workers import CFG, LR, _data, _loss
     from torch._dynamo.utils import counters
 
-    from traceable_hsdp.models import Block
+    from traceable_hsdp.demo.models import Block
 
     class RegionBlock(Block):
         forward = torch.compiler.nested_compile_region(Block.forward)

@@ -18,14 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
 from _dist import full_tensor
-from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+from traceable_hsdp.demo.models import Llama, LlamaConfig, shard_llama
+from traceable_hsdp.debug._recorder import PostGradRecorder, current_compile
+from traceable_hsdp.debug._table import collective_table, graph_counts
 from traceable_hsdp.passes._graph import (
-    PostGradRecorder,
     bound_args,
     collective_family,
-    collective_table,
-    current_compile,
-    graph_counts,
     is_fsdp_copy,
     is_resize,
     is_version_counter_op,

@@ -337,7 +337,7 @@ def test_step_time_smoke_on_cpu(
     md = (out / "step_time_smoke_vocab512_demo.md").read_text()
     assert "### Shape `smoke_vocab512`" in md and "vocab 512," in md
     assert "Device `cpu`" in md and "2 gloo ranks" in md
-    assert "demo Llama (`traceable_hsdp.models`), dim 32, MLP 128" in md
+    assert "demo Llama (`traceable_hsdp.demo.models`), dim 32, MLP 128" in md
     assert "| peak RSS MiB after round 1, r0/r1 |" in md
     assert "Memory metric: peak RSS MiB:" in md
     assert "**OK**" in md  # every variant: the same step-1 loss

@@ -26,7 +26,7 @@ The steps run inside ``traceable_hsdp.dump_graphs``, compiled through its record
 backend (``dump.backend("inductor")``, also compiled autograd's, which reuses the
 step's backend), so the same Inductor compile checks the dump's final schedule too.
 The dump's recorders bracket our passes inside the post-grad *pre*-pass ([Note:
-Hooking Inductor] in ``traceable_hsdp/_dump.py``); the recording *post*-pass above
+Hooking Inductor] in ``traceable_hsdp/debug/_dump.py``); the recording *post*-pass above
 runs after Inductor's own post-grad passes, so the two compose. The generated code
 checked above is the dump's copy (``scheduled/``) of each graph's code. For every
 Inductor graph with collectives: the order of issues and waits read from that code
@@ -63,7 +63,7 @@ import torch
 
 from _dist import full_tensor, run_ranks
 from _workers import _placeholder_bytes
-from traceable_hsdp._dump import compare_dumps
+from traceable_hsdp.debug._dump import compare_dumps
 
 N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 2, 3, 8, 2, 1e-2
 N_UNITS = N_LAYERS + 1
@@ -255,9 +255,9 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
 
     import traceable_hsdp as th
     from traceable_hsdp import dump_graphs, passes
-    from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+    from traceable_hsdp.demo.models import Llama, LlamaConfig, shard_llama
     from traceable_hsdp.passes import TraceableHSDPPass
-    from traceable_hsdp.passes._graph import PostGradRecorder
+    from traceable_hsdp.debug._recorder import PostGradRecorder
 
     graphs: list[dict[str, Any]] = []
     # Its uuid() is None: never served from the FX cache, every graph is seen.
@@ -545,7 +545,9 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
     import traceable_hsdp as th
     from traceable_hsdp import passes
     from traceable_hsdp.passes import TraceableHSDPPass
-    from traceable_hsdp.passes._graph import PostGradRecorder, annotation_of, collective_totals
+    from traceable_hsdp.debug._recorder import PostGradRecorder
+    from traceable_hsdp.debug._table import collective_totals
+    from traceable_hsdp.passes._graph import annotation_of
 
     import logging
 

@@ -52,6 +52,7 @@ from traceable_hsdp.passes._graph import (
     annotation_value,
     set_annotation,
 )
+from traceable_hsdp.debug._table import family_counts
 from traceable_hsdp.passes._ops import SPLIT_COLUMNS
 from traceable_hsdp.passes._rewrite import alias_closure, set_fake_val
 
@@ -1356,7 +1357,7 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
         for key, (n, same) in r["bitwise"].items():
             counts = r["counts"][key]
             assert n == 1 and same, (key, n, same)
-            assert passes._graph.family_counts(counts) == {"all_gather": 1}, counts
+            assert family_counts(counts) == {"all_gather": 1}, counts
             assert counts.get(r["exchange_key"]) == 1 and "all_gather_into_tensor" not in counts
             target, pieces, splits = r["exchange_input"][key]
             assert target == str(aten.cat.default), (key, target)
@@ -1402,7 +1403,7 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
         for key, (n, same) in r["bitwise"].items():
             counts = r["counts"][key]
             assert same, key
-            assert passes._graph.family_counts(counts) == {"reduce_scatter": 1}, counts
+            assert family_counts(counts) == {"reduce_scatter": 1}, counts
             if key.startswith("torch.bfloat16"):  # [Note: Low-precision sums and fusion]
                 assert n == 0 and "reduce_scatter_tensor" in counts, (key, counts)
                 continue

@@ -380,7 +380,7 @@ def test_train_cli_exits_nonzero_naming_the_dead_rank() -> None:
     import sys
     import time
 
-    cmd = [sys.executable, "-m", "traceable_hsdp.cli", "train", "--eager", "--steps", "100000",
+    cmd = [sys.executable, "-m", "traceable_hsdp.demo.cli", "train", "--eager", "--steps", "100000",
            "--no-progress", "--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "8",
            "--init", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

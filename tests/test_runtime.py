@@ -561,7 +561,7 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         assert compile_bump() == 0
         assert _compile.quiet_side_effect_messages()  # idempotent
         # dump_graphs(trace=True)'s structured trace has them on for its block.
-        from traceable_hsdp import _dump
+        from traceable_hsdp.debug import _dump
 
         with tempfile.TemporaryDirectory() as d, _dump._structured_trace(Path(d)):
             assert config.side_effect_replay_policy == "info"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from ._compile import compiled_autograd, disable_compiled_autograd, enable_compiled_autograd
-    from ._dump import dump_graphs
+    from .debug._dump import dump_graphs
     from ._fully_shard import (
         FSDPModule,
         GradientReductionHandle,
@@ -40,7 +40,7 @@ _LAZY = {
     "register_fsdp_forward_method": "._fully_shard",
     "share_comm_ctx": "._fully_shard",
     "hsdp": "._hsdp",
-    "dump_graphs": "._dump",
+    "dump_graphs": ".debug._dump",
     "MixedPrecisionPolicy": "._api",
     "OffloadPolicy": "._api",
     "CPUOffloadPolicy": "._api",

@@ -897,7 +897,7 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     # autograd's hook ordering, the exit hook, the optimizer check), each entry
     # checked first; undone by _torch_internals.undo(). See [Note: Torch internals].
     _torch_internals.install()
-    from ._dump_env import start_from_env
+    from .debug._dump_env import start_from_env
 
     start_from_env()  # TRACEABLE_HSDP_DUMP; see [Note: The dump switch] (_dump_env.py)
     return state

@@ -66,7 +66,7 @@ recorded, forward graphs keep their annotations, and backward ones show none.
 
 [Note: The final schedule in the dump]
 The post-grad graph after our passes is not yet the order that runs: Inductor's
-scheduler reorders it (see [Note: The final schedule] in ``passes/_graph.py``).
+scheduler reorders it (see [Note: The final schedule] in ``_schedule.py``).
 While dumping, a handler on torch's structured-trace logger (the logger
 ``TORCH_TRACE`` writes through; it is added for the block and removed after)
 receives each graph's ``inductor_output_code`` record, the generated code, and
@@ -154,23 +154,11 @@ import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch import fx
 
-from ._torch_internals import dynamo_skips
-from .passes._graph import (
-    CollectiveRow,
-    Kind,
-    PostGradRecorder,
-    RecordedGraph,
-    annotation_of,
-    collective_table,
-    copy_annotations,
-    current_compile,
-    family_counts,
-    graph_counts,
-    is_collective,
-    max_in_flight,
-    read_schedule,
-    with_schedule,
-)
+from .._torch_internals import dynamo_skips
+from ..passes._graph import annotation_of, copy_annotations, is_collective
+from ._recorder import Kind, PostGradRecorder, RecordedGraph, current_compile
+from ._schedule import max_in_flight, read_schedule, with_schedule
+from ._table import CollectiveRow, collective_table, family_counts, graph_counts
 
 __all__ = [
     "dump_graphs",
@@ -710,7 +698,7 @@ def _structured_trace(trace_dir: Path) -> Iterator[list[Path]]:
     ``_compile.py``), so the log holds them as ``TORCH_TRACE``'s would."""
     from torch._logging import _internal as tl
 
-    from ._compile import side_effect_messages_on
+    from .._compile import side_effect_messages_on
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     handler = tl.LazyTraceHandler(str(trace_dir))
@@ -802,7 +790,7 @@ def _recorder(dump: GraphDump, stage: Stage) -> PostGradRecorder:
 def _hook_inductor(dump: GraphDump) -> Callable[[], None]:
     """Brackets the post-grad pre-pass with the recorders; returns the undo.
     See [Note: Hooking Inductor]."""
-    from .passes import install
+    from ..passes import install
 
     install()
     inner = inductor_config.post_grad_custom_pre_pass
