@@ -29,7 +29,7 @@ so the CUDA figure includes the other variants' models and optimizer states; the
 allocated bytes at each block's start are kept as well, and the report also gives the
 peak above them. On the CPU, for a variant whose graphs take buffers from the pool our
 exchanges keep between steps ([Note: Exchange outputs from a pool] in
-``passes/_ops.py``; :attr:`Variant.pools_exchanges`), those bytes leave the pool out:
+``passes/gloo/_pool.py``; :attr:`Variant.pools_exchanges`), those bytes leave the pool out:
 its buffers are that step's memory, reused rather than allocated in it, so the peak
 above the block's start counts them whole. The pool is the process's, so a buffer
 pooled for another variant of ours counts too, and so does the whole pool for a

@@ -132,13 +132,13 @@ _WAIT_NAME = "wait_tensor"
 _FSDP_COPY_NAME = ("fsdp", "copy_")
 _RESIZE_NAME = ("inductor", "resize_storage_bytes_")
 # ``traceable_hsdp::all_to_all_single``: torch's all-to-all with a pooled output, which
-# the exchanges issue (``_ops.py``); named here, not imported, as the others are.
+# the exchanges issue (``gloo/_pool.py``); named here, not imported, as the others are.
 _POOLED_NAME = ("traceable_hsdp", "all_to_all_single")
 _VERSION_COUNTER_NAMES = (("prims", "_tensor_version"), ("prims", "_unsafe_set_version_counter"))
 
 # The meta key that marks an ``all_to_all_single`` node as a reduce-scatter or an
 # all-gather issued as an exchange (see [Note: gloo reduce-scatters as an exchange]
-# and [Note: gloo all-gathers as an exchange] in ``exchange.py``).
+# and [Note: gloo all-gathers as an exchange] in ``gloo/exchange.py``).
 # Its value is the family the node counts in; :func:`graph_counts` counts it under
 # :data:`EXCHANGE_COUNT` or :data:`AG_EXCHANGE_COUNT`.
 EXCHANGED = "traceable_hsdp_exchange"
@@ -203,7 +203,7 @@ def is_wait(node: fx.Node) -> bool:
 
 def _c10d_like(q: tuple[str, ...] | None) -> bool:
     """A functional c10d op (the wait included), or the exchanges' pooled all-to-all
-    ([Note: Exchange outputs from a pool] in ``_ops.py``), from ``(namespace, name,
+    ([Note: Exchange outputs from a pool] in ``gloo/_pool.py``), from ``(namespace, name,
     ...)``."""
     return q is not None and (q[0] in COLLECTIVE_NAMESPACES or q[:2] == _POOLED_NAME)
 

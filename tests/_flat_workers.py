@@ -30,7 +30,7 @@ COLLECTIVES = {
     "all_gather_into_tensor_out": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     # over two gloo ranks a reduce-scatter is an exchange: see [Note: gloo
-    # reduce-scatters as an exchange] in passes/exchange.py
+    # reduce-scatters as an exchange] in passes/gloo/exchange.py
     "all_to_all_single": "reduce_scatter",
     "all_reduce": "all_reduce",
 }

@@ -439,9 +439,9 @@ def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
     c = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "fsdp_copy", "resize"), 0)
     for n in graph.nodes:
         # An all-gather in either form (on CPU each is issued into a buffer: [Note:
-        # CPU all-gathers into buffers] in passes/gather_into_buffers.py), and a
+        # CPU all-gathers into buffers] in passes/gloo/gather_into_buffers.py), and a
         # reduce-scatter (over two gloo ranks an exchange: [Note: gloo
-        # reduce-scatters as an exchange] in passes/exchange.py).
+        # reduce-scatters as an exchange] in passes/gloo/exchange.py).
         for key, pred in (("all_gather", _any_all_gather), ("reduce_scatter", _any_reduce_scatter),
                           ("all_reduce", P.is_all_reduce), ("fsdp_copy", P.is_fsdp_copy),
                           ("resize", P.is_resize)):

@@ -537,7 +537,7 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     assert before.counts["all_gather_into_tensor"] == 2
     assert [r.params for r in before.collectives] == [("w0",), ("w1",), ()]
     # bucket_all_gathers, then the CPU form (gather_into_buffers): [Note: CPU
-    # all-gathers into buffers] in passes/gather_into_buffers.py.
+    # all-gathers into buffers] in passes/gloo/gather_into_buffers.py.
     assert after.counts["all_gather_into_tensor_out"] == 1
     assert "all_gather_into_tensor" not in after.counts
     ag, ar = after.collectives

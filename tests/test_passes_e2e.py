@@ -130,7 +130,7 @@ def _code_regexes() -> tuple[re.Pattern[str], re.Pattern[str]]:
     from traceable_hsdp.passes._graph import (
         ALL_GATHER, ALL_GATHER_OUT, ALL_TO_ALL, REDUCE_SCATTER, WAIT,
     )
-    from traceable_hsdp.passes._ops import POOLED_ALL_TO_ALL
+    from traceable_hsdp.passes.gloo._pool import POOLED_ALL_TO_ALL
 
     reads = r"(?:reinterpret_tensor\()?(buf\d+|arg\d+_\d+)"
     return (
@@ -182,7 +182,7 @@ def _code_overlap(code: str, families: list[str | None]) -> dict[str, Any]:
                 in_flight -= 1
                 # Its input stays alive, not deleted or reused, until the wait: gloo
                 # reads it until then ([Note: The input lives until the wait] in
-                # passes/gather_into_buffers.py; an exchange is an allocating
+                # passes/gloo/gather_into_buffers.py; an exchange is an allocating
                 # collective, whose input Inductor keeps alive itself).
                 freed_early += any(
                     re.search(rf"\b{src}\b", ln) for ln in lines[first + 1 : n]
@@ -199,7 +199,7 @@ def _code_overlap(code: str, families: list[str | None]) -> dict[str, Any]:
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _graph as P
 
-    from traceable_hsdp.passes._ops import POOLED_ALL_TO_ALL
+    from traceable_hsdp.passes.gloo._pool import POOLED_ALL_TO_ALL
 
     keys = ("all_gather", "ag_exchange", "reduce_scatter", "rs_exchange", "pooled",
             "fsdp_copy", "resize_full", "resize_0")
@@ -388,14 +388,14 @@ def test_passes_in_compiled_fsdp_step(tmp_path: Path, per_unit_buckets: None) ->
         assert fwd[0]["all_gather"] == N_UNITS, fwd[0]
         assert bwd[0]["all_gather"] == N_LAYERS, bwd[0]
         # Each as an exchange: 2 gloo ranks, see [Note: gloo all-gathers as an
-        # exchange] in passes/exchange.py.
+        # exchange] in passes/gloo/exchange.py.
         assert f["ag_exchange"] == N_UNITS and b["ag_exchange"] == N_LAYERS, (f, b)
         assert bwd[0]["reduce_scatter"] == N_UNITS, bwd[0]
         # Each as an exchange: 2 gloo ranks, see [Note: gloo reduce-scatters as an
-        # exchange] in passes/exchange.py.
+        # exchange] in passes/gloo/exchange.py.
         assert b["rs_exchange"] == N_UNITS, b
         # Every exchange's output from the pool (the default; [Note: Exchange outputs
-        # from a pool] in passes/_ops.py): the losses below ran on pooled buffers.
+        # from a pool] in passes/gloo/_pool.py): the losses below ran on pooled buffers.
         assert f["pooled"] == f["ag_exchange"], f
         assert b["pooled"] == b["ag_exchange"] + b["rs_exchange"], b
         # Overlap, in the post-grad graph: every all-gather but the first issued
@@ -473,7 +473,7 @@ def _check_final_schedule(dump_dir: Path, r: dict[str, Any]) -> None:
     assert fwd[0]["kernels_before_wait"] == 0
     assert all(c["kernels_before_wait"] >= 1 for c in fwd[1:]), recs["00_fwd"]["schedule"]
     # Over two gloo ranks each reduce-scatter is an exchange (see [Note: gloo
-    # reduce-scatters as an exchange] in passes/exchange.py).
+    # reduce-scatters as an exchange] in passes/gloo/exchange.py).
     rs = [c for c in bwd if (c["op"], c["family"]) == ("all_to_all_single", "reduce_scatter")]
     assert rs and any(c["kernels_before_wait"] >= 1 for c in rs), recs["01_bwd"]["schedule"]
     # Passes off: one all-gather per parameter, each waited for right after it is

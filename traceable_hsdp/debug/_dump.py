@@ -90,11 +90,9 @@ keeps its parameters gathered (``reshard_after_forward=None``, the default), dyn
 replays the units' state changes after the graph, and one replayed value (the
 blocks' ``sharded_state``) is read from the root's ``sharded_state``; depyf's
 recompiled source (its ``__transformed_code_0_for_forward.py``) reads it after the
-replay has set the root's state to gathered. So the first block was marked gathered,
-skipped its re-gather in backward, and read freed storage ("setStorage ... out of
-bounds for storage of size 0"), in the dump only: the same model, compiled the same
-way without depyf, trains (2 ranks, aot_eager, 2026-11-27). A dump must
-run the program a plain run runs, so ``dump_graphs`` registers two hooks of its own
+replay has set the root's state to gathered. The first block is then marked
+gathered, skips its re-gather in backward and reads freed storage ("setStorage ...
+out of bounds for storage of size 0"), in the dump only. A dump must run the program a plain run runs, so ``dump_graphs`` registers two hooks of its own
 through torch's ``register_bytecode_hook``, one before depyf's and one after: the
 first remembers dynamo's code for the frame, the last hands it back. depyf still
 writes every file (its ``__transformed_code_*`` files are its decompilation of
@@ -296,7 +294,7 @@ class GraphRecord:
             collective (``"C3"``: issue of collective 3), wait (``"W3"``; ``"W-"``
             for a wait on a tensor no collective produced, as the one that keeps a
             CPU all-gather's input alive: [Note: The input lives until the wait] in
-            ``passes/gather_into_buffers.py``) or kernel (its name), see [Note: The
+            ``passes/gloo/gather_into_buffers.py``) or kernel (its name), see [Note: The
             final schedule in the dump].
         schedule_note: the ``"scheduled"`` stage only: whether the order of issues
             and waits agrees with torch's ``inductor_collective_schedule``, or why

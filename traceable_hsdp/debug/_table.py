@@ -170,7 +170,7 @@ def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
 def family_counts(counts: Mapping[str, int]) -> dict[Family, int]:
     """The collectives of :func:`graph_counts` summed by family: an all-gather counts
     as ``"all_gather"`` in either form (the allocating op, or ``_out`` as CPU graphs
-    issue it; see [Note: CPU all-gathers into buffers] in ``gather_into_buffers.py``).
+    issue it; see [Note: CPU all-gathers into buffers] in ``passes/gloo/gather_into_buffers.py``).
     Families with no collective are left out."""
     out: dict[Family, int] = {}
     for name, n in counts.items():
