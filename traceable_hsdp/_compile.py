@@ -208,12 +208,9 @@ def quiet_side_effect_messages_from_env(environ: Mapping[str, str] | None = None
 # has nothing to follow either. So ``fully_shard`` wraps the pass's
 # ``is_placeholder`` to answer yes for None, and torch's own function answers for
 # every node. The hook then stays where compiled autograd put it and is called with
-# None, which the runtime's hooks pass on unchanged. Nothing else changes. Trained
-# that way against eager (2 ranks, 3 AdamW steps, lr 1e-2): HF Llama (2 layers) with
-# labels and a break in every block, bitwise under aot_eager and within 1.1e-5
-# under Inductor (by hand, 2026-12-05); the test Llama under a root that returns the
-# loss and the log-probabilities, Inductor, within 6.4e-7
-# (tests/test_reliability.py). :func:`restore_compiled_autograd_ordering` puts
+# None, which the runtime's hooks pass on unchanged. Nothing else changes.
+# tests/test_reliability.py trains the test Llama under a root that returns the loss
+# and the log-probabilities, with Inductor, against eager. :func:`restore_compiled_autograd_ordering` puts
 # torch's function back.
 
 _IS_PLACEHOLDER = "torch._dynamo.compiled_autograd.AutogradCompilerInstance.is_placeholder"
