@@ -90,10 +90,8 @@ def _enable(compiler_fn: Any) -> AbstractContextManager[None]:
 # dynamo each time. It does so whether or not anything reads the messages, whose
 # only readers are the ``side_effects`` logging artifact (``TORCH_LOGS=side_effects``)
 # and the structured trace (``TORCH_TRACE``, tlparse). A fully_shard model changes
-# many objects (191 in the two graphs of the demo Llama with 4 layers): emitting the
-# side effects took 1.54 s with the messages and 0.12 s without, and the whole first
-# compile 3% less (benchmarks/compile_ab.py --lever side_effects, 1 rank, aot_eager; 3.15 s and
-# 0.28 s, 4% less, with 8 layers; docs/compile.md).
+# many objects, and the messages are most of the time dynamo spends emitting its
+# side effects (``benchmarks/compile_ab.py --lever side_effects``; docs/compile.md).
 #
 # So ``fully_shard`` sets the policy to ``"silent"`` when it is torch's default and
 # neither reader is on: the policy decides only the messages (the side effects are

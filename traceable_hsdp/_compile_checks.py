@@ -186,12 +186,11 @@ refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 # unit is checkpointed around if that holder is a ``checkpoint_wrapper``
 # (``checkpoint_wrapper(fully_shard(block))`` before the root's fully_shard) or if a
 # wrapper has since replaced the unit in its holder (torch's
-# ``apply_activation_checkpointing`` called after the root's fully_shard). That
-# order was not refused before, and plain ``torch.compile`` (no fullgraph) then
-# compiled each of the backward's graph breaks in turn, for minutes (seen: over 5
-# minutes for 2 steps of a 2-block model on 1 rank, unfinished). Only the compiled
+# ``apply_activation_checkpointing`` called after the root's fully_shard). Without
+# the refusal, plain ``torch.compile`` (no fullgraph) compiles each of the
+# backward's graph breaks in turn, for minutes. Only the compiled
 # pre-forward reads them, with the flag off: eager reads nothing, and in a compiled
-# step dynamo guards on each slot (21 more guards on a 2-block Llama, 3,533 in all),
+# step dynamo guards on each slot (a few more guards a unit),
 # so a wrapper put there later recompiles and is seen.
 
 

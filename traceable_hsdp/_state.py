@@ -661,19 +661,13 @@ class FSDPState:
     # [Note: Parameter hooks hold their unit weakly]
     # autograd keeps a placeholder's post-accumulate-grad hooks in C++, where the
     # garbage collector cannot see them. A hook that held its unit (state, group,
-    # FSDPParam) strongly closed a cycle placeholder -> hook -> FSDPParam ->
-    # placeholder that the collector could never free: every model ever sharded
-    # stayed alive, with its parameters, meshes and process groups, for the life of
-    # the process (torch's fully_shard, whose per-parameter work hangs off the
-    # module's forward, frees its models). A process group that outlives
-    # ``destroy_process_group`` keeps gloo's worker threads running to interpreter
-    # exit, where one that still holds a finished collective's tensors must take the
-    # GIL and aborts the process ("terminate called without an active exception",
-    # torch issue 190489). ``examples/dcp_resume.py --eager`` under CPU load aborted
-    # so in 9 of 34 runs, and in 1 of 32 with this fix: torch's DTensor sharding
-    # cache still holds the mesh, hence the group, to exit (see [Note: Exiting with
-    # gloo worker threads] in ``_exit.py`` for what releases it now).
-    # So the hook holds its unit through weak references, and does nothing once the
+    # FSDPParam) strongly would close a cycle placeholder -> hook -> FSDPParam ->
+    # placeholder that the collector cannot free: every model ever sharded would stay
+    # alive, with its parameters, meshes and process groups, for the life of the
+    # process (torch's fully_shard frees its models). A process group that outlives
+    # ``destroy_process_group`` also keeps gloo's worker threads running to
+    # interpreter exit, where they can abort the process ([Note: Exiting with gloo
+    # worker threads] in ``_exit.py``). So the hook holds its unit through weak references, and does nothing once the
     # unit is gone. ``tests/test_runtime.py`` checks that a dropped model is freed,
     # eager and compiled. Compiled autograd traces the dereferences like any other
     # Python in the hook.
