@@ -114,10 +114,9 @@ class PostForwardInfo:
 # whole eagerly, from inside its own graph: after a graph break in that graph (seen
 # with ``torch.compiler.nested_compile_region`` on a block: torch 2.13's compiled
 # autograd does not trace ``invoke_subgraph``), and once a hook frame it compiles on
-# its own reaches dynamo's recompile limit. So one unit's hooks could run some traced
-# and some eagerly; the eager ones then held their gradients for a flat reduction
-# that the traced ones never joined, and those gradients were lost without a word
-# (the optimizer stepped without them). Inside a compiled-autograd graph every hook
+# its own reaches dynamo's recompile limit. So one unit's hooks can run some traced
+# and some eagerly, and eager ones holding their gradients for a flat reduction that
+# the traced ones never join would lose those gradients without a word. Inside a compiled-autograd graph every hook
 # therefore reduces its own parameter, traced or not, and each runs whole whichever
 # way it runs. ``tests/test_reliability.py`` trains a model with
 # ``nested_compile_region`` blocks, compiled, against its eager run without them,

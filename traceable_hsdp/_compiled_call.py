@@ -26,10 +26,8 @@ __all__ = ["COMPILED_FORWARD", "dispatch_compiled_call"]
 # skips ``_call_impl`` (a torch file) as a top frame: with torch's fully_shard the
 # hooks run eagerly there and only the block's forward is compiled. Ours puts the
 # unit's pre- and post-forward in its forward wrapper, which dynamo then compiles as
-# the top frame. So without compiled autograd, whose absence leaves the backward hooks
-# untraceable, fullgraph=True was refused (naming the fix) and without it dynamo broke
-# the graph around them. Now, below its root and with compiled autograd off, a unit
-# compiled in place calls its ``_call_impl`` eagerly: its pre- and post-forward run
+# the top frame, where without compiled autograd the backward hooks cannot be traced.
+# So below its root and with compiled autograd off, a unit compiled in place calls its ``_call_impl`` eagerly: its pre- and post-forward run
 # eagerly and its module's own forward is compiled, with the same ``torch.compile``
 # settings (the ``OptimizeContext`` that nn.Module.compile's function closes over,
 # applied to the class's original forward, one code for every unit of the class).

@@ -76,9 +76,9 @@ the default ``reshard_after_forward``), the modules hold the gathered parameter
 ([Note: The module holds the placeholder only in forward]), and so does whatever the
 user reads from them then: a forward whose backward never ran (a validation pass
 without ``torch.no_grad()``, a warm-up forward) leaves the root in that state until
-the next backward. A change made to the gathered parameter there was silently lost
-when the unit registered the sharded one again (torch 2.13's ``fully_shard`` loses it
-too: checked side by side). Now, at the next pre-forward (``user_change``) and where
+the next backward. A change made to the gathered parameter there would be lost when
+the unit registers the sharded one again (torch 2.13's ``fully_shard`` loses it).
+So, at the next pre-forward (``user_change``) and where
 the modules get the sharded parameter back (``register_sharded``):
 
 - a replaced parameter (``module.weight = ...``) raises ``RuntimeError`` naming it and

@@ -523,9 +523,8 @@ class FSDPState:
     # modules hold the gathered plain parameters until the next backward or
     # reshard(), so an optimizer built from ``model.parameters()`` after an
     # evaluation forward steps those copies and never the sharded parameters; the
-    # loss of the second step differs, with no error (torch's, and ours with ``None``
-    # before this: the same wrong losses, demo Llama, 2 ranks). Compiled, a root left
-    # gathered by an evaluation forward also made the next training step compile its
+    # loss of the second step differs, with no error. Compiled, a root left gathered
+    # by an evaluation forward would also make the next training step compile its
     # forward and backward again (its state differs from the one the graphs were
     # traced with).
     # What it costs: an evaluation loop re-gathers the root's parameters at each
