@@ -1,11 +1,13 @@
-"""``fully_shard`` and the ``FSDPModule`` mixin.
+"""``fully_shard``, the public entry, with ``register_fsdp_forward_method`` and
+``share_comm_ctx``.
 
 ``fully_shard`` is a short sequence of named steps, as torch's: check the modules and
 the options into a ``UnitOptions`` (``_init.py``), collect the parameters
 (``collect_params``), build the unit (``_build_unit``: one ``FSDPParam`` per
 parameter, their ``FSDPParamGroup``, the ``FSDPState``), wire the tree
-(``FSDPState.adopt_nested``), swap the classes (``_add_fsdp_class``), install the
-global switches. ``hsdp()`` enters after the first step, through ``shard_unit``.
+(``FSDPState.adopt_nested``), swap the classes (``add_fsdp_class`` in
+``_fsdp_class.py``; the mixin is ``_module.py``'s ``FSDPModule``), install the global
+switches. ``hsdp()`` enters after the first step, through ``shard_unit``.
 """
 
 from __future__ import annotations

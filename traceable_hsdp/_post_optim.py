@@ -20,13 +20,13 @@ __all__ = ["PostOptimEvent"]
 # the event is still honoured: before the root's next forward the current stream
 # waits on it (``event.wait()``), once, and it is dropped. The wait is eager-only
 # (events do not belong in a traced graph, and a new event each step would recompile
-# it), in ``_wait_post_optim_event`` (dynamo-disabled), reached two ways, whichever
+# it), in ``PostOptimEvent.wait`` (dynamo-disabled), reached two ways, whichever
 # comes first:
 # - a forward pre-hook on the root's module(s), registered when the event is set and
 #   removed once it fired: eagerly and under ``torch.compile(model)``, which runs the
 #   top module's hooks outside dynamo (see [Note: Forward wrapper, not module hooks]),
 #   so the forward graph never sees the event;
-# - the root's pre-forward, when ``post_optim_pending`` (a bool, the one thing dynamo
+# - the root's pre-forward, when ``post_optim.pending`` (a bool, the one thing dynamo
 #   guards on) is still set: for a step compiled whole, where dynamo inlines the
 #   model's call and ignores hooks added after it compiled
 #   (``skip_nnmodule_hook_guards``). That step graph-breaks there, in the steps that
