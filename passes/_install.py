@@ -419,8 +419,8 @@ _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of
 # pool] in ``gloo/_pool.py``, refused as an exchange and not tried under the C++ wrapper).
 # A model whose root keeps torch's default meets the first in both graphs: the root
 # stays gathered from its forward to its backward, so the forward grows its
-# placeholders and the backward frees them. Rather than let Inductor fail on a name the user never wrote, the pass refuses the graph,
-# naming the switch and the fix.
+# placeholders and the backward frees them. Rather than let Inductor fail on a name the
+# user never wrote, the pass refuses the graph, naming the switch and the fix.
 def _refuse_cpp_wrapper(graph: fx.Graph) -> None:
     """Raises ``RuntimeError`` if Inductor's C++ wrapper is on and ``graph`` holds an
     op that it cannot call. See [Note: Inductor's C++ wrapper]."""

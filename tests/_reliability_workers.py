@@ -636,7 +636,7 @@ def region_block_worker(rank: int, world: int) -> dict[str, Any]:
     case: the losses, each parameter's full gradient after every backward (``None``
     where it got none), and dynamo's graph-break count. "refused": the region model
     with the default configuration, the message its first step raised. See [Note: A
-    compile region inside a unit] (``_state.py``)."""
+    compile region inside a unit] (``_compile_checks.py``)."""
     out: dict[str, Any] = {"plain": _train_region_case(world, rank, region=False, compiled=False)}
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         out["region"] = _train_region_case(world, rank, region=True)

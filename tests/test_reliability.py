@@ -285,7 +285,7 @@ def test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient() -> None:
     run must have graph-broken, or it did not test the eager hooks. With dynamo's
     default configuration the region model is refused at its first step, naming
     the modules and both fixes (on 2 ranks dynamo fails to compile the hook frames;
-    see [Note: A compile region inside a unit] in ``_state.py``)."""
+    see [Note: A compile region inside a unit] in ``_compile_checks.py``)."""
     from _dist import run_ranks
     from _reliability_workers import region_block_worker
 

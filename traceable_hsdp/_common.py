@@ -116,11 +116,11 @@ class PostForwardInfo:
 # autograd does not trace ``invoke_subgraph``), and once a hook frame it compiles on
 # its own reaches dynamo's recompile limit. So one unit's hooks can run some traced
 # and some eagerly, and eager ones holding their gradients for a flat reduction that
-# the traced ones never join would lose those gradients without a word. Inside a compiled-autograd graph every hook
-# therefore reduces its own parameter, traced or not, and each runs whole whichever
-# way it runs. ``tests/test_reliability.py`` trains a model with
-# ``nested_compile_region`` blocks, compiled, against its eager run without them,
-# bitwise.
+# the traced ones never join would lose those gradients without a word. Inside a
+# compiled-autograd graph every hook therefore reduces its own parameter, traced or not,
+# and each runs whole whichever way it runs. ``tests/test_reliability.py`` trains a
+# model with ``nested_compile_region`` blocks, compiled, against its eager run without
+# them, bitwise.
 
 
 def compiling() -> bool:

@@ -208,8 +208,8 @@ def quiet_side_effect_messages_from_env(environ: Mapping[str, str] | None = None
 # every node. The hook then stays where compiled autograd put it and is called with
 # None, which the runtime's hooks pass on unchanged. Nothing else changes.
 # tests/test_reliability.py trains the test Llama under a root that returns the loss
-# and the log-probabilities, with Inductor, against eager. :func:`restore_compiled_autograd_ordering` puts
-# torch's function back.
+# and the log-probabilities, with Inductor, against eager.
+# :func:`restore_compiled_autograd_ordering` puts torch's function back.
 
 _IS_PLACEHOLDER = "torch._dynamo.compiled_autograd.AutogradCompilerInstance.is_placeholder"
 _torch_is_placeholder: list[Any] = []  # torch's function, while ours is installed

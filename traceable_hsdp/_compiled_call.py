@@ -27,15 +27,16 @@ __all__ = ["COMPILED_FORWARD", "dispatch_compiled_call"]
 # hooks run eagerly there and only the block's forward is compiled. Ours puts the
 # unit's pre- and post-forward in its forward wrapper, which dynamo then compiles as
 # the top frame, where without compiled autograd the backward hooks cannot be traced.
-# So below its root and with compiled autograd off, a unit compiled in place calls its ``_call_impl`` eagerly: its pre- and post-forward run
-# eagerly and its module's own forward is compiled, with the same ``torch.compile``
-# settings (the ``OptimizeContext`` that nn.Module.compile's function closes over,
-# applied to the class's original forward, one code for every unit of the class).
-# Where that context is not found (another torch), ``TorchInternalError`` says so. A
-# module with a forward of its own on the instance keeps the compiled call and its
-# refusal; one compiled with ``disable=True`` has nothing compiled to route. A root
-# compiled in place, and any unit while compiled autograd is on, keep the compiled
-# call: the whole step traced, as with torch.compile(model).
+# So below its root and with compiled autograd off, a unit compiled in place calls its
+# ``_call_impl`` eagerly: its pre- and post-forward run eagerly and its module's own
+# forward is compiled, with the same ``torch.compile`` settings (the ``OptimizeContext``
+# that nn.Module.compile's function closes over, applied to the class's original
+# forward, one code for every unit of the class). Where that context is not found
+# (another torch), ``TorchInternalError`` says so. A module with a forward of its own on
+# the instance keeps the compiled call and its refusal; one compiled with
+# ``disable=True`` has nothing compiled to route. A root compiled in place, and any unit
+# while compiled autograd is on, keep the compiled call: the whole step traced, as with
+# torch.compile(model).
 #
 # A forward that dynamo skips as a frame (one of torch's own modules: a unit that is
 # an ``nn.Embedding`` or an ``nn.Linear``, as HF accelerate makes of a model's

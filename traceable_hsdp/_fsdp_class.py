@@ -33,7 +33,7 @@ __all__ = ["add_fsdp_class"]
 # (test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient in
 # tests/test_reliability.py), most likely because the region, traced once, is reused
 # across units. See
-# [Note: A unit compiled without its root] in _state.py for the other per-unit
+# [Note: A unit compiled without its root] in _compile_checks.py for the other per-unit
 # guards such a block met.
 _FSDP_CLASSES: dict[type, type] = {}
 

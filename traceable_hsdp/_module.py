@@ -295,7 +295,7 @@ class FSDPModule(_TorchFSDPModule):
         optimizer step anyway; the wait is for an optimizer that ran on another
         stream. Works with a compiled model too (the wait runs outside the graph).
         Called on a nested unit, it sets the event of that unit's root. See
-        [Note: The post-optimizer event] in ``_state.py``.
+        [Note: The post-optimizer event] in ``_post_optim.py``.
 
         Args:
             event: a ``torch.Event`` (or ``torch.cuda.Event``), or ``None``: what

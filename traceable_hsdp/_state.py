@@ -218,7 +218,7 @@ class FSDPState:
         # Why fully_shard left parameters out of this unit, raised at its first
         # forward. See [Note: One unit per parameter] (_init.py).
         self.init_errors = init_errors
-        # See [Note: A checkpoint around a unit's call].
+        # See [Note: A checkpoint around a unit's call] (_compile_checks.py).
         self.hf_checkpointing_modules = hf_checkpointing_modules(modules)
         # Where the root found this unit's modules (set by adopt_nested): the module
         # holding each, its path under the root, and the name it holds it by.
@@ -269,7 +269,7 @@ class FSDPState:
                 for child_name, child in sub._modules.items():
                     held = state_of(child) if child is not None else None
                     if held is not None and held is not self:
-                        # See [Note: A checkpoint around a unit's call].
+                        # See [Note: A checkpoint around a unit's call] (_compile_checks.py).
                         held.slots.append((sub, name, child_name))
         for s, names in paths.items():
             # A list unit is labelled by all its modules' paths, as it was built.
@@ -283,8 +283,7 @@ class FSDPState:
                 *(f"{a.kind}.{_path_label(_relative(names, paths[a]))}" for a in enclosing),
             ))
         self.checkpoint_suspects = [s for s in self.states if s.slots or s.hf_checkpointing_modules]
-        # See [Note: A compile region inside a unit]. Built here: a refusal's message
-        # is all dynamo shows (no details).
+        # See [Note: A compile region inside a unit] (_compile_checks.py).
         self._refuse_compile_regions = compile_region_refusal(regions)
 
     def _nest_under(self, root: FSDPState) -> None:
@@ -368,7 +367,7 @@ class FSDPState:
             and not compiled_autograd.compiled_autograd_enabled
             and self.root._needs_backward()
         ):
-            # See [Note: A unit compiled without its root].
+            # See [Note: A unit compiled without its root] (_compile_checks.py).
             args, kwargs = pre_forward_untraced(self, args, kwargs)
             output = orig_forward(*args, **kwargs)
             return post_forward_untraced(self, output, (args, kwargs))
@@ -480,7 +479,7 @@ class FSDPState:
             and self._refuse_compile_regions is not None
             and torch._dynamo.config.automatic_dynamic_shapes
         ):
-            # See [Note: A compile region inside a unit].
+            # See [Note: A compile region inside a unit] (_compile_checks.py).
             self._refuse_compile_regions()
         if self.post_optim.pending:
             # Only for a step compiled whole; see [Note: The post-optimizer event].
@@ -666,10 +665,10 @@ class FSDPState:
     # process (torch's fully_shard frees its models). A process group that outlives
     # ``destroy_process_group`` also keeps gloo's worker threads running to
     # interpreter exit, where they can abort the process ([Note: Exiting with gloo
-    # worker threads] in ``_exit.py``). So the hook holds its unit through weak references, and does nothing once the
-    # unit is gone. ``tests/test_runtime.py`` checks that a dropped model is freed,
-    # eager and compiled. Compiled autograd traces the dereferences like any other
-    # Python in the hook.
+    # worker threads] in ``_exit.py``). So the hook holds its unit through weak
+    # references, and does nothing once the unit is gone. ``tests/test_runtime.py``
+    # checks that a dropped model is freed, eager and compiled. Compiled autograd
+    # traces the dereferences like any other Python in the hook.
     def _make_post_acc_hook(
         self, param_group: FSDPParamGroup, fp: Any
     ) -> Callable[[torch.Tensor], None]:

@@ -92,11 +92,12 @@ blocks' ``sharded_state``) is read from the root's ``sharded_state``; depyf's
 recompiled source (its ``__transformed_code_0_for_forward.py``) reads it after the
 replay has set the root's state to gathered. The first block is then marked
 gathered, skips its re-gather in backward and reads freed storage ("setStorage ...
-out of bounds for storage of size 0"), in the dump only. A dump must run the program a plain run runs, so ``dump_graphs`` registers two hooks of its own
-through torch's ``register_bytecode_hook``, one before depyf's and one after: the
-first remembers dynamo's code for the frame, the last hands it back. depyf still
-writes every file (its ``__transformed_code_*`` files are its decompilation of
-dynamo's bytecode: a reading aid, not what ran).
+out of bounds for storage of size 0"), in the dump only. A dump must run the program a
+plain run runs, so ``dump_graphs`` registers two hooks of its own through torch's
+``register_bytecode_hook``, one before depyf's and one after: the first remembers
+dynamo's code for the frame, the last hands it back. depyf still writes every file (its
+``__transformed_code_*`` files are its decompilation of dynamo's bytecode: a reading
+aid, not what ran).
 
 [Note: dynamo must not compile depyf's own functions]
 ``depyf.prepare_debug`` swaps three torch functions for its own while the block
