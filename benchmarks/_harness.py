@@ -29,7 +29,7 @@ so the CUDA figure includes the other variants' models and optimizer states; the
 allocated bytes at each block's start are kept as well, and the report also gives the
 peak above them. On the CPU, for a variant whose graphs take buffers from the pool our
 exchanges keep between steps ([Note: Exchange outputs from a pool] in
-``passes/_ops.py``; :attr:`Variant.pools_exchanges`), those bytes leave the pool out:
+``passes/gloo/_pool.py``; :attr:`Variant.pools_exchanges`), those bytes leave the pool out:
 its buffers are that step's memory, reused rather than allocated in it, so the peak
 above the block's start counts them whole. The pool is the process's, so a buffer
 pooled for another variant of ours counts too, and so does the whole pool for a
@@ -347,7 +347,7 @@ def _pooled_mib() -> float:
 
 @dataclass(frozen=True)
 class Shape:
-    """One model/batch shape (of the demo Llama of ``traceable_hsdp.models`` or of HF's
+    """One model/batch shape (of the demo Llama of ``traceable_hsdp.demo.models`` or of HF's
     ``LlamaForCausalLM``: see :data:`MODELS`).
 
     Args:
@@ -366,7 +366,7 @@ class Shape:
     batch: int
 
     def model_config(self) -> Any:
-        from traceable_hsdp.models import LlamaConfig
+        from traceable_hsdp.demo.models import LlamaConfig
 
         return LlamaConfig(
             vocab_size=self.vocab, dim=self.dim, n_layers=self.layers,
@@ -649,7 +649,7 @@ def all_variants() -> tuple[list[Variant], str]:
 class Recorder:
     """The recording post-grad pass, with the variant that compiled each graph. The
     pass is the graph vocabulary's recorder
-    (``traceable_hsdp.passes._graph.PostGradRecorder``, made on first use so that
+    (``traceable_hsdp.debug._recorder.PostGradRecorder``, made on first use so that
     importing this module imports no traceable_hsdp): its ``uuid()`` is ``None``, so
     it bypasses the FX graph cache and sees every graph Inductor compiles. See
     [Note: Collectives per step]."""
@@ -662,7 +662,7 @@ class Recorder:
     def pass_(self) -> Any:
         """The ``PostGradRecorder`` to put in ``post_grad_custom_post_pass``."""
         if self._pass is None:
-            from traceable_hsdp.passes._graph import PostGradRecorder
+            from traceable_hsdp.debug._recorder import PostGradRecorder
 
             self._pass = PostGradRecorder(self._tag)
         return self._pass
@@ -675,7 +675,7 @@ class Recorder:
         return 0 if self._pass is None else self._pass.calls
 
     def summary(self, variant: str) -> dict[str, Any]:
-        from traceable_hsdp.passes._graph import collective_totals
+        from traceable_hsdp.debug._table import collective_totals
 
         mine = [g for g in (self._pass.graphs if self._pass else []) if g.tag == variant]
         per_graph = []
@@ -779,7 +779,7 @@ def _passes_config(items: tuple[tuple[str, Any], ...]) -> Iterator[None]:
 
 
 MODELS = ("demo", "hf_llama")
-"""What ``--model`` builds: ``demo``, the Llama of ``traceable_hsdp.models``;
+"""What ``--model`` builds: ``demo``, the Llama of ``traceable_hsdp.demo.models``;
 ``hf_llama``, Hugging Face ``transformers``' ``LlamaForCausalLM`` (see
 :func:`build_hf_llama`)."""
 
@@ -789,7 +789,7 @@ def model_description(model: str, shape: Shape) -> str:
     if model == "hf_llama":
         return (f"HF `LlamaForCausalLM` (transformers), hidden {shape.dim}, "
                 f"MLP {2 * shape.dim}")
-    return f"demo Llama (`traceable_hsdp.models`), dim {shape.dim}, MLP {4 * shape.dim}"
+    return f"demo Llama (`traceable_hsdp.demo.models`), dim {shape.dim}, MLP {4 * shape.dim}"
 
 
 def build_hf_llama(
@@ -858,7 +858,7 @@ def build_model(
         return build_hf_llama(variant, shape, mesh, device, backend, seed)
     if model != "demo":
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
-    from traceable_hsdp.models import Llama
+    from traceable_hsdp.demo.models import Llama
 
     torch.manual_seed(seed)
     model = Llama(shape.model_config()).to(device)

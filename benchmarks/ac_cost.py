@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ac_cost.py", description=__doc__.split("\n\n")[0])
     H.add_placement_args(p)
     p.add_argument("--model", choices=("demo", "hf"), default="demo",
-                   help="demo: traceable_hsdp.models.Llama; hf: transformers' "
+                   help="demo: traceable_hsdp.demo.models.Llama; hf: transformers' "
                         "LlamaForCausalLM from a config of the same shape (default demo)")
     p.add_argument("--shape", choices=("compute", "overhead"), default="compute",
                    help="a shape of benchmarks/step_time.py (default compute)")
@@ -85,7 +85,7 @@ def _build(model: str, shape: Any, ac: str, impl: str, mesh: Any, device: torch.
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     # The policy of ``traceable-hsdp train --ac selective``: the benchmark measures it.
-    from traceable_hsdp._train import _save_matmuls
+    from traceable_hsdp.demo._train import _save_matmuls
 
     if impl == "ours":
         from traceable_hsdp import fully_shard
@@ -94,7 +94,7 @@ def _build(model: str, shape: Any, ac: str, impl: str, mesh: Any, device: torch.
 
     torch.manual_seed(0)
     if model == "demo":
-        from traceable_hsdp.models import Llama
+        from traceable_hsdp.demo.models import Llama
 
         net = Llama(shape.model_config())
         blocks = net.layers

@@ -3,7 +3,7 @@
 trade-off that the passes' default bucket cap is sized from (see [Note: The default
 bucket cap] in ``passes/bucket_collectives.py``), and what traceable_hsdp's
 reduce-scatter costs (over two gloo ranks an exchange: see [Note: gloo
-reduce-scatters as an exchange] in ``passes/exchange.py``), and,
+reduce-scatters as an exchange] in ``passes/gloo/exchange.py``), and,
 over two gloo ranks, what an all-gather costs as compiled graphs issue it (an
 exchange too: [Note: gloo all-gathers as an exchange], the same module).
 
@@ -48,7 +48,7 @@ def _rank(rank: int, placement: Any, iters: int, sizes_kib: list[int]) -> dict[s
     import torch.distributed as dist
 
     from traceable_hsdp._collectives import reduce_scatter
-    from traceable_hsdp.passes.exchange import is_gloo_group
+    from traceable_hsdp.passes.gloo.exchange import is_gloo_group
 
     device = placement.rank_device(rank)
     ws = placement.world

@@ -97,7 +97,7 @@ def _measure(lever: str, layers: int, rounds: int, backend: str) -> dict[str, An
 
     import traceable_hsdp as th
     import traceable_hsdp._param as P
-    from traceable_hsdp.models import Llama, LlamaConfig
+    from traceable_hsdp.demo.models import Llama, LlamaConfig
 
     variants = LEVERS[lever].variants
     formatted = [0]

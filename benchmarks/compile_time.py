@@ -10,7 +10,7 @@ the other on one Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``), new and
 for that repeat and variant: the first compiles **cold** (empty cache), the second
 **warm** (what a restart of the same job gets). Each process joins a 1-rank gloo
 group, builds the model from the same seed (``--model demo``: the demo Llama of
-``traceable_hsdp.models``, dim 64, 4 heads; ``--model hf_llama``: Hugging Face
+``traceable_hsdp.demo.models``, dim 64, 4 heads; ``--model hf_llama``: Hugging Face
 ``LlamaForCausalLM``, hidden 64, 4 heads, MLP 128, ``use_cache=False``, built by
 ``_harness.build_hf_llama``, as ``step_time.py --model hf_llama`` builds it; both vocab
 256, seq 32, batch 2, ``--layers`` blocks), and times its first training step (forward, cross-entropy,
@@ -159,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-threads", type=int, default=1,
                    help="TORCHINDUCTOR_COMPILE_THREADS of every process (default 1)")
     p.add_argument("--model", choices=H.MODELS, default="demo",
-                   help="demo: traceable_hsdp.models.Llama; hf_llama: transformers' "
+                   help="demo: traceable_hsdp.demo.models.Llama; hf_llama: transformers' "
                         "LlamaForCausalLM (default demo)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
@@ -357,7 +357,7 @@ def _cache_cell(slot: dict[str, Any], kind: str) -> str:
 
 
 def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) -> str:
-    model = ("demo Llama (`traceable_hsdp.models`), dim 64" if args.model == "demo"
+    model = ("demo Llama (`traceable_hsdp.demo.models`), dim 64" if args.model == "demo"
              else "HF `LlamaForCausalLM`, hidden 64, MLP 128")
     lines = [
         f"### Compile time, first training step, 1 rank on {meta.get('device', 'the CPU')} "

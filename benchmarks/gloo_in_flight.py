@@ -1,7 +1,7 @@
 """How often gloo crashes or hangs with functional collectives in flight together.
 
 Not a timing: a reliability measurement behind [Note: CPU all-gathers into buffers]
-(``passes/gather_into_buffers.py``). Each run starts 2 gloo ranks (spawned, 1 thread
+(``passes/gloo/gather_into_buffers.py``). Each run starts 2 gloo ranks (spawned, 1 thread
 each) that repeat, ``--rounds`` times: issue the collectives of ``--pattern`` in order
 without waiting, allocate and compute a little on the main thread (as a compiled
 graph does between a collective's issue and its wait), drop the Python references to
@@ -17,7 +17,7 @@ loop, or at the rank's exit). Patterns, each a ``+``-separated list of what is i
 - ``ex``: a reduce-scatter issued as an exchange (``all_to_all_single``, then the
   addition after its wait), as over two gloo ranks traceable_hsdp issues every
   reduce-scatter ([Note: gloo reduce-scatters as an exchange] in
-  ``passes/exchange.py``);
+  ``passes/gloo/exchange.py``);
 - ``exg``: an all-gather issued as an exchange (``all_to_all_single`` of the input
   sent to every rank), as compiled graphs issue every all-gather over two gloo ranks
   ([Note: gloo all-gathers as an exchange], the same module).

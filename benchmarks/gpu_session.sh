@@ -157,7 +157,7 @@ else
 fi
 for mp in none bf16; do
     ours_step 90 "trainer, $mp" "$PY" -m torch.distributed.run --nproc_per_node 1 \
-        -m traceable_hsdp.cli train --device "$DEVICE" --mixed-precision "$mp" "${TRAIN[@]}"
+        -m traceable_hsdp.demo.cli train --device "$DEVICE" --mixed-precision "$mp" "${TRAIN[@]}"
 done
 ours_step 120 "profile, compute shape" "$PY" "$B/profile_step.py" --device "$DEVICE" \
     --world 1 "${PSHAPE[@]}" --variants ours_compiled,unsharded_compiled_1rank \

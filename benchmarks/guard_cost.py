@@ -93,7 +93,7 @@ def _measure(variant: str, shape_name: str, steps: int, backend: str) -> dict[st
 
     import _harness as H
     from traceable_hsdp import disable_compiled_autograd, enable_compiled_autograd, fully_shard
-    from traceable_hsdp.models import Llama
+    from traceable_hsdp.demo.models import Llama
 
     shape = H.SHAPES[shape_name]
     torch.set_num_threads(1)

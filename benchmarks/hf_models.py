@@ -162,7 +162,7 @@ def _train(name: str, lib: str, mesh: Any, rank: int, world: int, steps: int, ba
     run = model
     graphs = {"forward": 0, "backward": 0}
     if lib == "ours_compiled":
-        from traceable_hsdp.passes._graph import current_compile
+        from traceable_hsdp.debug._recorder import current_compile
 
         def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             graphs["backward" if current_compile()[1] else "forward"] += 1

@@ -36,7 +36,7 @@ def _rank(rank: int, placement: Any, shape_name: str, steps: int, rounds: int) -
     import _harness as H
     import traceable_hsdp
     from traceable_hsdp import optim as th_optim
-    from traceable_hsdp.models import Llama
+    from traceable_hsdp.demo.models import Llama
 
     shape = H.SHAPES[shape_name]
     mesh = init_device_mesh("cpu", (placement.world,))

@@ -83,7 +83,7 @@ _COLL_OPS = (
     "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor",
     "_c10d_functional::all_reduce", "_c10d_functional::all_to_all_single",
     "_c10d_functional::wait_tensor", "c10d::alltoall_base_",
-    "traceable_hsdp::all_to_all_single",  # the exchanges' pooled all-to-all (passes/_ops.py)
+    "traceable_hsdp::all_to_all_single",  # the exchanges' pooled all-to-all (passes/gloo/_pool.py)
     "c10d::allgather", "c10d::_allgather_base", "c10d::reduce_scatter",
     "c10d::_reduce_scatter_base", "c10d::allreduce", "c10d::barrier",
     "c10d::allgather_into_tensor_coalesced", "c10d::reduce_scatter_tensor_coalesced",

@@ -4,7 +4,7 @@
     python benchmarks/soak.py --steps 12 --out /tmp/soak.json
 
 Spawns ``--world-size`` gloo ranks on the CPU (one thread each). Each trains the demo
-Llama (``traceable_hsdp.models``, nested ``fully_shard``: each block, then the root)
+Llama (``traceable_hsdp.demo.models``, nested ``fully_shard``: each block, then the root)
 with AdamW, compiled (``torch.compile`` of the model, compiled autograd on, Inductor
 by default), on synthetic tokens whose sequence length cycles through ``--lengths``.
 Rank 0 reports, and the script exits 1 if a check fails:
@@ -79,7 +79,7 @@ def _rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     from torch._dynamo.utils import counters
 
     import traceable_hsdp as th
-    from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+    from traceable_hsdp.demo.models import Llama, LlamaConfig, shard_llama
 
     torch.set_num_threads(1)
     world = args.world_size

@@ -49,7 +49,7 @@ in its own ranks, N times (see [Note: One model per process]):
   per-rank batch (the other ranks wait in a barrier meanwhile): the no-communication
   floor.
 
-The model (``--model``): ``demo``, the Llama of ``traceable_hsdp.models`` (MLP four
+The model (``--model``): ``demo``, the Llama of ``traceable_hsdp.demo.models`` (MLP four
 times the width); ``hf_llama``, Hugging Face ``transformers``' ``LlamaForCausalLM`` of
 the same shape (MLP twice the width, ``use_cache=False``, random weights, nothing
 downloaded; ``_harness.build_hf_llama``, which ``compile_time.py`` builds too). Either
@@ -139,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the run's date, commit, torch, CPU, load and the goals) of each "
                         "step_time_*.json named")
     p.add_argument("--model", choices=H.MODELS, default="demo",
-                   help="demo: traceable_hsdp.models.Llama; hf_llama: transformers' "
+                   help="demo: traceable_hsdp.demo.models.Llama; hf_llama: transformers' "
                         "LlamaForCausalLM of the same shape, MLP twice the width (default demo)")
     p.add_argument("--backend", default="inductor",
                    help="torch.compile backend of every compiled variant (default inductor; "

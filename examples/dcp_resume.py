@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import traceable_hsdp
 from traceable_hsdp import fully_shard
-from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.demo.models import Llama, LlamaConfig
 from traceable_hsdp.optim import AdamW  # torch.optim.AdamW on the local shards
 
 

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp
 from traceable_hsdp import fully_shard
-from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.demo.models import Llama, LlamaConfig
 from traceable_hsdp.optim import AdamW  # torch.optim.AdamW on the local shards
 
 

@@ -19,7 +19,7 @@ it in place and does nothing when nothing matches:
 Both exchanges take their outputs from a pool of buffers kept across steps
 (``PassConfig.pool_exchange_outputs``; :func:`exchange_pool_bytes` says what it
 holds, :func:`release_exchange_buffers` drops what nothing reads; see [Note: Exchange
-outputs from a pool] in ``_ops.py``).
+outputs from a pool] in ``gloo/_pool.py``).
 
 and, on every post-grad graph and not switchable, one before them and one after:
 
@@ -66,11 +66,11 @@ from ._install import (
 from ._graph import UnitPassOptions
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
 from .free_after_last_read import free_after_last_read
-from .gather_into_buffers import gather_into_buffers
+from .gloo.gather_into_buffers import gather_into_buffers
 from .overlap import overlap
 from .recompute_placeholder_views import recompute_placeholder_views
-from .exchange import all_gather_by_exchange, reduce_scatter_by_exchange
-from ._ops import exchange_pool_bytes, release_exchange_buffers
+from .gloo._pool import exchange_pool_bytes, release_exchange_buffers
+from .gloo.exchange import all_gather_by_exchange, reduce_scatter_by_exchange
 from .remove_resize_copy import remove_resize_copy
 from .save_checkpoint_outputs import save_checkpoint_outputs
 

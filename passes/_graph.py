@@ -5,11 +5,6 @@ passes, ``traceable_hsdp.dump_graphs``, the benchmarks and the tests. It owns
 
 - the predicates: is this node a collective (and which), a wait, an ``fsdp.copy_``,
   a storage resize, a view; its arguments by schema name;
-- the per-graph collective table (:func:`collective_table`) and node counts
-  (:func:`graph_counts`, :func:`collective_totals`);
-- the one recorder of Inductor's post-grad graphs (:class:`PostGradRecorder`);
-- the reader of Inductor's final schedule and the overlap distances
-  (:func:`read_schedule`, :func:`with_schedule`; see [Note: The final schedule]);
 - the collective annotations' keys, and reading, merging and copying them
   (see [Note: Collective annotations]).
 - resolving a collective's process group by name, and its backend for a device
@@ -63,35 +58,13 @@ The annotation is metadata only: the graph, its code and the FX graph cache key 
 the same with and without it (see [Note: Per-unit options and the FX graph cache] in
 ``_install.py``).
 
-[Note: The final schedule]
-The post-grad graph is not the order that runs: Inductor's scheduler sorts, fuses
-and reorders its nodes (``reorder_for_peak_memory`` is on by default; the comm
-passes such as ``reorder_compute_and_comm_for_overlap`` when configured), and the
-generated code's ``call`` function then runs the kernels in the scheduler's final
-order. torch logs that code (``TORCH_LOGS=output_code``; the ``inductor_output_code``
-record of ``TORCH_TRACE``) and, for collectives alone, their final order (the
-``inductor_collective_schedule`` artifact, issues and waits without the compute
-between). :func:`read_schedule` reads the generated code with ``ast``: a call to a
-functional collective is an issue, ``wait_tensor`` a wait (of the collective whose
-result buffer, or an alias of it, it waits on), and any other kernel (a generated
-kernel the module defines with ``async_compile``, an ``extern_kernels.*`` call, an
-op Inductor falls back to, but not a storage resize) is compute. The overlap
-distance of a collective, :func:`with_schedule`, is the number of kernels between
-its issue and its wait: 0 means the wait comes right after the issue and nothing
-hides the collective. Inductor keeps collectives in graph order (it chains them,
-so every rank issues them alike), which ties the k-th scheduled collective to the
-k-th row of the graph's :func:`collective_table` and so to its unit and
-parameters. torch's runtime estimates per kernel (``config.log_tlparse``) are 0
-on the CPU, so distances are counted in kernels, not time.
 """
 
 from __future__ import annotations
 
-import ast
 import logging
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -106,15 +79,11 @@ __all__ = [
     "ALL_REDUCE",
     "ALL_TO_ALL",
     "ANNOTATION_KEY",
-    "CollectiveRow",
     "EXCHANGED",
     "EXCHANGE_COUNT",
     "FSDP_COPY",
-    "PostGradRecorder",
     "RESIZE",
     "REDUCE_SCATTER",
-    "RecordedGraph",
-    "ScheduledOp",
     "UnitPassOptions",
     "WAIT",
     "annotation_of",
@@ -122,12 +91,7 @@ __all__ = [
     "collective_family",
     "collective_group",
     "collective_group_name",
-    "collective_table",
-    "collective_totals",
     "copy_annotations",
-    "current_compile",
-    "family_counts",
-    "graph_counts",
     "group_backend",
     "has_side_effects",
     "is_all_gather",
@@ -140,17 +104,13 @@ __all__ = [
     "is_version_counter_op",
     "is_view",
     "is_wait",
-    "max_in_flight",
     "merge_annotations",
-    "read_schedule",
     "resolve_group",
-    "scheduled_collective_name",
     "op_name",
     "resize_nbytes",
     "set_annotation",
     "single_wait",
     "unit_pass_options",
-    "with_schedule",
 ]
 
 log = logging.getLogger(__name__)
@@ -172,13 +132,13 @@ _WAIT_NAME = "wait_tensor"
 _FSDP_COPY_NAME = ("fsdp", "copy_")
 _RESIZE_NAME = ("inductor", "resize_storage_bytes_")
 # ``traceable_hsdp::all_to_all_single``: torch's all-to-all with a pooled output, which
-# the exchanges issue (``_ops.py``); named here, not imported, as the others are.
+# the exchanges issue (``gloo/_pool.py``); named here, not imported, as the others are.
 _POOLED_NAME = ("traceable_hsdp", "all_to_all_single")
 _VERSION_COUNTER_NAMES = (("prims", "_tensor_version"), ("prims", "_unsafe_set_version_counter"))
 
 # The meta key that marks an ``all_to_all_single`` node as a reduce-scatter or an
 # all-gather issued as an exchange (see [Note: gloo reduce-scatters as an exchange]
-# and [Note: gloo all-gathers as an exchange] in ``exchange.py``).
+# and [Note: gloo all-gathers as an exchange] in ``gloo/exchange.py``).
 # Its value is the family the node counts in; :func:`graph_counts` counts it under
 # :data:`EXCHANGE_COUNT` or :data:`AG_EXCHANGE_COUNT`.
 EXCHANGED = "traceable_hsdp_exchange"
@@ -243,7 +203,7 @@ def is_wait(node: fx.Node) -> bool:
 
 def _c10d_like(q: tuple[str, ...] | None) -> bool:
     """A functional c10d op (the wait included), or the exchanges' pooled all-to-all
-    ([Note: Exchange outputs from a pool] in ``_ops.py``), from ``(namespace, name,
+    ([Note: Exchange outputs from a pool] in ``gloo/_pool.py``), from ``(namespace, name,
     ...)``."""
     return q is not None and (q[0] in COLLECTIVE_NAMESPACES or q[:2] == _POOLED_NAME)
 
@@ -674,561 +634,8 @@ def copy_annotations(source: fx.Graph | fx.GraphModule, target: fx.Graph | fx.Gr
     return f"copied {copied}" if copied else "nothing to copy"
 
 
-# ------------------------------------------------------------ tables and counts
-@dataclass(frozen=True)
-class CollectiveRow:
-    """One collective of a graph.
-
-    Args:
-        index: position among the graph's collectives (graph order).
-        node: the FX node's name.
-        op: the op without namespace and overload, e.g. ``all_gather_into_tensor``.
-        reduce_op: ``"sum"``, ``"avg"``, ... for reductions, else ``None``.
-        group_name: the process group's name (baked into the graph).
-        group_size: ranks in the group; ``None`` where the graph does not say and
-            no process group of that name is known here.
-        dtype: of the input, e.g. ``"float32"``.
-        in_shape: the input's shape (``None`` if unknown or symbolic).
-        out_shape: the result's shape.
-        in_bytes: bytes of the input (``None`` if unknown or symbolic).
-        out_bytes: bytes of the result.
-        unit: the fully_shard unit it serves (from the node's annotation), or
-            ``None``.
-        params: the parameters it serves (FQNs relative to the unit).
-        issued_at: its position in the final schedule (see :func:`with_schedule`);
-            ``None`` for a graph that is not Inductor's final one.
-        waited_at: the position of its wait there (``None``: not waited for in
-            this graph, or no schedule).
-        kernels_before_wait: kernels that run between its issue and its wait in
-            the final schedule, the overlap distance (``None``: no schedule or no
-            wait).
-        family: what it does (:func:`collective_family`): for an exchange (an
-            ``all_to_all_single`` the passes issue in place of a reduce-scatter or
-            an all-gather) not its op's family; see :attr:`label`.
-    """
-
-    index: int
-    node: str
-    op: str
-    reduce_op: str | None
-    group_name: str | None
-    group_size: int | None
-    dtype: str | None
-    in_shape: list[int] | None
-    out_shape: list[int] | None
-    in_bytes: int | None
-    out_bytes: int | None
-    unit: str | None
-    params: tuple[str, ...]
-    issued_at: int | None = None
-    waited_at: int | None = None
-    kernels_before_wait: int | None = None
-    family: Family | None = None
-
-    @property
-    def label(self) -> str:
-        """The op, and for an exchange what it stands for: ``all_to_all_single as
-        all_gather``."""
-        if self.family is None or _name_family(self.op) == self.family:
-            return self.op
-        return f"{self.op} as {self.family}"
-
-
-def _graph_of(graph: fx.Graph | fx.GraphModule) -> fx.Graph:
-    return graph.graph if isinstance(graph, fx.GraphModule) else graph
-
-
-def collective_table(graph: fx.Graph | fx.GraphModule) -> list[CollectiveRow]:
-    """Every collective of ``graph`` in graph order (either op form). Sizes come from
-    the fake values on the nodes (``val`` or ``example_value``); unit and parameters
-    from the node's annotation (see [Note: Collective annotations]).
-
-    Args:
-        graph: an FX graph or graph module; not changed.
-    """
-    rows: list[CollectiveRow] = []
-    for node in _graph_of(graph).nodes:
-        if not is_collective(node):
-            continue
-        q = op_name(node)
-        assert q is not None
-        args = bound_args(node)
-        in_val, out_val = _value(_input(node)), _value(node)
-        name = _group_name(args.get("group_name"))
-        size = args.get("group_size")
-        if not isinstance(size, int) or isinstance(size, bool):
-            size = _group_size(name)
-        reduce_op = args.get("reduce_op")
-        in_ts = _tensors(in_val)
-        ann = annotation_of(node)
-        rows.append(
-            CollectiveRow(
-                index=len(rows),
-                node=node.name,
-                op=q[1],
-                reduce_op=reduce_op if isinstance(reduce_op, str) else None,
-                group_name=name,
-                group_size=size,
-                dtype=str(in_ts[0].dtype).removeprefix("torch.") if in_ts else None,
-                in_shape=_shape(in_val),
-                out_shape=_shape(out_val),
-                in_bytes=_nbytes(in_val),
-                out_bytes=_nbytes(out_val),
-                unit=None if ann is None else ann[UNIT],
-                params=() if ann is None else ann[PARAMS],
-                family=collective_family(node),
-            )
-        )
-    return rows
-
-
-def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
-    """Counts of the nodes a fully_shard graph is judged by: each functional c10d op
-    by name (``all_gather_into_tensor``, ``wait_tensor``, ...; a reduce-scatter issued
-    as an exchange as :data:`EXCHANGE_COUNT`), ``fsdp.copy_``, and storage resizes
-    (``resize_to_0`` and ``resize_to_full``). Zero counts are left out."""
-    c: Counter[str] = Counter()
-    for node in _graph_of(graph).nodes:
-        q = op_name(node)
-        if q is None:
-            continue
-        if _c10d_like(q):
-            c[_EXCHANGE_COUNTS.get(node.meta.get(EXCHANGED), q[1])] += 1
-        elif is_fsdp_copy(node):
-            c["fsdp.copy_"] += 1
-        elif is_resize(node):
-            c["resize_to_0" if resize_nbytes(node) == 0 else "resize_to_full"] += 1
-    return dict(sorted(c.items()))
-
-
-def family_counts(counts: Mapping[str, int]) -> dict[Family, int]:
-    """The collectives of :func:`graph_counts` summed by family: an all-gather counts
-    as ``"all_gather"`` in either form (the allocating op, or ``_out`` as CPU graphs
-    issue it; see [Note: CPU all-gathers into buffers] in ``gather_into_buffers.py``).
-    Families with no collective are left out."""
-    out: dict[Family, int] = {}
-    for name, n in counts.items():
-        family = _name_family(name)
-        if family is not None:
-            out[family] = out.get(family, 0) + n
-    return out
-
-
-def collective_totals(graph: fx.Graph | fx.GraphModule) -> dict[Family, dict[str, int]]:
-    """``{family: {"count": n, "bytes": b}}`` over the graph's collectives (waits
-    excluded; see :func:`collective_family`). An all-gather is sized by its output
-    (the gathered buffer), a reduce-scatter by its input (the full gradient), an
-    all-reduce by its tensor; from the nodes' fake values (``val``)."""
-    out: dict[Family, dict[str, int]] = {}
-    for node in _graph_of(graph).nodes:
-        family = collective_family(node)
-        if family is None:
-            continue
-        if family == "reduce_scatter":
-            val = _value(_input(node))
-        else:
-            val = node.meta.get("val")
-        slot = out.setdefault(family, {"count": 0, "bytes": 0})
-        slot["count"] += 1
-        slot["bytes"] += _nbytes(val) or 0
-    return out
-
-
-# ------------------------------------------------------------- final schedule
-ScheduleKind = Literal["collective", "wait", "kernel"]
-
-
-@dataclass(frozen=True)
-class ScheduledOp:
-    """One call in the order Inductor's generated code runs them (see [Note: The
-    final schedule]).
-
-    Args:
-        position: index in the schedule (collectives, waits and kernels counted).
-        kind: ``"collective"``, ``"wait"``, or ``"kernel"`` (any other op that
-            computes or copies: a generated kernel, an extern kernel such as
-            ``extern_kernels.mm``, an op Inductor falls back to).
-        name: the call as the code writes it: ``torch.ops._c10d_functional.
-            all_gather_into_tensor.default``, ``cpp_fused_add_0``, ...
-        line: its line in the output code (1-based).
-        collective: a collective's index among the schedule's collectives; for a
-            wait, the index of the collective it waits for (``None`` when that
-            collective was not issued in this graph); ``None`` for a kernel.
-        group_name: a collective's process group (a literal in the code), or
-            ``None``.
-    """
-
-    position: int
-    kind: ScheduleKind
-    name: str
-    line: int
-    collective: int | None = None
-    group_name: str | None = None
-
-
-def _dotted(expr: ast.expr) -> str | None:
-    parts: list[str] = []
-    while isinstance(expr, ast.Attribute):
-        parts.append(expr.attr)
-        expr = expr.value
-    if not isinstance(expr, ast.Name):
-        return None
-    parts.append(expr.id)
-    return ".".join(reversed(parts))
-
-
-def _code_op(dotted: str) -> tuple[str, str, str] | None:
-    """``(namespace, name, overload)`` of ``torch.ops.NS.NAME.OVERLOAD`` (or the
-    wrapper's ``aten.NAME.OVERLOAD``) as generated code calls it."""
-    parts = dotted.split(".")
-    if parts[:2] == ["torch", "ops"] and len(parts) in (4, 5):
-        return parts[2], parts[3], parts[4] if len(parts) == 5 else "default"
-    if parts[0] == "aten" and len(parts) in (2, 3):
-        return "aten", parts[1], parts[2] if len(parts) == 3 else "default"
-    return None
-
-
-def _code_schema(op: tuple[str, str, str]) -> torch._C.FunctionSchema | None:
-    try:
-        return getattr(getattr(getattr(torch.ops, op[0]), op[1]), op[2])._schema
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _code_args(op: tuple[str, str, str], call: ast.Call) -> dict[str, ast.expr]:
-    """A call's argument expressions in generated code, by the op schema's names
-    (generated code calls ops positionally, with literals; ``out=`` by keyword)."""
-    schema = _code_schema(op)
-    if schema is None:
-        return {}
-    out = {a.name: e for a, e in zip(schema.arguments, call.args)}
-    out.update((kw.arg, kw.value) for kw in call.keywords if kw.arg is not None)
-    return out
-
-
-def _mutated_names(op: tuple[str, str, str], call: ast.Call) -> list[str]:
-    """The buffers a call writes into: its mutable arguments (the ``_out``
-    variants' ``out=``, the in-place ``all_reduce_``'s tensor)."""
-    schema = _code_schema(op)
-    if schema is None:
-        return []
-    args = _code_args(op, call)
-    names: list[str] = []
-    for a in schema.arguments:
-        expr = args.get(a.name)
-        if a.alias_info is None or not a.alias_info.is_write or expr is None:
-            continue
-        elts = expr.elts if isinstance(expr, (ast.List, ast.Tuple)) else [expr]
-        names.extend(e.id for e in elts if isinstance(e, ast.Name))
-    return names
-
-
-def _code_group_name(op: tuple[str, str, str], call: ast.Call) -> str | None:
-    """The ``group_name`` literal of a collective call in generated code."""
-    expr = _code_args(op, call).get("group_name")
-    value = expr.value if isinstance(expr, ast.Constant) else None
-    return value if isinstance(value, str) else None
-
-
-def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
-    """The statements of ``body`` in order, with ``with``/``if`` blocks (device
-    guards, stream contexts) flattened."""
-    for stmt in body:
-        if isinstance(stmt, (ast.With, ast.If)):
-            yield from _statements(stmt.body)
-            if isinstance(stmt, ast.If):
-                yield from _statements(stmt.orelse)
-        else:
-            yield stmt
-
-
-def _call_function(tree: ast.Module) -> ast.FunctionDef | None:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == "call":
-            return node
-    return None
-
-
-def read_schedule(output_code: str) -> list[ScheduledOp]:
-    """The collectives, waits and kernels of Inductor's generated Python code (its
-    ``call`` function), in the order they run. See [Note: The final schedule].
-
-    Args:
-        output_code: the module Inductor generated for one graph (what
-            ``TORCH_LOGS=output_code`` prints).
-
-    Raises:
-        ValueError: the code is not Python (``cpp_wrapper``) or has no ``call``
-            function.
-    """
-    try:
-        tree = ast.parse(output_code)
-    except SyntaxError as e:
-        raise ValueError(
-            f"the output code is not Python ({e.msg}); with "
-            "torch._inductor.config.cpp_wrapper the schedule is not read"
-        ) from e
-    fn = _call_function(tree)
-    if fn is None:
-        raise ValueError("the output code has no `call` function")
-    # Kernels the module defines: ``name = async_compile.<kind>(...)``.
-    kernels = {
-        t.id
-        for stmt in tree.body
-        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
-        and (_dotted(stmt.value.func) or "").startswith("async_compile.")
-        for t in stmt.targets
-        if isinstance(t, ast.Name)
-    }
-    alias: dict[str, str] = {}  # buffer name -> the buffer it aliases (reuse, views)
-
-    def root(name: str) -> str:
-        while name in alias:
-            name = alias[name]
-        return name
-
-    handles: dict[str, int] = {}  # a collective's result buffer -> its index
-    out: list[ScheduledOp] = []
-    n_collectives = 0
-    for stmt in _statements(fn.body):
-        target = None
-        value: ast.expr | None = None
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            target = stmt.targets[0].id if isinstance(stmt.targets[0], ast.Name) else None
-            value = stmt.value
-        elif isinstance(stmt, ast.Expr):
-            value = stmt.value
-        if value is None:
-            continue
-        # ``bufA = bufB``, ``bufA = bufB[0]``, ``bufA = reinterpret_tensor(bufB, ...)``
-        source = value.value if isinstance(value, ast.Subscript) else value
-        if (isinstance(source, ast.Call) and _dotted(source.func) == "reinterpret_tensor"
-                and source.args):
-            source = source.args[0]
-        if target is not None and isinstance(source, ast.Name):
-            alias[target] = source.id
-            continue
-        if not isinstance(value, ast.Call):
-            continue
-        dotted = _dotted(value.func)
-        if dotted is None:
-            continue
-        op = _code_op(dotted)
-        pos, line = len(out), stmt.lineno
-        if _c10d_like(op):
-            if op[1] == _WAIT_NAME:
-                arg = value.args[0] if value.args else None
-                waited = handles.get(root(arg.id)) if isinstance(arg, ast.Name) else None
-                out.append(ScheduledOp(pos, "wait", dotted, line, waited))
-                continue
-            # Its result: what it returns, and what it writes into (a wait may name
-            # either, or an alias of them).
-            for handle in [*([target] if target else []), *_mutated_names(op, value)]:
-                handles[root(handle)] = n_collectives
-            out.append(ScheduledOp(
-                pos, "collective", dotted, line, n_collectives, _code_group_name(op, value)
-            ))
-            n_collectives += 1
-        elif op is not None:
-            if (op[0], op[1]) != _RESIZE_NAME:  # a storage resize computes nothing
-                out.append(ScheduledOp(pos, "kernel", dotted, line))
-        elif dotted.startswith("extern_kernels.") or dotted.split(".")[0] in kernels:
-            out.append(ScheduledOp(pos, "kernel", dotted, line))
-    return out
-
-
-def scheduled_collective_name(op: ScheduledOp) -> str | None:
-    """The op name (``all_gather_into_tensor``, ...) of a scheduled collective or
-    wait, as :attr:`CollectiveRow.op` spells it; ``None`` for a kernel."""
-    if op.kind == "kernel":
-        return None
-    parsed = _code_op(op.name)
-    return None if parsed is None else parsed[1]
-
-
-def max_in_flight(
-    schedule: Sequence[ScheduledOp], rows: Sequence[CollectiveRow] | None = None
-) -> dict[str, int]:
-    """The most collectives of each op (``all_gather_into_tensor``, ...) issued and
-    not yet waited for at any point of ``schedule``. More than one all-gather in
-    flight is what gloo cannot take on torch 2.13 (see [Note: In-flight all-gathers
-    on gloo] in ``traceable_hsdp/_collectives.py``). With ``rows`` (the graph's
-    :func:`collective_table`, in the schedule's order: :func:`with_schedule`), each
-    collective is named by its row's :attr:`~CollectiveRow.label`, so an exchange
-    counts as what it stands for."""
-    op_of: dict[int, str] = {}
-    now: Counter[str] = Counter()
-    most: dict[str, int] = {}
-    for op in schedule:
-        if op.kind == "collective" and op.collective is not None:
-            if rows is not None and op.collective < len(rows):
-                name = rows[op.collective].label
-            else:
-                name = scheduled_collective_name(op) or op.name
-            op_of[op.collective] = name
-            now[name] += 1
-            most[name] = max(most.get(name, 0), now[name])
-        elif op.kind == "wait" and op.collective in op_of:
-            name = op_of.pop(op.collective)  # a coalesced op's later waits: no-ops
-            now[name] -= 1
-    return most
-
-
-def _name_family(name: str) -> Family | None:
-    for prefix, family in _FAMILIES:
-        if name.startswith(prefix):
-            return family
-    return None
-
-
-def with_schedule(
-    rows: Sequence[CollectiveRow], schedule: Sequence[ScheduledOp]
-) -> list[CollectiveRow]:
-    """``rows`` (the :func:`collective_table` of the graph Inductor compiled) with
-    their place in the final ``schedule``: ``issued_at``, ``waited_at`` and
-    ``kernels_before_wait``, the number of kernels that run between the
-    collective's issue and its wait (0: nothing overlaps it). Inductor keeps the
-    collectives in graph order (it chains them so every rank issues them alike),
-    so the k-th collective of the schedule is row k; that is checked.
-
-    Raises:
-        ValueError: the schedule's collectives are not the rows' (count, family or
-            group name differ), with the first difference.
-    """
-    issued = [op for op in schedule if op.kind == "collective"]
-    if len(issued) != len(rows):
-        raise ValueError(
-            f"{len(issued)} collectives in the output code, {len(rows)} in the graph"
-        )
-    waits: dict[int, ScheduledOp] = {}
-    for op in schedule:
-        if op.kind == "wait" and op.collective is not None:
-            waits.setdefault(op.collective, op)  # a coalesced one: its first wait
-    out: list[CollectiveRow] = []
-    for i, (row, op) in enumerate(zip(rows, issued)):
-        name = scheduled_collective_name(op) or ""
-        if _name_family(name) != _name_family(row.op) or (
-            row.group_name is not None and op.group_name is not None
-            and row.group_name != op.group_name
-        ):
-            raise ValueError(
-                f"collective {i} differs: {name} on group {op.group_name!r} in the "
-                f"output code, {row.op} on group {row.group_name!r} in the graph"
-            )
-        wait = waits.get(i)
-        between = None
-        if wait is not None:
-            between = sum(
-                1 for o in schedule[op.position + 1 : wait.position] if o.kind == "kernel"
-            )
-        out.append(replace(
-            row,
-            issued_at=op.position,
-            waited_at=None if wait is None else wait.position,
-            kernels_before_wait=between,
-        ))
-    return out
-
-
-# ------------------------------------------------------------------ recording
-Kind = Literal["fwd", "bwd", "aot_bwd"]
-
-
-@dataclass
-class RecordedGraph:
-    """One graph a :class:`PostGradRecorder` was handed.
-
-    Args:
-        graph: the graph object (later post-grad passes may still change it).
-        gm: its owning module, if any.
-        compile_id: torch's compile id (``"0/0"``; ``"!0/1/0"`` for compiled
-            autograd), or ``None`` outside a compile.
-        kind: ``"bwd"`` (a compiled-autograd graph), ``"aot_bwd"`` (AOTAutograd's
-            own backward: it takes tangents) or ``"fwd"``.
-        tag: the recorder's ``tag`` when the graph came (e.g. a benchmark variant).
-    """
-
-    graph: fx.Graph
-    gm: fx.GraphModule | None
-    compile_id: str | None
-    kind: Kind
-    tag: str | None = None
-
-    @property
-    def backward(self) -> bool:
-        return self.kind != "fwd"
-
-    def final_graph(self) -> fx.Graph:
-        """The graph as it is now: a later pass may have given the module a new one."""
-        return self.gm.graph if self.gm is not None else self.graph
-
-
-def current_compile() -> tuple[str | None, bool]:
-    """``(torch's compile id, whether it is a compiled-autograd backward)`` of the
-    compile running now; ``(None, False)`` outside one."""
-    cid = torch._guards.CompileContext.current_compile_id()
-    if cid is None:
-        return None, False
-    return str(cid), getattr(cid, "compiled_autograd_id", None) is not None
-
-
-def _kind(graph: fx.Graph) -> tuple[str | None, Kind]:
-    cid, compiled_autograd = current_compile()
-    if compiled_autograd:
-        return cid, "bwd"
-    tangents = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
-    return cid, ("aot_bwd" if tangents else "fwd")
-
-
 # Inductor hands ``is_inference`` to passes of this class; older torch lacks it.
 InferenceAwareGraphPass: type = getattr(
     _cgp, "CustomInferenceAwareGraphPass", _cgp.CustomGraphPass
 )
 INFERENCE_AWARE = InferenceAwareGraphPass is not _cgp.CustomGraphPass
-
-
-class PostGradRecorder(InferenceAwareGraphPass):  # type: ignore[misc, valid-type]
-    """A post-grad pass that records every graph Inductor hands it, for dumps,
-    benchmarks and tests. Put it in ``post_grad_custom_pre_pass`` (around
-    traceable_hsdp's passes) or ``post_grad_custom_post_pass`` (after every pass but
-    torch's own later ones). Its ``uuid()`` is ``None``, which turns the FX graph
-    cache off while it is set: a cache hit would skip the post-grad passes, and the
-    graph would not be recorded.
-
-    Args:
-        on_graph: called with each :class:`RecordedGraph` as it comes; an exception
-            it raises is logged, never raised into the compile (default ``None``).
-        keep: keep the records in :attr:`graphs` (default ``True``).
-
-    Attributes:
-        graphs: the records, in order (with ``keep``).
-        calls: how many graphs it was handed.
-        tag: copied into each record (default ``None``).
-    """
-
-    def __init__(
-        self, on_graph: Callable[[RecordedGraph], None] | None = None, *, keep: bool = True
-    ) -> None:
-        self.on_graph = on_graph
-        self.keep = keep
-        self.graphs: list[RecordedGraph] = []
-        self.calls = 0
-        self.tag: str | None = None
-
-    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
-        self.calls += 1
-        cid, kind = _kind(graph)
-        gm = graph.owning_module
-        rec = RecordedGraph(
-            graph, gm if isinstance(gm, fx.GraphModule) else None, cid, kind, self.tag
-        )
-        if self.keep:
-            self.graphs.append(rec)
-        if self.on_graph is not None:
-            try:
-                self.on_graph(rec)
-            except Exception:  # a recorder must never break the compile it watches
-                log.exception("PostGradRecorder: recording a post-grad graph failed")
-
-    def uuid(self) -> None:
-        return None

@@ -90,7 +90,7 @@ Nothing else (not ``hsdp()``, not a unit's options) writes process-wide
 configuration, but for the debugging tool ``dump_graphs``, and only for the length of
 its block: its recorders around our pass (which bypass Inductor's FX graph cache),
 depyf's patches, and dynamo skipping depyf's files, each undone when the block exits
-(``traceable_hsdp/_dump.py``).
+(``traceable_hsdp/debug/_dump.py``).
 
 [Note: Saved views of the placeholder]
 AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward
@@ -113,8 +113,8 @@ that input into a channels-last buffer at the top of the graph, reading the
 placeholder's storage while it still had 0 bytes, and resized the copy instead of
 the input: a small CNN (Conv2d and BatchNorm2d in two units and the root), compiled
 whole with Inductor on 1 or 2 CPU ranks, died with a segmentation fault in its
-first forward (2026-11-28; ``aot_eager`` and eager trained it bitwise equal to
-torch's ``fully_shard``). So :func:`install` wraps the static method
+first forward (``aot_eager`` and eager trained it bitwise equal to torch's
+``fully_shard``). So :func:`install` wraps the static method
 ``GraphLowering.decide_layout_opt``: a graph that still holds a resize or an
 ``fsdp.copy_`` after our passes gets no layout optimization; any other graph is
 decided by Inductor as before (a plain model's, or ours where the passes removed
@@ -141,7 +141,7 @@ import logging
 import os
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,15 +160,9 @@ from ._graph import (
     is_placeholder_op,
     is_resize,
 )
-from .bucket_collectives import DEFAULT_BUCKET_CAP_MB, bucket_all_gathers, bucket_reduce_scatters
-from .free_after_last_read import free_after_last_read
-from .gather_into_buffers import gather_into_buffers
-from .overlap import overlap
-from .exchange import all_gather_by_exchange, reduce_scatter_by_exchange
 from .._torch_internals import owner
-from .remove_resize_copy import remove_resize_copy
-from .recompute_placeholder_views import recompute_placeholder_views
-from .save_checkpoint_outputs import save_checkpoint_outputs
+from ._registry import ALIASES, PASSES, PassEntry, switched
+from .bucket_collectives import DEFAULT_BUCKET_CAP_MB
 
 __all__ = [
     "PassConfig",
@@ -186,43 +180,32 @@ log = logging.getLogger(__name__)
 
 ENV_PASSES = "TRACEABLE_HSDP_PASSES"
 ENV_BUCKET_CAP_MB = "TRACEABLE_HSDP_BUCKET_CAP_MB"
-_PASS_NAMES = (
-    "remove_resize_copy",
-    "bucket_all_gathers",
-    "bucket_reduce_scatters",
-    "overlap",
-    "reduce_scatter_by_exchange",
-    "all_gather_by_exchange",
+_PASS_NAMES = switched()
+_ALIASES = {"all": _PASS_NAMES, "none": (), **ALIASES}
+_POST_GRAD = tuple(e for e in PASSES if e.stage == "post_grad")
+_JOINT = tuple(e for e in PASSES if e.stage == "joint")
+
+# One bool field per switched pass of the registry, named as the pass, default True,
+# in run order; PassConfig adds its other fields after them.
+_PassSwitches = make_dataclass(
+    "_PassSwitches", [(name, bool, True) for name in _PASS_NAMES], frozen=True,
+    namespace={"__module__": __name__},
 )
-_ALIASES = {
-    "all": _PASS_NAMES,
-    "none": (),
-    "bucket": ("bucket_all_gathers", "bucket_reduce_scatters"),
-}
 
 
 @dataclass(frozen=True)
-class PassConfig:
+class PassConfig(_PassSwitches):  # type: ignore[misc, valid-type]
     """Which passes run on traceable_hsdp's compiled graphs.
 
     Args:
-        remove_resize_copy: rewrite the placeholder's grow/copy/free regions away
-            (default ``True``).
-        bucket_all_gathers: one all-gather per fully_shard unit (default ``True``).
-        bucket_reduce_scatters: one reduce-scatter per unit (default ``True``).
-        overlap: issue each all-gather one unit early and wait for reduce-scatters
-            late (default ``True``); see [Note: Overlap] in ``overlap.py``.
-        reduce_scatter_by_exchange: issue each reduce-scatter over two gloo ranks
-            as an all-to-all and an addition, the same numbers for less traffic
-            (default ``True``), in compiled graphs and eagerly; see [Note: gloo
-            reduce-scatters as an exchange].
-        all_gather_by_exchange: issue each all-gather over two gloo ranks as an
-            all-to-all of its input sent to both ranks, the same numbers without
-            gloo's extra copy of the result, a small gain (default ``True``), in
-            compiled graphs; see [Note: gloo all-gathers as an exchange].
+        <pass name>: one bool per pass of ``_registry.PASSES`` that can be switched
+            off, in run order (default ``True``): ``remove_resize_copy``,
+            ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``overlap``,
+            ``reduce_scatter_by_exchange``, ``all_gather_by_exchange``; docs/passes.md
+            says what each does.
         pool_exchange_outputs: the exchanges' outputs come from a pool of buffers
             kept across steps instead of new memory each time (default ``True``);
-            see [Note: Exchange outputs from a pool] in ``_ops.py``. Not a pass, so
+            see [Note: Exchange outputs from a pool] in ``gloo/_pool.py``. Not a pass, so
             not named in ``TRACEABLE_HSDP_PASSES``.
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
             (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
@@ -311,15 +294,7 @@ class PassConfig:
                     "e.g. 25, 'none' for one bucket per unit, or leave it unset for "
                     f"the default ({DEFAULT_BUCKET_CAP_MB:g})."
                 )
-        return cls(
-            remove_resize_copy="remove_resize_copy" in on,
-            bucket_all_gathers="bucket_all_gathers" in on,
-            bucket_reduce_scatters="bucket_reduce_scatters" in on,
-            overlap="overlap" in on,
-            reduce_scatter_by_exchange="reduce_scatter_by_exchange" in on,
-            all_gather_by_exchange="all_gather_by_exchange" in on,
-            bucket_cap_mb=cap,
-        )
+        return cls(**{name: name in on for name in _PASS_NAMES}, bucket_cap_mb=cap)
 
 
 _config: PassConfig = PassConfig.from_env()
@@ -346,12 +321,11 @@ def set_config(config: PassConfig) -> None:
 
 
 def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str, int]:
-    """Runs the enabled passes on ``gm`` in order: ``remove_resize_copy`` first (see
-    [Note: Removing resize/copy regions]), then the two bucketing passes, then
-    ``overlap`` (it moves whole buckets; see [Note: Overlap]), then
-    ``reduce_scatter_by_exchange`` and ``all_gather_by_exchange`` (they keep each
-    collective's and each wait's place; see [Note: gloo reduce-scatters as an
-    exchange] and [Note: gloo all-gathers as an exchange]).
+    """Runs the enabled switched passes on ``gm`` in the registry's order:
+    ``remove_resize_copy`` first (see [Note: Removing resize/copy regions]), then the
+    two bucketing passes, then ``overlap`` (it moves whole buckets; see [Note:
+    Overlap]), then the two exchanges (they keep each collective's and each wait's
+    place; see [Note: gloo reduce-scatters as an exchange]).
 
     Args:
         gm: a post-grad graph module, changed in place.
@@ -361,29 +335,26 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
         What each pass reported (regions removed, buckets made), by pass name.
     """
     cfg = get_config() if config is None else config
+    return _run(gm, cfg, tuple(e for e in _POST_GRAD if e.switch))
+
+
+def _run(gm: fx.GraphModule, cfg: PassConfig, entries: tuple[PassEntry, ...]) -> dict[str, int]:
+    """Runs ``entries`` in order: a pass that cannot be switched off always, a
+    switched one when ``cfg`` has it on, or (``per_unit``) always, reported when on
+    or when it did something (a unit's own options turned it on; see [Note: Per-unit
+    pass options])."""
     done: dict[str, int] = {}
-    if cfg.remove_resize_copy:
-        done["remove_resize_copy"] = remove_resize_copy(gm)
-    # Always run: a unit's own options may turn bucketing on where the configuration
-    # has it off (see [Note: Per-unit pass options]).
-    n = bucket_all_gathers(gm, cfg.bucket_cap_mb, enabled=cfg.bucket_all_gathers)
-    if cfg.bucket_all_gathers or n:
-        done["bucket_all_gathers"] = n
-    n = bucket_reduce_scatters(gm, cfg.bucket_cap_mb, enabled=cfg.bucket_reduce_scatters)
-    if cfg.bucket_reduce_scatters or n:
-        done["bucket_reduce_scatters"] = n
-    if cfg.overlap:
-        done["overlap"] = overlap(gm)
-    pooled = cfg.pool_exchange_outputs
-    if cfg.reduce_scatter_by_exchange:
-        done["reduce_scatter_by_exchange"] = reduce_scatter_by_exchange(gm, pooled)
-    if cfg.all_gather_by_exchange:
-        done["all_gather_by_exchange"] = all_gather_by_exchange(gm, pooled)
+    for e in entries:
+        on = not e.switch or getattr(cfg, e.name)
+        if on or e.per_unit:
+            n = e.run(gm, cfg)
+            if on or n:
+                done[e.name] = n
     return done
 
 
 def _sources() -> tuple[str, ...]:
-    return tuple(sorted(str(p) for p in Path(__file__).resolve().parent.glob("*.py")))
+    return tuple(sorted(str(p) for p in Path(__file__).resolve().parent.rglob("*.py")))
 
 
 _units_with_options: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -445,13 +416,11 @@ _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of
 # ``_c10d_functional.all_to_all_single``, which the exchanges put there
 # (``NotImplementedError: arg type Any is not yet supported by custom_op_wrapper``;
 # by default now ``traceable_hsdp::all_to_all_single``, [Note: Exchange outputs from a
-# pool] in ``_ops.py``, refused as an exchange and not tried under the C++ wrapper).
+# pool] in ``gloo/_pool.py``, refused as an exchange and not tried under the C++ wrapper).
 # A model whose root keeps torch's default meets the first in both graphs: the root
 # stays gathered from its forward to its backward, so the forward grows its
-# placeholders and the backward frees them. Seen on torch
-# 2.13.0+cpu with the demo Llama on 1 and 2 gloo ranks (2026-12-05). Rather than
-# let Inductor fail on a name the user never wrote, the pass refuses the graph,
-# naming the switch and the fix.
+# placeholders and the backward frees them. Rather than let Inductor fail on a name the
+# user never wrote, the pass refuses the graph, naming the switch and the fix.
 def _refuse_cpp_wrapper(graph: fx.Graph) -> None:
     """Raises ``RuntimeError`` if Inductor's C++ wrapper is on and ``graph`` holds an
     op that it cannot call. See [Note: Inductor's C++ wrapper]."""
@@ -490,12 +459,10 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
         gm = graph.owning_module
         if isinstance(gm, fx.GraphModule):
             _warn_if_options_lost(graph)
-            # Always, whatever the configuration: see [Note: Frees after the last read].
-            free_after_last_read(gm)
-            run_passes(gm)
-            # Always, whatever the configuration: see [Note: CPU all-gathers into
+            # The passes that cannot be switched off run whatever the configuration:
+            # see [Note: Frees after the last read] and [Note: CPU all-gathers into
             # buffers].
-            gather_into_buffers(gm)
+            _run(gm, get_config(), _POST_GRAD)
             _refuse_cpp_wrapper(graph)
         else:
             log.warning("traceable_hsdp passes skipped: the graph has no owning GraphModule")
@@ -534,8 +501,7 @@ class TraceableHSDPJointPass:
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
         if callable(self.user_pass):
             gm = self.user_pass(gm, joint_inputs)
-        save_checkpoint_outputs(gm)
-        recompute_placeholder_views(gm)
+        _run(gm, get_config(), _JOINT)
         return gm
 
 

@@ -102,9 +102,8 @@ trade-off of the collectives (``benchmarks/collective_latency.py`` measures it):
   later units' parameters early, and a merged reduce-scatter keeps at most 4 MiB of
   earlier units' gradients alive until it is issued. A bucket is alive as its
   collective's input, its output and the parameters copied out of it, with the next
-  one in flight (overlap), so the heap holds a few times the cap at once: on the
-  benchmarks' overhead shape (blocks of 0.26 MiB) 17.8 MiB a step above its start
-  against 7.1 with one bucket per unit (``step_time.py --heap``, docs/benchmarks.md).
+  one in flight (overlap), so the heap holds a few times the cap at once
+  (``step_time.py --heap``, docs/benchmarks.md).
 
 ``benchmarks/step_time.py`` runs the default beside one bucket per unit and larger
 caps (``ours_compiled_per_unit``, ``ours_compiled_cap16mb``); docs/benchmarks.md has

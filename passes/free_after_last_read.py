@@ -13,8 +13,8 @@ two matmuls, and when the weight's gradient comes first the free lands between
 them: a ``nn.TransformerEncoderLayer`` unit (``nn.MultiheadAttention``'s packed
 ``in_proj_weight``) compiled with Inductor read its freed placeholder in the
 matmul of its input's gradient and failed ("The tensor has a non-zero number of
-elements, but its data is not allocated yet"; 2026-11-28). With aot_eager the
-decomposition emitted the other order and it trained.
+elements, but its data is not allocated yet"). With aot_eager the decomposition
+emits the other order.
 
 So this pass, the first on every post-grad graph, moves each free of a placeholder
 to just after the last node that reads it, or a view of it, before its next grow

@@ -42,15 +42,10 @@ right after unit k's re-gather is waited for, before unit k's gradient compute.
 
 **The first all-gather stays.** In a backward it is the last unit's re-gather, which
 bucketing puts after the head's gradient compute (the loss's, the output
-projection's, the final norm's). Issuing it from the graph's start instead was tried
-on 2 gloo ranks, three alternating runs per form against torch's per-block compile
-(``benchmarks/results/step_time_compute_*firstag*_1205.md``, the patch beside them):
-the compute shape gave 0.71x with it and 0.70x without; the same with a vocabulary
-of 8192 (``step_time.py --vocab 8192``, a head as large as the blocks) 0.73x both.
-Each rank's threads already keep its core busy, so nothing is free to hide the
-re-gather behind; and it would hold a unit's gathered parameters through the head's
-backward, with a large vocabulary the step's memory peak. So it is not done. Where
-collectives do not run on the cores (NCCL) it is worth measuring again.
+projection's, the final norm's), and is not issued earlier: on gloo each rank's
+threads already keep its core busy, so nothing is free to hide the re-gather behind,
+and it would hold a unit's gathered parameters through the head's backward (with a
+large vocabulary, the step's memory peak).
 
 An all-gather is issued no earlier than the previous one's wait, so at most one
 all-gather is ever in flight (gloo needs that: see the Note cited above), and all-gather
@@ -116,10 +111,8 @@ Relative to the graph before the pass, the extra memory alive at any point is at
   so at most one is in flight per group (and an all-reduce's input, a sharded
   gradient, for HSDP).
 
-Measured on 2 CPU ranks (``benchmarks/step_time.py --heap`` and
-``benchmarks/ac_cost.py``, 4 blocks of 4 MiB): the pass raised a step's heap peak from
-35.8 to 40.6 MiB, and with every block checkpointed, where the peak is in the
-backward, from 21.0-24.7 to 30.7 MiB (docs/benchmarks.md).
+``benchmarks/step_time.py --heap`` and ``benchmarks/ac_cost.py`` measure what it adds
+to a step's heap peak (docs/benchmarks.md).
 
 Invariant: every node computes the same value as before (only the order changes;
 no read moves across a write to what it reads), every node still follows its inputs,
@@ -131,8 +124,7 @@ it generates, and only data dependencies bind it. With
 ``torch._inductor.config.reorder_for_peak_memory`` on (the default), it tries a few
 topological orders and keeps the one of least estimated peak memory: on torch 2.13
 that puts every wait back right after its issue, in the forward and the backward, so
-the generated code overlaps nothing (seen on the e2e Llama and on a 5-unit MLP; the
-post-grad graph was overlapped in both). With it off, the generated code keeps this
+the generated code overlaps nothing. With it off, the generated code keeps this
 pass's order (``tests/test_passes_e2e.py`` checks the wrapper code). torchtitan's
 SimpleFSDP turns it off for the same reason. This module does not change Inductor's
 configuration; :func:`traceable_hsdp.passes.install` (called by ``fully_shard``)

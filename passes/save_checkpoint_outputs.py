@@ -18,7 +18,7 @@ the unit's re-gather is a hook on ``y``'s gradient. When an op after the unit ne
 schedules the region's recompute for that op, which runs *before* ``y``'s gradient
 exists, so before the hook that re-gathers the unit's parameters: the recompute reads
 placeholders whose storage is 0 bytes (aot_eager: SIGSEGV; seen with HF Llama and
-with ``traceable_hsdp.models.Llama``). Before the pass, backward graph order (the
+with ``traceable_hsdp.demo.models.Llama``). Before the pass, backward graph order (the
 hook and its re-gather inlined by compiled autograd)::
 
     out_norm_bwd needs y

@@ -22,9 +22,9 @@ from torch.utils.checkpoint import (
 )
 
 import traceable_hsdp as th
-from traceable_hsdp.models import Llama, shard_llama
+from traceable_hsdp.demo.models import Llama, shard_llama
+from traceable_hsdp.debug._recorder import current_compile
 from traceable_hsdp.passes._graph import (
-    current_compile,
     is_all_gather,
     is_fsdp_copy,
     is_placeholder_op,

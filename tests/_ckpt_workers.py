@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import traceable_hsdp as th
 from _dist import full_tensor
 from _workers import CFG, LR, GraphRecorder, _data, _loss, _placeholder_bytes, dp_mesh
-from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+from traceable_hsdp.demo.models import Llama, LlamaConfig, shard_llama
 
 TIED_CFG = dataclasses.replace(CFG, tie_embeddings=True)
 N_PARAMS = 2 + 9 * CFG.n_layers + 1  # embedding, norm, output + 9 per block

@@ -33,7 +33,7 @@ from _workers import (
     graph_break_reasons,
     model_refs,
 )
-from traceable_hsdp.models import Llama, shard_llama
+from traceable_hsdp.demo.models import Llama, shard_llama
 
 STEPS = 3
 # The model: one block (the root and one unit; a second block adds compile time and

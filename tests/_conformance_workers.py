@@ -39,7 +39,7 @@ from _workers import (
     _placeholder_bytes,
     dynamo_counts,
 )
-from traceable_hsdp.models import Llama, RMSNorm
+from traceable_hsdp.demo.models import Llama, RMSNorm
 
 STEPS = 3
 Build = Callable[[Callable[..., Any]], nn.Module]
@@ -809,11 +809,11 @@ def compiled_before_shard(rank: int, world: int, backend: str) -> dict[str, Any]
     - "wrap": torchtitan's per-block compile in its older form, each block replaced by
       ``torch.compile(block, fullgraph=True)`` (an ``OptimizedModule``), compiled
       autograd off: the unit's gathers run around the compiled block, as torch's do
-      (see [Note: A forward set on the instance] in traceable_hsdp/_fully_shard.py).
+      (see [Note: A forward set on the instance] in traceable_hsdp/_fsdp_class.py).
     - "inplace": torchtitan's form today, ``block.compile(fullgraph=True)``, compiled
       autograd off: the unit's pre- and post-forward run eagerly and the block's own
       forward is compiled, as around torch's hooks (see [Note: A unit compiled in
-      place] in traceable_hsdp/_fully_shard.py);
+      place] in traceable_hsdp/_compiled_call.py);
       "inplace_after": the same with ``block.compile`` called after fully_shard;
       "inplace_ca": compiled autograd on, the unit's gathers traced in the block's
       graph, one graph for the three blocks (see [Note: One graph for every unit

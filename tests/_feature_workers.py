@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 import traceable_hsdp as th
 from _dist import full_tensor
 from _workers import CFG, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
-from traceable_hsdp.models import Llama
+from traceable_hsdp.demo.models import Llama
 
 MICRO = 2  # micro-batches per optimizer step
 STEPS = 3

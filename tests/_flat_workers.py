@@ -21,7 +21,7 @@ import traceable_hsdp as th
 from _dist import full_tensor
 from _workers import CFG, _data, _loss, _placeholder_bytes, dp_mesh
 from traceable_hsdp._annotate import ANNOTATION_KEY
-from traceable_hsdp.models import Llama
+from traceable_hsdp.demo.models import Llama
 
 STEPS = 3
 LR = 1e-2
@@ -30,7 +30,7 @@ COLLECTIVES = {
     "all_gather_into_tensor_out": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     # over two gloo ranks a reduce-scatter is an exchange: see [Note: gloo
-    # reduce-scatters as an exchange] in passes/exchange.py
+    # reduce-scatters as an exchange] in passes/gloo/exchange.py
     "all_to_all_single": "reduce_scatter",
     "all_reduce": "all_reduce",
 }

@@ -20,7 +20,7 @@ from _workers import (
     _placeholder_bytes,
     dp_mesh,
 )
-from traceable_hsdp.models import Llama, shard_llama
+from traceable_hsdp.demo.models import Llama, shard_llama
 
 STEPS = 3
 

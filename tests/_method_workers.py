@@ -22,7 +22,7 @@ from _workers import (
     dp_mesh,
 )
 from traceable_hsdp._common import TrainingState
-from traceable_hsdp.models import Llama, shard_llama
+from traceable_hsdp.demo.models import Llama, shard_llama
 
 STEPS = 3
 

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 import traceable_hsdp as th
 from traceable_hsdp import optim as th_optim
-from traceable_hsdp.models import Llama, shard_llama
+from traceable_hsdp.demo.models import Llama, shard_llama
 from _workers import CFG, _data, _loss, dp_mesh
 
 

@@ -16,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
 import traceable_hsdp.passes._graph as G
+from traceable_hsdp.debug._recorder import current_compile
 from _dist import full_tensor
-from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.demo.models import Llama, LlamaConfig
 
 # ------------------------------------------------------------------- prefetch
 # Three units of distinct widths, so the numel of an all-gather's input names its
@@ -112,7 +113,7 @@ def prefetch_order_worker(rank: int, world: int) -> dict[str, Any]:
     graphs: list[tuple[bool, list[str]]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append((G.current_compile()[1], _compress(_graph_order(gm, unit_of))))
+        graphs.append((current_compile()[1], _compress(_graph_order(gm, unit_of))))
         return aot_eager(gm, example_inputs)
 
     model = _prefetch_model(mesh)
@@ -438,9 +439,9 @@ def _fat_counts(graph: torch.fx.Graph) -> dict[str, int]:
     c = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "fsdp_copy", "resize"), 0)
     for n in graph.nodes:
         # An all-gather in either form (on CPU each is issued into a buffer: [Note:
-        # CPU all-gathers into buffers] in passes/gather_into_buffers.py), and a
+        # CPU all-gathers into buffers] in passes/gloo/gather_into_buffers.py), and a
         # reduce-scatter (over two gloo ranks an exchange: [Note: gloo
-        # reduce-scatters as an exchange] in passes/exchange.py).
+        # reduce-scatters as an exchange] in passes/gloo/exchange.py).
         for key, pred in (("all_gather", _any_all_gather), ("reduce_scatter", _any_reduce_scatter),
                           ("all_reduce", P.is_all_reduce), ("fsdp_copy", P.is_fsdp_copy),
                           ("resize", P.is_resize)):
@@ -594,7 +595,7 @@ def _train_region_case(world: int, rank: int, region: bool, compiled: bool = Tru
     from _workers import CFG, LR, _data, _loss
     from torch._dynamo.utils import counters
 
-    from traceable_hsdp.models import Block
+    from traceable_hsdp.demo.models import Block
 
     class RegionBlock(Block):
         forward = torch.compiler.nested_compile_region(Block.forward)
@@ -635,7 +636,7 @@ def region_block_worker(rank: int, world: int) -> dict[str, Any]:
     case: the losses, each parameter's full gradient after every backward (``None``
     where it got none), and dynamo's graph-break count. "refused": the region model
     with the default configuration, the message its first step raised. See [Note: A
-    compile region inside a unit] (``_state.py``)."""
+    compile region inside a unit] (``_compile_checks.py``)."""
     out: dict[str, Any] = {"plain": _train_region_case(world, rank, region=False, compiled=False)}
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         out["region"] = _train_region_case(world, rank, region=True)

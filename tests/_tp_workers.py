@@ -35,9 +35,10 @@ from torch.distributed.tensor.parallel import (
 
 import traceable_hsdp as th
 import traceable_hsdp.passes._graph as G
+from traceable_hsdp.debug._recorder import current_compile
 from _dist import full_tensor
 from _workers import CFG, LR, _data, _loss, _managed, _placeholder_bytes
-from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.demo.models import Llama, LlamaConfig
 
 TP_STEPS = 3
 # The compiled tests' model: one block (every block costs compile time, on 4 and 8
@@ -287,7 +288,7 @@ class GroupRecorder:
             group = G.collective_group_name(n)
             key = f"{op}@{self.groups.get(group, group)}"
             counts[key] = counts.get(key, 0) + 1
-        _, is_bwd = G.current_compile()
+        _, is_bwd = current_compile()
         (self.backward if is_bwd else self.forward).append(counts)
         return self.backend(gm, example_inputs)
 

@@ -18,14 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
 from _dist import full_tensor
-from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+from traceable_hsdp.demo.models import Llama, LlamaConfig, shard_llama
+from traceable_hsdp.debug._recorder import PostGradRecorder, current_compile
+from traceable_hsdp.debug._table import collective_table, graph_counts
 from traceable_hsdp.passes._graph import (
-    PostGradRecorder,
     bound_args,
     collective_family,
-    collective_table,
-    current_compile,
-    graph_counts,
     is_fsdp_copy,
     is_resize,
     is_version_counter_op,
@@ -412,7 +410,7 @@ def _reduce_scatter_times_3(op: str, world: int, group: str) -> Any:
 
 def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     """The reduce-scatter-as-exchange rewrite on 2 gloo ranks (see [Note: gloo
-    reduce-scatters as an exchange] in passes/exchange.py): for
+    reduce-scatters as an exchange] in passes/gloo/exchange.py): for
     float32 and bfloat16, "sum" and "avg", a 1-D and a 2-D gradient, a traced graph
     of one reduce-scatter gives the same bits before and after the pass, and so does
     the eager runtime's ``reduce_scatter`` against the functional op; for each
@@ -495,7 +493,7 @@ def _gather_times_3(world: int, group: str) -> Any:
 
 def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
     """The all-gather-as-exchange rewrite on 2 gloo ranks (see [Note: gloo all-gathers
-    as an exchange] in passes/exchange.py): for float32 and
+    as an exchange] in passes/gloo/exchange.py): for float32 and
     bfloat16, a traced graph of one all-gather of a bucket (a ``cat`` of a 2-D and a
     1-D shard) and of one of a 2-D shard gives the same bits before and after the
     pass; the float32 bucket compiled by Inductor (the pass installed, a reader
@@ -507,7 +505,7 @@ def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
     from traceable_hsdp import passes
     from traceable_hsdp.passes import all_gather_by_exchange
     from traceable_hsdp.passes._graph import AG_EXCHANGE_COUNT, ALL_GATHER
-    from traceable_hsdp.passes._ops import POOLED_ALL_TO_ALL
+    from traceable_hsdp.passes.gloo._pool import POOLED_ALL_TO_ALL
 
     c10d = torch.ops._c10d_functional
     group = torch.distributed.group.WORLD.group_name
@@ -559,12 +557,12 @@ def _pool_frees(key: tuple[Any, ...], n: int, timeout_s: float = 10.0) -> bool:
     references; whether it did within ``timeout_s``."""
     import time
 
-    from traceable_hsdp.passes import _ops
+    from traceable_hsdp.passes.gloo import _pool
 
     deadline = time.monotonic() + timeout_s
     while True:
-        with _ops._pool_lock:
-            free = sum(_ops._unused(st) for st in _ops._pool.get(key, []))
+        with _pool._pool_lock:
+            free = sum(_pool._unused(st) for st in _pool._pool.get(key, []))
         if free >= n or time.monotonic() > deadline:
             return free >= n
         time.sleep(0.001)
@@ -572,14 +570,15 @@ def _pool_frees(key: tuple[Any, ...], n: int, timeout_s: float = 10.0) -> bool:
 
 def _exchange_pool_checks(world: int, group: str, gen: torch.Generator) -> dict[str, Any]:
     """The exchange's pooled output ([Note: Exchange outputs from a pool] in
-    passes/_ops.py), on one all-gather graph run op by op: a result the caller still
+    passes/gloo/_pool.py), on one all-gather graph run op by op: a result the caller still
     holds is never written again, a freed one is reused, the pool's bytes, what
     :func:`release_exchange_buffers` drops, and torch's op with the pool off."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from traceable_hsdp.passes import (
-        _ops, all_gather_by_exchange, exchange_pool_bytes, release_exchange_buffers,
+        all_gather_by_exchange, exchange_pool_bytes, release_exchange_buffers,
     )
+    from traceable_hsdp.passes.gloo import _pool
 
     c10d = torch.ops._c10d_functional
 
@@ -589,8 +588,8 @@ def _exchange_pool_checks(world: int, group: str, gen: torch.Generator) -> dict[
     key = ((2 * 6,), torch.float32, torch.device("cpu"))  # this graph's output only
 
     def pooled_here() -> int:
-        with _ops._pool_lock:
-            return sum(st.nbytes() for st in _ops._pool.get(key, []))
+        with _pool._pool_lock:
+            return sum(st.nbytes() for st in _pool._pool.get(key, []))
 
     x1, x2 = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
     gm = make_fx(fn, tracing_mode="fake")(x1)

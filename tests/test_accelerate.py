@@ -106,7 +106,7 @@ def test_accelerate_regional_compilation() -> None:
         # and compiles the layer's own forward, and a unit whose forward is torch's
         # own (the embedding, the head) runs eagerly, as dynamo skips it under torch's
         # fully_shard ([Note: A unit compiled in place] in
-        # traceable_hsdp/_fully_shard.py): the graphs are torch's. Dynamo looks at
+        # traceable_hsdp/_compiled_call.py): the graphs are torch's. Dynamo looks at
         # fewer frames than with torch's: torch's compiled ``_call_impl`` of the
         # embedding and the head (and, on newer torch, its own hooks) are frames it
         # skips, where ours calls those units' forwards without it. How many such

@@ -6,7 +6,7 @@ leaves a checkpoint region (see [Note: Checkpoint outputs are saved] in
 2. A tiny compile (no processes): checkpoint + a compiled-autograd hook on the
    region's output; the forward saves the output and the backward runs the hook
    before the region's recompute. Plus a pin of a torch bug we work around.
-3. Two gloo ranks, ``traceable_hsdp.models.Llama`` with ``checkpoint_wrapper`` on
+3. Two gloo ranks, ``traceable_hsdp.demo.models.Llama`` with ``checkpoint_wrapper`` on
    every block (and selective / inner checkpointing), whole step compiled and plain
    loop: parity with the eager run without checkpointing, graph contents, saved
    activation bytes, recompiles. See the tolerance note on the test.
@@ -302,7 +302,7 @@ def test_checkpoint_inside_a_unit_run_eagerly_by_compiled_autograd_refused(one_r
 
     import traceable_hsdp as th
     from _workers import CFG1, break_after
-    from traceable_hsdp.models import Llama
+    from traceable_hsdp.demo.models import Llama
 
     torch.manual_seed(0)
     model = Llama(CFG1)
@@ -342,7 +342,7 @@ def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:
 
     import traceable_hsdp as th
     from _workers import CFG, CFG1
-    from traceable_hsdp.models import Block, Llama
+    from traceable_hsdp.demo.models import Block, Llama
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(HFLlamaConfig(

@@ -27,7 +27,7 @@ import traceable_hsdp as th
 from _dist import full_tensor, run_ranks
 from _workers import CFG, _data, _loss, _managed, dp_mesh
 from traceable_hsdp._api import REDUCE_IN_GRAD_DTYPE
-from traceable_hsdp.models import Llama
+from traceable_hsdp.demo.models import Llama
 
 TORCH_HAS_OVERRIDE = "param_dtype_override_fn" in {
     f.name for f in dataclasses.fields(torch_fsdp.MixedPrecisionPolicy)

@@ -226,7 +226,8 @@ def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.Monke
     100 MiB while it is pooled, and nothing once released; the variants of ours
     compiled with compiled autograd take from the pool, torch's and eager ones and
     ours with the pool off do not."""
-    from traceable_hsdp.passes import _ops, release_exchange_buffers
+    from traceable_hsdp.passes import release_exchange_buffers
+    from traceable_hsdp.passes.gloo import _pool
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(_heap, "active", lambda: True)
@@ -234,7 +235,7 @@ def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.Monke
     release_exchange_buffers()
     start = H.allocated_mib(cpu, pooled=True)  # 100 MiB less any buffer a test holds
     assert start is not None and start <= 100.0
-    buf = _ops._take([2**18 + 7], torch.float32, cpu)  # 1 MiB and 28 bytes, pooled
+    buf = _pool._take([2**18 + 7], torch.float32, cpu)  # 1 MiB and 28 bytes, pooled
     assert H.allocated_mib(cpu, pooled=True) == pytest.approx(start - (2**20 + 28) / 2**20)
     assert H.allocated_mib(cpu) == 100.0  # a variant that does not take from the pool
     del buf
@@ -337,7 +338,7 @@ def test_step_time_smoke_on_cpu(
     md = (out / "step_time_smoke_vocab512_demo.md").read_text()
     assert "### Shape `smoke_vocab512`" in md and "vocab 512," in md
     assert "Device `cpu`" in md and "2 gloo ranks" in md
-    assert "demo Llama (`traceable_hsdp.models`), dim 32, MLP 128" in md
+    assert "demo Llama (`traceable_hsdp.demo.models`), dim 32, MLP 128" in md
     assert "| peak RSS MiB after round 1, r0/r1 |" in md
     assert "Memory metric: peak RSS MiB:" in md
     assert "**OK**" in md  # every variant: the same step-1 loss

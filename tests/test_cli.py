@@ -8,7 +8,7 @@ same checks on its output.
 
 The real runs check that training works end to end, not parity: the losses printed by
 rank 0 must be finite and the last below the first (the data is learnable, see
-[Note: Synthetic data] in ``traceable_hsdp/_train.py``; seeds are fixed, so this is
+[Note: Synthetic data] in ``traceable_hsdp/demo/_train.py``; seeds are fixed, so this is
 deterministic). Parity with a single-process reference belongs to the runtime tests.
 """
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from traceable_hsdp import cli
-from traceable_hsdp._train import (
+from traceable_hsdp.demo import cli
+from traceable_hsdp.demo._train import (
     _BRANCHES,
     TrainConfig,
     TrainResult,
@@ -40,7 +40,7 @@ from traceable_hsdp._train import (
     torchrun_env,
     train_rank,
 )
-from traceable_hsdp.models import Llama, LlamaConfig
+from traceable_hsdp.demo.models import Llama, LlamaConfig
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")
@@ -154,7 +154,7 @@ def test_import_does_not_load_inductor() -> None:
     In a fresh interpreter, since this one has loaded them already."""
     code = (
         "import sys, traceable_hsdp\n"
-        "from traceable_hsdp import cli\n"
+        "from traceable_hsdp.demo import cli\n"
         "cli.build_parser()\n"
         "heavy = ('torch._inductor', 'torch._dynamo', 'depyf')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
@@ -168,7 +168,7 @@ def test_import_does_not_load_inductor() -> None:
     lines = proc.stdout.splitlines()
     assert lines[0] == "[]", proc.stdout
     # The check above can fail: the public names do load Inductor.
-    assert lines[1] == "True traceable_hsdp._fully_shard traceable_hsdp._dump", proc.stdout
+    assert lines[1] == "True traceable_hsdp._fully_shard traceable_hsdp.debug._dump", proc.stdout
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         import traceable_hsdp
 
@@ -409,7 +409,7 @@ def test_bf16_mixed_precision_one_rank_in_process(one_rank_group: str) -> None:
 def test_non_finite_run_fails(losses: list[float], norms: list[float] | None, message: str,
                               monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
-    from traceable_hsdp import _train
+    from traceable_hsdp.demo import _train
 
     monkeypatch.setattr(_train, "launch", lambda cfg: TrainResult(losses, [0.1, 0.1], 2, 1, norms))
     assert cli._launch(_CLIP_CFG, "train") == 1

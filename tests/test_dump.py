@@ -15,7 +15,7 @@ issues. And the console script ``traceable-hsdp dump`` on 2 spawned gloo ranks w
 aot_eager, for 3 steps: the collective counts in ``collectives.json`` equal the counts
 in the graphs that actually ran, counted independently in depyf's source of
 AOTAutograd's graphs; no graph break, no recompile in 3 steps; both ranks agree. The
-command runs ``traceable-hsdp train``'s loop (``traceable_hsdp/_train.py``), so the
+command runs ``traceable-hsdp train``'s loop (``traceable_hsdp/demo/_train.py``), so the
 same run also makes test_cli.py's checks of a compiled job: rank 0's step lines, the
 losses finite and falling, the final line, and the first step's compile report.
 
@@ -44,7 +44,10 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from traceable_hsdp import _dump, cli
+from traceable_hsdp.debug import _dump
+from traceable_hsdp.debug import _schedule as S
+from traceable_hsdp.debug import _table as T
+from traceable_hsdp.demo import cli
 from traceable_hsdp._annotate import call_annotated, collective_annotation
 from traceable_hsdp.passes import _graph as G
 from traceable_hsdp.passes import bucket_all_gathers
@@ -126,7 +129,7 @@ def _fsdp_like(
 
 
 def test_collective_table_reads_sizes_groups_and_annotations() -> None:
-    rows = G.collective_table(_fsdp_like())
+    rows = T.collective_table(_fsdp_like())
     assert [r.op for r in rows] == [
         "all_gather_into_tensor", "all_gather_into_tensor", "reduce_scatter_tensor"
     ]
@@ -137,8 +140,8 @@ def test_collective_table_reads_sizes_groups_and_annotations() -> None:
     assert (rs.reduce_op, rs.dtype, rs.in_bytes, rs.out_bytes) == ("avg", "bfloat16", 128, 64)
     assert rows[1].params == ("attn_norm.weight",)
     # Dynamo's graphs hold OpOverloadPackets and example_value: the same table.
-    assert G.collective_table(_fsdp_like(dynamo_style=True)) == rows
-    counts = G.graph_counts(_fsdp_like())
+    assert T.collective_table(_fsdp_like(dynamo_style=True)) == rows
+    counts = T.graph_counts(_fsdp_like())
     assert counts == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1, "wait_tensor": 3}
     text = _dump.format_table(rows)
     assert len(text.splitlines()) == 1 + len(rows)
@@ -148,9 +151,9 @@ def test_collective_table_reads_sizes_groups_and_annotations() -> None:
 def test_copy_annotations_matches_collectives_in_order() -> None:
     source = _fsdp_like(dynamo_style=True)
     target = _fsdp_like(annotate=False)
-    assert all(r.unit is None for r in G.collective_table(target))
+    assert all(r.unit is None for r in T.collective_table(target))
     assert G.copy_annotations(source, target) == "copied 3"
-    assert G.collective_table(target) == G.collective_table(_fsdp_like())
+    assert T.collective_table(target) == T.collective_table(_fsdp_like())
     assert G.copy_annotations(source, target) == "nothing to copy"
 
     # A different sequence (here: one collective fewer) is not copied.
@@ -158,7 +161,7 @@ def test_copy_annotations_matches_collectives_in_order() -> None:
     w0 = b.input("w0", 4, 8)
     short = b.done(b(WAIT, b(ALL_GATHER, w0, 2, "0")))
     assert G.copy_annotations(source, short).startswith("not copied: 3 collectives")
-    assert all(r.unit is None for r in G.collective_table(short))
+    assert all(r.unit is None for r in T.collective_table(short))
     # Same count, different shape: not copied either.
     b = _Builder()
     xs = [b.input(f"x{i}", 5) for i in range(3)]
@@ -172,7 +175,7 @@ def test_copy_annotations_matches_collectives_in_order() -> None:
 def test_bucketed_all_gather_lists_every_parameter() -> None:
     gm = _fsdp_like()
     assert bucket_all_gathers(gm) == 1
-    rows = G.collective_table(gm)
+    rows = T.collective_table(gm)
     # The bucket goes before the first read of a gathered tensor: after the
     # reduce-scatter, which reads none.
     assert [r.op for r in rows] == ["reduce_scatter_tensor", "all_gather_into_tensor"]
@@ -243,7 +246,7 @@ class Runner:
 
 
 def test_read_schedule_and_overlap_distances() -> None:
-    schedule = G.read_schedule(_OUTPUT_CODE)
+    schedule = S.read_schedule(_OUTPUT_CODE)
     short = [
         ("C" if o.kind == "collective" else "W") + str(o.collective) if o.kind != "kernel"
         else o.name
@@ -259,11 +262,11 @@ def test_read_schedule_and_overlap_distances() -> None:
     # Rows of the graph Inductor compiled: the k-th collective is row k.
     b = _Builder()
     w0, w1 = b.input("w0", 4, 8), b.input("w1", 4, 8)
-    rows = G.collective_table(b.done(
+    rows = T.collective_table(b.done(
         b(WAIT, b(ALL_GATHER, w0, 2, "0", ann=("Block", ["a"]))),
         b(WAIT, b(ALL_GATHER, w1, 2, "0", ann=("Block", ["b"]))),
     ))
-    placed = G.with_schedule(rows, schedule)
+    placed = S.with_schedule(rows, schedule)
     assert [(r.params, r.issued_at, r.waited_at, r.kernels_before_wait) for r in placed] == [
         (("a",), 0, 2, 0), (("b",), 1, 6, 3)
     ]
@@ -273,15 +276,15 @@ def test_read_schedule_and_overlap_distances() -> None:
     )
     assert "wait after" in _dump.format_table(placed)
     # Both all-gathers are issued before the first wait.
-    assert G.max_in_flight(schedule) == {"all_gather_into_tensor": 2}
+    assert S.max_in_flight(schedule) == {"all_gather_into_tensor": 2}
     # A schedule that is not the graph's is refused, not half-matched.
     with pytest.raises(ValueError, match="2 collectives in the output code, 1 in the graph"):
-        G.with_schedule(rows[:1], schedule)
+        S.with_schedule(rows[:1], schedule)
     other = [replace(r, group_name="1") for r in rows]
     with pytest.raises(ValueError, match="collective 0 differs"):
-        G.with_schedule(other, schedule)
+        S.with_schedule(other, schedule)
     with pytest.raises(ValueError, match="not Python"):
-        G.read_schedule("void call() {}")
+        S.read_schedule("void call() {}")
     # Collectives that write into a buffer (in place, or ``out=``) are waited for
     # on that buffer.
     code = (
@@ -294,11 +297,11 @@ def test_read_schedule_and_overlap_distances() -> None:
         "    buf8 = buf7; del buf7  # reuse\n"
         "    torch.ops._c10d_functional.wait_tensor.default(buf8)\n"
     )
-    assert [(o.kind, o.collective, o.group_name) for o in G.read_schedule(code)] == [
+    assert [(o.kind, o.collective, o.group_name) for o in S.read_schedule(code)] == [
         ("collective", 0, "3"), ("collective", 1, "0"), ("kernel", None, None),
         ("wait", 1, None), ("wait", 0, None),
     ]
-    assert G.max_in_flight(G.read_schedule(code)) == {
+    assert S.max_in_flight(S.read_schedule(code)) == {
         "all_reduce_": 1, "all_gather_into_tensor_out": 1
     }
 
@@ -439,7 +442,7 @@ def test_dump_graphs_of_a_whole_step_compiled_with_compiled_autograd(tmp_path: P
     files, and dynamo's skipped directories are as before after the block. It failed
     inside the dump with a RecursionError before (dynamo compiled depyf's own graph
     formatter; see [Note: dynamo must not compile depyf's own functions] in
-    traceable_hsdp/_dump.py)."""
+    traceable_hsdp/debug/_dump.py)."""
     pytest.importorskip("depyf")
     from torch._dynamo import trace_rules
 
@@ -534,7 +537,7 @@ def test_dump_inductor_post_grad_before_and_after_passes(one_rank_group: str, tm
     assert before.counts["all_gather_into_tensor"] == 2
     assert [r.params for r in before.collectives] == [("w0",), ("w1",), ()]
     # bucket_all_gathers, then the CPU form (gather_into_buffers): [Note: CPU
-    # all-gathers into buffers] in passes/gather_into_buffers.py.
+    # all-gathers into buffers] in passes/gloo/gather_into_buffers.py.
     assert after.counts["all_gather_into_tensor_out"] == 1
     assert "all_gather_into_tensor" not in after.counts
     ag, ar = after.collectives
@@ -608,7 +611,7 @@ def test_dump_command_counts_match_the_graphs_that_ran(tmp_path: Path) -> None:
     assert len(losses) == 3, out
     # Deterministic (fixed seeds); "decreasing-ish": the last below the first, and
     # near log(256) = 5.55 at the start (the model starts untrained). See [Note:
-    # Synthetic data] in traceable_hsdp/_train.py.
+    # Synthetic data] in traceable_hsdp/demo/_train.py.
     assert losses[-1] < losses[0], out
     assert 5.0 < losses[0] < 6.5, out
     assert re.search(r"^done: final loss \S+; median step \S+ s \(steps 3-3\)", out, re.M), out

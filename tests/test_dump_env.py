@@ -1,6 +1,6 @@
 """``TRACEABLE_HSDP_DUMP=DIR``: a program with no dump code writes one dump per rank
 when the variable is set before its ranks start (see [Note: The dump switch] in
-``traceable_hsdp/_dump_env.py``).
+``traceable_hsdp/debug/_dump_env.py``).
 
 The 2-rank run compiles with aot_eager: what the switch adds is the entry and exit
 around the program's own compiles, and aot_eager shows that in depyf's files (its
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from traceable_hsdp import _dump_env, cli
+from traceable_hsdp.debug import _dump_env
+from traceable_hsdp.demo import cli
 
 from _dist import run_ranks
 from _dump_env_workers import compiled_train_worker

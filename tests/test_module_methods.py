@@ -531,7 +531,7 @@ def test_labels_a_frame_below_the_root_traces(one_rank) -> None:
     traceable_hsdp/_common.py; ``test_conformance_compiled_aot_eager`` counts the
     graphs): the unit's class, then its path below each enclosing unit, named by that
     unit's class."""
-    from traceable_hsdp.models import Llama
+    from traceable_hsdp.demo.models import Llama
 
     from _workers import CFG
 

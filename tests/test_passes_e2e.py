@@ -26,7 +26,7 @@ The steps run inside ``traceable_hsdp.dump_graphs``, compiled through its record
 backend (``dump.backend("inductor")``, also compiled autograd's, which reuses the
 step's backend), so the same Inductor compile checks the dump's final schedule too.
 The dump's recorders bracket our passes inside the post-grad *pre*-pass ([Note:
-Hooking Inductor] in ``traceable_hsdp/_dump.py``); the recording *post*-pass above
+Hooking Inductor] in ``traceable_hsdp/debug/_dump.py``); the recording *post*-pass above
 runs after Inductor's own post-grad passes, so the two compose. The generated code
 checked above is the dump's copy (``scheduled/``) of each graph's code. For every
 Inductor graph with collectives: the order of issues and waits read from that code
@@ -63,7 +63,7 @@ import torch
 
 from _dist import full_tensor, run_ranks
 from _workers import _placeholder_bytes
-from traceable_hsdp._dump import compare_dumps
+from traceable_hsdp.debug._dump import compare_dumps
 
 N_LAYERS, STEPS, SEQ, BATCH_PER_RANK, LR = 2, 3, 8, 2, 1e-2
 N_UNITS = N_LAYERS + 1
@@ -130,7 +130,7 @@ def _code_regexes() -> tuple[re.Pattern[str], re.Pattern[str]]:
     from traceable_hsdp.passes._graph import (
         ALL_GATHER, ALL_GATHER_OUT, ALL_TO_ALL, REDUCE_SCATTER, WAIT,
     )
-    from traceable_hsdp.passes._ops import POOLED_ALL_TO_ALL
+    from traceable_hsdp.passes.gloo._pool import POOLED_ALL_TO_ALL
 
     reads = r"(?:reinterpret_tensor\()?(buf\d+|arg\d+_\d+)"
     return (
@@ -182,7 +182,7 @@ def _code_overlap(code: str, families: list[str | None]) -> dict[str, Any]:
                 in_flight -= 1
                 # Its input stays alive, not deleted or reused, until the wait: gloo
                 # reads it until then ([Note: The input lives until the wait] in
-                # passes/gather_into_buffers.py; an exchange is an allocating
+                # passes/gloo/gather_into_buffers.py; an exchange is an allocating
                 # collective, whose input Inductor keeps alive itself).
                 freed_early += any(
                     re.search(rf"\b{src}\b", ln) for ln in lines[first + 1 : n]
@@ -199,7 +199,7 @@ def _code_overlap(code: str, families: list[str | None]) -> dict[str, Any]:
 def _counts(graph: torch.fx.Graph) -> dict[str, int]:
     from traceable_hsdp.passes import _graph as P
 
-    from traceable_hsdp.passes._ops import POOLED_ALL_TO_ALL
+    from traceable_hsdp.passes.gloo._pool import POOLED_ALL_TO_ALL
 
     keys = ("all_gather", "ag_exchange", "reduce_scatter", "rs_exchange", "pooled",
             "fsdp_copy", "resize_full", "resize_0")
@@ -255,9 +255,9 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
 
     import traceable_hsdp as th
     from traceable_hsdp import dump_graphs, passes
-    from traceable_hsdp.models import Llama, LlamaConfig, shard_llama
+    from traceable_hsdp.demo.models import Llama, LlamaConfig, shard_llama
     from traceable_hsdp.passes import TraceableHSDPPass
-    from traceable_hsdp.passes._graph import PostGradRecorder
+    from traceable_hsdp.debug._recorder import PostGradRecorder
 
     graphs: list[dict[str, Any]] = []
     # Its uuid() is None: never served from the FX cache, every graph is seen.
@@ -388,14 +388,14 @@ def test_passes_in_compiled_fsdp_step(tmp_path: Path, per_unit_buckets: None) ->
         assert fwd[0]["all_gather"] == N_UNITS, fwd[0]
         assert bwd[0]["all_gather"] == N_LAYERS, bwd[0]
         # Each as an exchange: 2 gloo ranks, see [Note: gloo all-gathers as an
-        # exchange] in passes/exchange.py.
+        # exchange] in passes/gloo/exchange.py.
         assert f["ag_exchange"] == N_UNITS and b["ag_exchange"] == N_LAYERS, (f, b)
         assert bwd[0]["reduce_scatter"] == N_UNITS, bwd[0]
         # Each as an exchange: 2 gloo ranks, see [Note: gloo reduce-scatters as an
-        # exchange] in passes/exchange.py.
+        # exchange] in passes/gloo/exchange.py.
         assert b["rs_exchange"] == N_UNITS, b
         # Every exchange's output from the pool (the default; [Note: Exchange outputs
-        # from a pool] in passes/_ops.py): the losses below ran on pooled buffers.
+        # from a pool] in passes/gloo/_pool.py): the losses below ran on pooled buffers.
         assert f["pooled"] == f["ag_exchange"], f
         assert b["pooled"] == b["ag_exchange"] + b["rs_exchange"], b
         # Overlap, in the post-grad graph: every all-gather but the first issued
@@ -477,7 +477,7 @@ def _check_final_schedule(dump_dir: Path, r: dict[str, Any]) -> None:
     assert sum(1 for e in first_to_second if not re.fullmatch(r"[CW](\d+|-)", e)) == 1, sched
     assert all(c["kernels_before_wait"] >= 1 for c in fwd[1:]), sched
     # Over two gloo ranks each reduce-scatter is an exchange (see [Note: gloo
-    # reduce-scatters as an exchange] in passes/exchange.py).
+    # reduce-scatters as an exchange] in passes/gloo/exchange.py).
     rs = [c for c in bwd if (c["op"], c["family"]) == ("all_to_all_single", "reduce_scatter")]
     assert rs and any(c["kernels_before_wait"] >= 1 for c in rs), recs["01_bwd"]["schedule"]
     # Passes off: one all-gather per parameter, each waited for right after it is
@@ -550,7 +550,9 @@ def _two_models_worker(rank: int, world: int) -> dict[str, Any]:
     import traceable_hsdp as th
     from traceable_hsdp import passes
     from traceable_hsdp.passes import TraceableHSDPPass
-    from traceable_hsdp.passes._graph import PostGradRecorder, annotation_of, collective_totals
+    from traceable_hsdp.debug._recorder import PostGradRecorder
+    from traceable_hsdp.debug._table import collective_totals
+    from traceable_hsdp.passes._graph import annotation_of
 
     import logging
 

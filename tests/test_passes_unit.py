@@ -52,6 +52,7 @@ from traceable_hsdp.passes._graph import (
     annotation_value,
     set_annotation,
 )
+from traceable_hsdp.debug._table import family_counts
 from traceable_hsdp.passes._ops import SPLIT_COLUMNS
 from traceable_hsdp.passes._rewrite import alias_closure, set_fake_val
 
@@ -1287,7 +1288,7 @@ def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
     with the real collectives (1 rank); a GPU all-gather (fake CUDA values), one with
     no wait, and the other collectives are left alone, and a second run changes
     nothing. See [Note: CPU all-gathers into buffers] in
-    passes/gather_into_buffers.py."""
+    passes/gloo/gather_into_buffers.py."""
     from traceable_hsdp.passes import gather_into_buffers
     from traceable_hsdp.passes._graph import ALL_GATHER_OUT, collective_family
 
@@ -1346,7 +1347,7 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
     no wait and a GPU one are left alone. The exchange's output comes from the pool:
     a result still held is never written again, a freed one is reused, and with the
     pool off the pass issues torch's op. See [Note: gloo all-gathers as an exchange]
-    in passes/exchange.py and [Note: Exchange outputs from a pool] in passes/_ops.py."""
+    in passes/gloo/exchange.py and [Note: Exchange outputs from a pool] in passes/gloo/_pool.py."""
     from _dist import run_ranks
     from _workers import gather_exchange_worker
 
@@ -1356,7 +1357,7 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
         for key, (n, same) in r["bitwise"].items():
             counts = r["counts"][key]
             assert n == 1 and same, (key, n, same)
-            assert passes._graph.family_counts(counts) == {"all_gather": 1}, counts
+            assert family_counts(counts) == {"all_gather": 1}, counts
             assert counts.get(r["exchange_key"]) == 1 and "all_gather_into_tensor" not in counts
             target, pieces, splits = r["exchange_input"][key]
             assert target == str(aten.cat.default), (key, target)
@@ -1393,7 +1394,7 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     gives the same bits in both dtypes, as an exchange unless
     ``PassConfig(reduce_scatter_by_exchange=False)``. The exchange counts as a
     reduce-scatter. A "max", one with no wait and a GPU one are left alone. See
-    [Note: gloo reduce-scatters as an exchange] in passes/exchange.py."""
+    [Note: gloo reduce-scatters as an exchange] in passes/gloo/exchange.py."""
     from _dist import run_ranks
     from _workers import exchange_worker
 
@@ -1402,7 +1403,7 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
         for key, (n, same) in r["bitwise"].items():
             counts = r["counts"][key]
             assert same, key
-            assert passes._graph.family_counts(counts) == {"reduce_scatter": 1}, counts
+            assert family_counts(counts) == {"reduce_scatter": 1}, counts
             if key.startswith("torch.bfloat16"):  # [Note: Low-precision sums and fusion]
                 assert n == 0 and "reduce_scatter_tensor" in counts, (key, counts)
                 continue

@@ -281,7 +281,7 @@ def test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient() -> None:
     run must have graph-broken, or it did not test the eager hooks. With dynamo's
     default configuration the region model is refused at its first step, naming
     the modules and both fixes (on 2 ranks dynamo fails to compile the hook frames;
-    see [Note: A compile region inside a unit] in ``_state.py``)."""
+    see [Note: A compile region inside a unit] in ``_compile_checks.py``)."""
     from _dist import run_ranks
     from _reliability_workers import region_block_worker
 
@@ -376,7 +376,7 @@ def test_train_cli_exits_nonzero_naming_the_dead_rank() -> None:
     import sys
     import time
 
-    cmd = [sys.executable, "-m", "traceable_hsdp.cli", "train", "--eager", "--steps", "100000",
+    cmd = [sys.executable, "-m", "traceable_hsdp.demo.cli", "train", "--eager", "--steps", "100000",
            "--no-progress", "--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "8",
            "--init", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

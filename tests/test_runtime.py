@@ -102,13 +102,13 @@ def test_reshard_after_forward_int_4_ranks(mode: str) -> None:
             assert (fwd["kind"], bwd["kind"]) == ("fwd", "bwd")
             # CPU all-gathers over 4 ranks are issued into buffers (the ``_out``
             # form): [Note: CPU all-gathers into buffers] in
-            # passes/gather_into_buffers.py.
+            # passes/gloo/gather_into_buffers.py.
             assert fwd["collectives"] == [
                 ("all_gather_into_tensor_out", 4, "Llama, layers.0, layers.1")
             ], fwd
             # A compiled-autograd graph carries no unit annotation (torch 2.13). The
             # re-gather over 2 gloo ranks is an exchange ([Note: gloo all-gathers as
-            # an exchange] in passes/exchange.py); the reduce-scatter over 4 is gloo's.
+            # an exchange] in passes/gloo/exchange.py); the reduce-scatter over 4 is gloo's.
             assert bwd["collectives"] == [
                 ("all_to_all_single", 2, None),
                 ("reduce_scatter_tensor", 4, None),
@@ -593,7 +593,7 @@ def test_unread_side_effect_messages_off(one_rank, monkeypatch) -> None:
         assert compile_bump() == 0
         assert _compile.quiet_side_effect_messages()  # idempotent
         # dump_graphs(trace=True)'s structured trace has them on for its block.
-        from traceable_hsdp import _dump
+        from traceable_hsdp.debug import _dump
 
         with tempfile.TemporaryDirectory() as d, _dump._structured_trace(Path(d)):
             assert config.side_effect_replay_policy == "info"
@@ -860,7 +860,7 @@ def test_variable_sequence_lengths_compiled() -> None:
         assert r["graph_breaks"] == 0, r
         # The all-gather and the reduce-scatter as exchanges (2 gloo ranks): [Note:
         # gloo all-gathers as an exchange] and [Note: gloo reduce-scatters as an
-        # exchange] in passes/exchange.py.
+        # exchange] in passes/gloo/exchange.py.
         one_bucket = {"all_gather_by_exchange": 1, "wait_tensor": 1}
         train_fwd = {**one_bucket, "fsdp.copy_": 3, "resize_to_full": 3}
         both = {"all_gather_by_exchange": 1, "reduce_scatter_by_exchange": 1,

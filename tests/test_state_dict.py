@@ -36,7 +36,7 @@ from _ckpt_workers import (
 )
 from _dist import full_tensor, run_ranks
 from _workers import CFG, reference_run
-from traceable_hsdp.models import Llama
+from traceable_hsdp.demo.models import Llama
 
 
 def test_load_state_dict_rules_2_ranks() -> None:

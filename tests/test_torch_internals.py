@@ -164,23 +164,23 @@ def test_callers_that_fell_back_raise(undone: None, monkeypatch: pytest.MonkeyPa
     from torch._dynamo import trace_rules
     from torch._inductor.codecache import FxGraphCache
 
-    from traceable_hsdp import _fully_shard
+    from traceable_hsdp import _compiled_call
 
     # No OptimizeContext in the closure of a compiled call: raised, not skipped.
     with pytest.raises(TorchInternalError, match="OptimizeContext is not in the closure"):
-        _fully_shard._optimize_context(lambda: None)
+        _compiled_call._optimize_context(lambda: None)
     linear = torch.nn.Linear(2, 2)
-    assert _fully_shard._optimize_context(torch.compile(linear._call_impl)) is not None
+    assert _compiled_call._optimize_context(torch.compile(linear._call_impl)) is not None
     # compile(disable=True) compiles nothing: nothing to route.
     linear.compile(disable=True)
-    _fully_shard._dispatch_compiled_call(linear)
+    _compiled_call.dispatch_compiled_call(linear)
     assert linear._compiled_call_impl.__self__ is linear
     # Dynamo's skip check missing: raised, not "compile it".
-    assert _fully_shard._skipped_by_dynamo(torch.nn.Linear.forward)
+    assert _compiled_call._skipped_by_dynamo(torch.nn.Linear.forward)
     with monkeypatch.context() as m:
         m.delattr(trace_rules, "check")
         with pytest.raises(TorchInternalError, match="trace_rules.check is missing on"):
-            _fully_shard._skipped_by_dynamo(torch.nn.Linear.forward)
+            _compiled_call._skipped_by_dynamo(torch.nn.Linear.forward)
     # Another prepare_key over ours: fully_shard's install raises, naming the switch.
     install()
     theirs = staticmethod(lambda *args, **kwargs: (None, {}))

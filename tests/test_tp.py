@@ -31,7 +31,7 @@ from _tp_workers import (
     tp_eager_worker,
 )
 from _workers import CFG
-from traceable_hsdp.models import Llama
+from traceable_hsdp.demo.models import Llama
 
 
 def _assert_params(got: dict, want: dict, atol: float, msg: str) -> None:

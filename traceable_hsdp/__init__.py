@@ -20,27 +20,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from ._compile import compiled_autograd, disable_compiled_autograd, enable_compiled_autograd
-    from ._dump import dump_graphs
-    from ._fully_shard import (
-        FSDPModule,
-        GradientReductionHandle,
-        UnshardHandle,
-        fully_shard,
-        register_fsdp_forward_method,
-        share_comm_ctx,
-    )
+    from .debug._dump import dump_graphs
+    from ._fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
+    from ._module import FSDPModule, GradientReductionHandle, UnshardHandle
     from ._hsdp import hsdp
 
 # Public name -> the private module that defines it. See [Note: Lazy public names].
 _LAZY = {
     "fully_shard": "._fully_shard",
-    "FSDPModule": "._fully_shard",
-    "GradientReductionHandle": "._fully_shard",
-    "UnshardHandle": "._fully_shard",
+    "FSDPModule": "._module",
+    "GradientReductionHandle": "._module",
+    "UnshardHandle": "._module",
     "register_fsdp_forward_method": "._fully_shard",
     "share_comm_ctx": "._fully_shard",
     "hsdp": "._hsdp",
-    "dump_graphs": "._dump",
+    "dump_graphs": ".debug._dump",
     "MixedPrecisionPolicy": "._api",
     "OffloadPolicy": "._api",
     "CPUOffloadPolicy": "._api",

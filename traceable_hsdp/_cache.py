@@ -62,9 +62,8 @@ the input as ``None`` cannot make a wrong hit. :func:`install_forward_cache_key`
 wraps ``FxGraphCache.prepare_key`` (the one place Inductor's ``compile_fx_inner``
 computes the key, and checks what may be keyed) so that it sees ``None`` in the
 place of each ``BackwardState`` example input; the lookup, the save and the compile
-get the inputs unchanged. Then a restart's forward hits like its backward: on the
-demo Llama with 4 layers and 1 rank, a warm first step's Inductor time fell from
-4.3 s to 1.7 s (docs/compile.md, "Compile time and caches"). The rest of the key
+get the inputs unchanged. Then a restart's forward hits like its backward
+(docs/compile.md, "Compile time and caches"). The rest of the key
 (the graph's code, the other inputs, the configuration and our passes' ``uuid()``)
 is computed by torch as before. torch has no switch for it, so the function is
 replaced (an entry of [Note: Torch internals]). ``fully_shard`` installs it (it needs

@@ -15,7 +15,7 @@ from ._common import compiling
 from ._torch_internals import _get_current_dispatch_mode_stack
 from .passes import get_config
 from .passes._graph import group_backend
-from .passes.exchange import is_gloo_group
+from .passes.gloo.exchange import is_gloo_group
 
 _c10d = torch.ops._c10d_functional
 
@@ -29,7 +29,7 @@ _c10d = torch.ops._c10d_functional
 # ``_out`` variant (writing into an output allocated beforehand; gloo's
 # ``_allgather_base``) ran clean in the same tests, with several in flight and next
 # to in-flight reduce-scatters and all-reduces. The measurements are in [Note: CPU
-# all-gathers into buffers] (``passes/gather_into_buffers.py``). So:
+# all-gathers into buffers] (``passes/gloo/gather_into_buffers.py``). So:
 #
 # - eagerly, all-gathers are issued with ``all_gather_into_tensor_out`` and may stay
 #   in flight (a unit issues all of its gathers, then waits; prefetch issues the next
@@ -109,7 +109,7 @@ def reduce_scatter(
     """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
     rank's 1/world_size of dim 0. Eagerly, over two gloo ranks, it is one exchange
     and one addition, the same numbers for less traffic (see [Note: gloo
-    reduce-scatters as an exchange] in ``passes/exchange.py``; the
+    reduce-scatters as an exchange] in ``passes/gloo/exchange.py``; the
     compiled graphs get the same from that pass), unless the pass configuration
     turns ``reduce_scatter_by_exchange`` off."""
     if world_size == 1:

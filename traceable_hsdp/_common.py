@@ -114,14 +114,13 @@ class PostForwardInfo:
 # whole eagerly, from inside its own graph: after a graph break in that graph (seen
 # with ``torch.compiler.nested_compile_region`` on a block: torch 2.13's compiled
 # autograd does not trace ``invoke_subgraph``), and once a hook frame it compiles on
-# its own reaches dynamo's recompile limit. So one unit's hooks could run some traced
-# and some eagerly; the eager ones then held their gradients for a flat reduction
-# that the traced ones never joined, and those gradients were lost without a word
-# (the optimizer stepped without them). Inside a compiled-autograd graph every hook
-# therefore reduces its own parameter, traced or not, and each runs whole whichever
-# way it runs. ``tests/test_reliability.py`` trains a model with
-# ``nested_compile_region`` blocks, compiled, against its eager run without them,
-# bitwise.
+# its own reaches dynamo's recompile limit. So one unit's hooks can run some traced
+# and some eagerly, and eager ones holding their gradients for a flat reduction that
+# the traced ones never join would lose those gradients without a word. Inside a
+# compiled-autograd graph every hook therefore reduces its own parameter, traced or not,
+# and each runs whole whichever way it runs. ``tests/test_reliability.py`` trains a
+# model with ``nested_compile_region`` blocks, compiled, against its eager run without
+# them, bitwise.
 
 
 def compiling() -> bool:
@@ -145,7 +144,7 @@ def compiled_backward() -> bool:
 # eagerly, each block's call starting a frame). One compiled frame should then serve
 # every unit of the block's class, as torch's per-block compile does: the frame's
 # guards pass for each of them (the class is shared: [Note: One FSDP class per module
-# class] in _fully_shard.py; parameters are graph inputs). One value differed: the
+# class] in _fsdp_class.py; parameters are graph inputs). One value differed: the
 # unit's label ("layers.3"), traced into its collectives' annotations, which dynamo
 # guards as a constant. Every block recompiled, and from the ninth on dynamo's
 # ``recompile_limit`` (8) ran them eagerly, or under ``fullgraph=True`` failed the
@@ -166,9 +165,9 @@ def compiled_backward() -> bool:
 # is fixed by its code, so no later call can need another count. In the whole-model
 # graph the root's forward is in the frame too, and every unit keeps its path; the
 # compiled-autograd backward graph holds no forward frame and keeps the paths as well
-# (torch 2.13 drops its annotations anyway). Before 2026-12-06 a nested unit kept its
-# path in a block's frame, and a 10-block Llama whose blocks each held a nested unit
-# failed at the ninth block as above. Graph dumps of a shared frame name the class:
+# (torch 2.13 drops its annotations anyway). A nested unit keeping its path in a
+# block's frame would fail a 10-block Llama whose blocks each hold one at the ninth
+# block, as above. Graph dumps of a shared frame name the class:
 # the graph serves each unit of it.
 # (file, function name) of each unit forward, as dynamo's frame summaries name them.
 _UNIT_FORWARDS: set[tuple[str, str]] = set()

@@ -90,10 +90,8 @@ def _enable(compiler_fn: Any) -> AbstractContextManager[None]:
 # dynamo each time. It does so whether or not anything reads the messages, whose
 # only readers are the ``side_effects`` logging artifact (``TORCH_LOGS=side_effects``)
 # and the structured trace (``TORCH_TRACE``, tlparse). A fully_shard model changes
-# many objects (191 in the two graphs of the demo Llama with 4 layers): emitting the
-# side effects took 1.54 s with the messages and 0.12 s without, and the whole first
-# compile 3% less (benchmarks/compile_ab.py --lever side_effects, 1 rank, aot_eager; 3.15 s and
-# 0.28 s, 4% less, with 8 layers; docs/compile.md).
+# many objects, and the messages are most of the time dynamo spends emitting its
+# side effects (``benchmarks/compile_ab.py --lever side_effects``; docs/compile.md).
 #
 # So ``fully_shard`` sets the policy to ``"silent"`` when it is torch's default and
 # neither reader is on: the policy decides only the messages (the side effects are
@@ -208,13 +206,10 @@ def quiet_side_effect_messages_from_env(environ: Mapping[str, str] | None = None
 # has nothing to follow either. So ``fully_shard`` wraps the pass's
 # ``is_placeholder`` to answer yes for None, and torch's own function answers for
 # every node. The hook then stays where compiled autograd put it and is called with
-# None, which the runtime's hooks pass on unchanged. Nothing else changes. Trained
-# that way against eager (2 ranks, 3 AdamW steps, lr 1e-2): HF Llama (2 layers) with
-# labels and a break in every block, bitwise under aot_eager and within 1.1e-5
-# under Inductor (by hand, 2026-12-05); the test Llama under a root that returns the
-# loss and the log-probabilities, Inductor, within 6.4e-7
-# (tests/test_reliability.py). :func:`restore_compiled_autograd_ordering` puts
-# torch's function back.
+# None, which the runtime's hooks pass on unchanged. Nothing else changes.
+# tests/test_reliability.py trains the test Llama under a root that returns the loss
+# and the log-probabilities, with Inductor, against eager.
+# :func:`restore_compiled_autograd_ordering` puts torch's function back.
 
 _IS_PLACEHOLDER = "torch._dynamo.compiled_autograd.AutogradCompilerInstance.is_placeholder"
 _torch_is_placeholder: list[Any] = []  # torch's function, while ours is installed

@@ -12,11 +12,9 @@ script's last line was a collective, and the machine is busy), the worker asks f
 the GIL of a finalizing interpreter, CPython ends the thread with ``pthread_exit``,
 its forced unwind meets the C++ ``noexcept`` destructor of the collective, and the
 process aborts: ``terminate called without an active exception``, exit status -6,
-after all of the script's work is done. Seen in a core dump of
-``examples/dcp_resume.py --eager``: the worker thread in
-``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` -> ``decref_pyobject`` ->
-``take_gil`` -> ``PyThread_exit_thread``, the main thread in ``Py_FinalizeEx``; 4 of
-30 runs on 2 busy cores.
+after all of the script's work is done (a core dump of ``examples/dcp_resume.py
+--eager`` shows the worker in ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork``
+-> ``take_gil`` -> ``PyThread_exit_thread``, the main thread in ``Py_FinalizeEx``).
 
 ``destroy_process_group()`` does not stop the workers: it forgets the group, and
 the workers are joined by the group's destructor (which releases the GIL first).

@@ -12,8 +12,7 @@ from ``model.parameters()`` after it lists the root's gathered parameters (the
 embedding, the final norm, the head) instead of their sharded ``DTensor``s. It then
 steps copies whose storage the next reshard frees, never the sharded parameters, and
 training goes on with the root's parameters frozen at their initial values and no
-error. torch 2.13's ``fully_shard`` does exactly that (checked side by side: after
-two SGD steps the root's parameters had moved by 0.0, the blocks' by 0.22).
+error. torch 2.13's ``fully_shard`` does exactly that.
 
 :func:`install_optimizer_check` (``fully_shard`` calls it) registers
 :func:`check_optimizer_params` with torch's
@@ -21,8 +20,7 @@ two SGD steps the root's parameters had moved by 0.0, the blocks' by 0.22).
 optimizer's ``step()``. Each unit registers its placeholders
 (:func:`register_placeholder`), and the hook raises ``RuntimeError`` at the first step
 of an optimizer that holds one, naming the parameter and the fix. It costs a dict
-lookup per parameter per step (38 us for 150 parameters on a busy 2-core machine,
-against steps of 60 ms and more in docs/benchmarks.md). It checks nothing while
+lookup per parameter per step. It checks nothing while
 dynamo traces (``torch.compile`` of ``optimizer.step``: the hook would be traced into
 the graph with a guard per parameter), so an optimizer whose step is only ever
 compiled is not checked. :func:`uninstall_optimizer_check` removes the hook; it is
@@ -33,8 +31,7 @@ The same hook refuses an optimizer built *before* ``fully_shard``: ``fully_shard
 replaces each parameter on its modules by a new one (the sharded ``DTensor``), so the
 optimizer holds the replaced parameters, which get no gradients: its steps change
 nothing and the model does not train, with no error (torch 2.13's ``fully_shard``
-too: checked side by side, every parameter moved by 0.0 after an AdamW step; the
-usual recipe builds the optimizer after ``fully_shard``). Each unit registers the
+too; the usual recipe builds the optimizer after ``fully_shard``). Each unit registers the
 parameters it replaced (:func:`register_replaced`), and the sharded parameters that
 an assignment or ``load_state_dict(assign=True)`` replaced after it; the registry
 holds weak references only, so a replaced parameter that nothing else holds goes at

@@ -76,9 +76,9 @@ the default ``reshard_after_forward``), the modules hold the gathered parameter
 ([Note: The module holds the placeholder only in forward]), and so does whatever the
 user reads from them then: a forward whose backward never ran (a validation pass
 without ``torch.no_grad()``, a warm-up forward) leaves the root in that state until
-the next backward. A change made to the gathered parameter there was silently lost
-when the unit registered the sharded one again (torch 2.13's ``fully_shard`` loses it
-too: checked side by side). Now, at the next pre-forward (``user_change``) and where
+the next backward. A change made to the gathered parameter there would be lost when
+the unit registers the sharded one again (torch 2.13's ``fully_shard`` loses it).
+So, at the next pre-forward (``user_change``) and where
 the modules get the sharded parameter back (``register_sharded``):
 
 - a replaced parameter (``module.weight = ...``) raises ``RuntimeError`` naming it and
@@ -250,13 +250,8 @@ size, which is static while tracing (no node, no guard beyond the tensor's own);
 eagerly ``.to`` of the same dtype and a full ``narrow`` return the input, so the
 numbers are the same. ``_sharded_stride`` follows the sharded parameter
 (``reset_sharded_param``); the group names cannot change (the mesh is fixed at
-``fully_shard``). Measured on the demo Llama, 8 layers, dim 64, 2 gloo ranks,
-``aot_eager``, compiled autograd: dynamo graph nodes 1564 -> 1414 (forward) and
-3413 -> 3038 (backward), AOTAutograd graph nodes 1232 -> 1157 and 2441 -> 2366,
-with the same collectives, ``fsdp.copy_`` and resizes in the same order (375 and
-525 of them), losses and gradients bitwise equal. At 4 layers the first step's
-process CPU time went from 20.9 s to 18.2 s (one pair of runs on a machine loaded
-to 15, so indicative only; wall times there mean nothing).
+``fully_shard``). The graphs keep the same collectives, ``fsdp.copy_`` and resizes in
+the same order, with fewer nodes to trace.
 
 [Note: Ints read while tracing]
 A plain int attribute that dynamo reads in our runtime is a constant of the graph
@@ -269,9 +264,9 @@ after the root) finds ints of the same source with new values, and dynamo's
 automatic dynamic shapes make them symbolic (the source is a local plain object, so
 none of its rules to specialize ints applies). Inductor lowers symbolic sizes in
 views, narrows and collectives, but not a storage resize: ``resize_storage_bytes_``
-asserts an int ("TODO: dynamic shapes"; torch 2.13), and before 2026-11-29 the
-grow in ``fill_unsharded`` took an int stored at init and failed there. It now takes
-the placeholder's own size (``unsharded_nbytes``): the placeholder is an
+asserts an int ("TODO: dynamic shapes"; torch 2.13), so the grow in
+``fill_unsharded`` cannot take an int stored at init. It takes the placeholder's own
+size (``unsharded_nbytes``): the placeholder is an
 ``nn.Parameter``, whose shapes dynamo keeps static
 (``force_parameter_static_shapes``), so the product is an int in every compile;
 eagerly it is the same number. (The free is a resize to 0.)
@@ -289,11 +284,9 @@ runs them on its fake tensors as it traces and leaves them out of the graphs it 
 the backend (torch's ``torch._dynamo.tensor_version_op``: a version means nothing on a
 functional tensor), so no compiled step ever ran them; they cost only tracing. Every
 compiled test trains as before without them (the aot_eager runs bitwise equal to
-eager), and the conformance test counts none in the graphs dynamo captures. On the
-demo Llama at 4 layers (1 rank, aot_eager) dynamo's graphs have 150 fewer nodes each
-(forward 607 -> 457, compiled-autograd backward 1331 -> 1181), and the first
-compile took 0.92x as long (0.90x at 8 layers; ``benchmarks/compile_ab.py --lever
-version_counters``, docs/benchmarks.md).
+eager), and the conformance test counts none in the graphs dynamo captures. Leaving
+them out saves dynamo's tracing of two nodes per fill and free
+(``benchmarks/compile_ab.py --lever version_counters``).
 """
 
 from __future__ import annotations

@@ -189,10 +189,9 @@ from ._param import FSDPParam
 # numbers of the per-parameter one, bitwise, on two ranks per group (an addition
 # of two values is commutative). Over more ranks a backend may sum in an order
 # that depends on the element's offset in the buffer; the flat layout is torch's,
-# and on gloo with 4 ranks per group our flat path was bitwise equal to torch's
-# fully_shard. tests/test_eager_flat.py counts the collectives per unit and checks
-# parity with torch's fully_shard (1-D, HSDP 2x2, 4 ranks with an int
-# ``reshard_after_forward``, ``hsdp()`` with replicated parameters).
+# so the numbers are torch's fully_shard's there too. tests/test_eager_flat.py counts
+# the collectives per unit and checks parity with torch's fully_shard (1-D, HSDP 2x2, 4
+# ranks with an int ``reshard_after_forward``, ``hsdp()`` with replicated parameters).
 #
 # A traced unit keeps one collective per parameter ([Note: Eager or traced]):
 # the graph passes bucket those, and the traced graphs are unchanged. What stays

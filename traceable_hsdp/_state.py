@@ -27,7 +27,8 @@ backward (through a ``BackwardState``). Without it, AOTAutograd traces the hook 
 its own joint graph and its partitioner may move the re-gather into the forward: the
 numbers come out wrong with no error. So a forward compiled while compiled autograd
 is off never traces a hook: each unit's pre- and post-forward run eagerly around the
-compiled compute ([Note: A unit compiled without compiled autograd]).
+compiled compute ([Note: A unit compiled without compiled autograd] in
+``_compile_checks.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import logging
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -43,13 +43,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ._common import TrainingState, compiling, refusal, unit_forward
+from ._common import TrainingState, compiling, unit_forward
+from ._compile_checks import (
+    checkpointed_around,
+    compile_region_refusal,
+    hf_checkpointing_modules,
+    hook_eager_recomputes,
+    marks_compile_region,
+    post_forward_untraced,
+    pre_forward_untraced,
+    refuse_checkpoint_around_unit,
+    refuse_held_after_sync,
+    refuse_unused_params_compiled,
+)
 from ._param import FSDPParam, UserChange, refuse_all_gather_extension
 from ._param_group import FSDPParamGroup
+from ._post_optim import PostOptimEvent
+from ._state_dict import register_load_subtree_hook, register_state_dict_hooks
 from ._torch_internals import (
-    CheckpointWrapper,
     RegisterPostBackwardFunction,
     compiled_autograd,
     tree_flatten,
@@ -58,212 +70,6 @@ from ._torch_internals import (
 
 if TYPE_CHECKING:
     from ._init import UnitOptions
-
-UNIT_FULLGRAPH_FIX = (
-    "traceable_hsdp: a fully_shard unit's forward is being compiled with "
-    "fullgraph=True while compiled autograd is off. Without compiled autograd the "
-    "unit's gathers and the hooks that re-gather it for backward and reduce its "
-    "gradients run eagerly around the compiled compute, as torch's fully_shard hooks "
-    "do, which needs the graph breaks that fullgraph=True forbids. Fix: call "
-    "`traceable_hsdp.enable_compiled_autograd()` once before the training loop (the "
-    "whole step, collectives included, is then traced), or drop fullgraph=True, or "
-    "compile each block instead (block.compile(), before or after fully_shard). See "
-    "docs/compile.md, 'Compiled without compiled autograd'."
-)
-
-_log = logging.getLogger("traceable_hsdp")
-_EAGER_HOOKS_SAID = False
-
-
-# [Note: A unit compiled without compiled autograd]
-# ``torch.compile(model)`` with compiled autograd off (torchtitan's plain compile
-# line, HF accelerate's FSDP2 flow with a dynamo backend, ``torch.compile(unit)``
-# below an eager root) cannot trace a unit's backward hooks. Such a unit, the root
-# included, runs its pre-forward and its post-forward eagerly, as functions disabled
-# for dynamo: dynamo breaks the graph around each and compiles the module's own
-# forward between them, as around torch's fully_shard hooks. Its gathers and its
-# reduce-scatters then run eagerly at the unit's boundaries and its backward hooks
-# are registered eagerly, so the step trains with the eager numbers; the process
-# logs once how to get the traced step instead. Under ``fullgraph=True`` there is no
-# graph break to fall back on: the disabled function's reason,
-# ``UNIT_FULLGRAPH_FIX``, is the error the user reads. Tested by
-# ``test_compiled_without_compiled_autograd`` (test_runtime.py) and
-# ``test_units_compiled_without_compiled_autograd_train_correctly``. A unit compiled in
-# place (``block.compile()``) does not get here: see [Note: A unit compiled in place]
-# in _fully_shard.py. With compiled autograd on, a unit traced on its own keeps its
-# pre-forward in the graph, one graph for every unit of its class: [Note: One graph
-# for every unit of a class] in _common.py.
-@torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
-def _pre_forward_untraced(
-    state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The unit's pre-forward, eagerly: see [Note: A unit compiled without compiled
-    autograd]."""
-    global _EAGER_HOOKS_SAID
-    if not _EAGER_HOOKS_SAID:
-        _EAGER_HOOKS_SAID = True
-        _log.warning(
-            "traceable_hsdp: fully_shard units are compiled while compiled autograd is "
-            "off, so their all-gathers and reduce-scatters run eagerly at each unit's "
-            "boundaries (as torch's fully_shard's do) and the compiled graphs hold only "
-            "the compute. To trace the whole step, collectives included, call "
-            "traceable_hsdp.enable_compiled_autograd() before the training loop "
-            "(docs/compile.md)."
-        )
-    return state._pre_forward(args, kwargs)
-
-
-@torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
-def _post_forward_untraced(state: FSDPState, output: Any, inputs: Any) -> Any:
-    """The unit's post-forward, eagerly: see [Note: A unit compiled without compiled
-    autograd]."""
-    return state._post_forward(output, inputs)
-
-
-UNUSED_PARAMS_COMPILE_FIX = (
-    "traceable_hsdp: set_reduce_scatter_unused_params(True) reduces a unit's gradients "
-    "at the end of the backward, which a compiled backward cannot do (it has no "
-    "end-of-backward callback; the unit would be reduced only at the next forward, "
-    "after the optimizer step), so this compiled backward is refused. Fix: run this "
-    "model's backward eagerly (no compiled autograd), or make every rank use every "
-    "parameter and call set_reduce_scatter_unused_params(False). See [Note: Unused "
-    "parameters] in traceable_hsdp/_param_group.py."
-)
-
-
-_refuse_unused_params_compiled = refusal(UNUSED_PARAMS_COMPILE_FIX)
-
-
-HELD_AFTER_SYNC_FIX = (
-    "traceable_hsdp: the last backward synced gradients but a parameter got no "
-    "gradient in it, so the gradient kept for it by earlier "
-    "set_requires_gradient_sync(False) backwards was "
-    "never reduced (a compiled backward has no end-of-backward callback to do it), "
-    "and the optimizer step ran without it. Fix: make the syncing micro-batch use "
-    "these parameters, or run this model's backward eagerly (without compiled "
-    "autograd), where they are reduced at the end of the backward. Call "
-    "reset_iter_state() on the root to drop them and go on. See [Note: Held gradients "
-    "of unused parameters] in traceable_hsdp/_param_group.py."
-)
-
-
-_refuse_held_after_sync = refusal(HELD_AFTER_SYNC_FIX)
-
-
-CHECKPOINT_AROUND_UNIT_FIX = (
-    "traceable_hsdp: a fully_shard unit is checkpointed around its whole call, so "
-    "the unit's pre- and post-forward run inside the checkpointed region. Compiled, "
-    "dynamo refuses a region with side effects (the hooks) and runs it eagerly, and "
-    "the compiled backward then fails inside compiled autograd ('NoneType' object "
-    "has no attribute 'op'). Fix, either: set "
-    "`torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True` "
-    "before the first compiled step (the hooks then run once, in the forward, and "
-    "the backward recomputes only the region's ops, after the unit's re-gather); or "
-    "checkpoint inside the unit: `fully_shard(checkpoint_wrapper(block))` "
-    "(torchtitan's order) instead of Hugging Face's activation_checkpointing_enable() "
-    "(or its older name, gradient_checkpointing_enable()) or checkpoint_wrapper "
-    "applied after fully_shard. See docs/compile.md, "
-    "'Activation checkpointing'."
-)
-
-
-_refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
-
-
-# [Note: A checkpoint inside a unit, run eagerly by compiled autograd]
-# ``checkpoint_wrapper(block)`` before ``fully_shard`` (torchtitan's order) puts the
-# checkpoint inside the unit. Compiled, dynamo traces the region as a higher-order
-# op and the backward recomputes it inside the compiled graphs. A graph break
-# inside the region makes dynamo run the checkpoint eagerly instead. transformers
-# 5.25 has one in every decoder layer: its attention sets a global of the
-# ``kernels`` package, a side effect the higher-order op refuses ("Mutating a
-# variable from outside the scope of this HOP"). The recompute then runs eagerly,
-# inside the compiled-autograd backward, and reads the modules' parameters. A
-# compiled backward leaves the sharded ones there ([Note: The module holds the
-# placeholder only in forward] in _param.py), and the region failed on them with
-# DTensor's "got mixed torch.Tensor and DTensor", naming neither cause nor fix.
-# So each unit hooks the forward of the module each of its checkpoint_wrappers
-# wraps, when that module holds parameters of the unit. The hook does nothing
-# while dynamo traces or outside a compiled-autograd backward. There, if those
-# parameters are not gathered in the modules, it raises with the fixes: dynamo's
-# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (transformers' side effect is
-# a global set and restored within one call, which the recompute need not repeat),
-# or no graph break in the region. (A forward run eagerly under compiled autograd
-# meets the same, and is told to compile the forward.) Eagerly the modules hold the
-# gathered parameters for the recompute, and the hook passes.
-
-# [Note: A checkpoint around a unit's call]
-# Two common ways of checkpointing put the checkpoint around a unit's whole call,
-# hooks included: Hugging Face's ``activation_checkpointing_enable()`` (its layers
-# checkpoint ``type(self).forward``, which for a unit is our forward wrapper, see
-# [Note: Forward wrapper, not module hooks]; the older name,
-# ``gradient_checkpointing_enable()``, deprecated in transformers 5.24, does the
-# same, and both set the ``gradient_checkpointing`` flag that the check reads) and
-# ``checkpoint_wrapper`` applied after ``fully_shard``. Eagerly that trains (the
-# recompute sees the unit in its backward; see [Note: Forward during the unit's
-# backward]). Compiled, it trains only with dynamo's
-# ``skip_fwd_side_effects_in_bwd_under_checkpoint``; without it the step ended in a
-# compiled-autograd ``AttributeError`` that names neither the cause nor the fix, so
-# the root's compiled pre-forward refuses it instead. The flag is the user's to set,
-# not ours: torch documents it as letting compiled code differ from eager for side
-# effects in checkpointed code (eager replays them in the recompute). The units that
-# can be so are found when the tree is wired, into the root's
-# ``checkpoint_suspects``: a module whose class has Hugging Face's
-# ``GradientCheckpointingLayer`` attribute (its flag is read), and every nested
-# unit, with the module that holds it and the name it holds it by (its ``slots``). A
-# unit is checkpointed around if that holder is a ``checkpoint_wrapper``
-# (``checkpoint_wrapper(fully_shard(block))`` before the root's fully_shard) or if a
-# wrapper has since replaced the unit in its holder (torch's
-# ``apply_activation_checkpointing`` called after the root's fully_shard). That
-# order was not refused before, and plain ``torch.compile`` (no fullgraph) then
-# compiled each of the backward's graph breaks in turn, for minutes (seen: over 5
-# minutes for 2 steps of a 2-block model on 1 rank, unfinished). Only the compiled
-# pre-forward reads them, with the flag off: eager reads nothing, and in a compiled
-# step dynamo guards on each slot (21 more guards on a 2-block Llama, 3,533 in all),
-# so a wrapper put there later recompiles and is seen.
-
-
-COMPILE_REGION_FIX = (
-    "traceable_hsdp: a module inside a fully_shard unit has its forward marked "
-    "torch.compiler.nested_compile_region. torch 2.13's compiled autograd cannot "
-    "trace the region's backward: it runs the rest of the backward eagerly and "
-    "compiles each of the units' gradient hooks as a graph of its own, which with "
-    "dynamo's automatic dynamic shapes fails on 2 or more ranks (an IndexError "
-    "while dynamo builds guards). Fix, either: remove nested_compile_region from "
-    "these modules (recommended: the backward then stays one compiled graph, with its "
-    "collectives bucketed and overlapped); or set "
-    "`torch._dynamo.config.automatic_dynamic_shapes = False` before the first "
-    "compiled step (it trains correctly, its backward partly eager). See [Note: A "
-    "compile region inside a unit] in traceable_hsdp/_state.py."
-)
-
-
-# [Note: A compile region inside a unit]
-# ``torch.compiler.nested_compile_region`` is torch's way to compile a repeated block
-# once. Inside our units, torch 2.13's compiled autograd graph-breaks at the region's
-# backward (``invoke_subgraph``) without resuming: the rest of its graph runs eagerly,
-# and each gradient hook it calls is compiled as a frame of its own (one per
-# parameter, until dynamo's recompile limit, then eager). Those hooks reduce each
-# gradient on its own, as traced ones do (see [Note: Eager or traced] in
-# ``_common.py``), and train correctly, but the second compile of a hook frame makes
-# the tensor sizes dynamic, and on 2 or more ranks dynamo then fails to build its
-# guards (an ``IndexError`` naming no cause). So the root's compiled pre-forward
-# refuses the regions unless ``automatic_dynamic_shapes`` is off, which the message
-# offers along with removing them; the message names the marked modules. The
-# regions are found when the tree is wired (a module whose class, or the module
-# itself, has a forward carrying torch's ``__marked_compile_region_fn__``), and the
-# root keeps the refusal that names them; a region marked on a plain function
-# inside a forward is not seen.
-
-
-def marks_compile_region(module: nn.Module) -> bool:
-    """Whether ``module``'s forward (its own, or its classes') is marked with
-    ``torch.compiler.nested_compile_region``. See [Note: A compile region inside a
-    unit]."""
-    forwards = [module.__dict__.get("forward")]
-    forwards += [klass.__dict__.get("forward") for klass in type(module).__mro__]
-    return any(hasattr(f, "__marked_compile_region_fn__") for f in forwards if f is not None)
-
 
 class _InputGradsDone:
     """What torch's ``RegisterPostBackwardFunction`` calls (``post_backward``) when
@@ -334,27 +140,6 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 # inside ``forward`` they trace into one graph with everything else.
 
 
-# [Note: The post-optimizer event]
-# torch's FSDP all-gathers on its own streams and, by default, makes them wait for the
-# current stream at the root's pre-forward, so that they follow the optimizer step;
-# ``set_post_optim_event(event)`` replaces that wait by a wait on ``event``. Our
-# collectives run on the current stream, so they follow the optimizer step already;
-# the event is still honoured: before the root's next forward the current stream
-# waits on it (``event.wait()``), once, and it is dropped. The wait is eager-only
-# (events do not belong in a traced graph, and a new event each step would recompile
-# it), in ``_wait_post_optim_event`` (dynamo-disabled), reached two ways, whichever
-# comes first:
-# - a forward pre-hook on the root's module(s), registered when the event is set and
-#   removed once it fired: eagerly and under ``torch.compile(model)``, which runs the
-#   top module's hooks outside dynamo (see [Note: Forward wrapper, not module hooks]),
-#   so the forward graph never sees the event;
-# - the root's pre-forward, when ``post_optim_pending`` (a bool, the one thing dynamo
-#   guards on) is still set: for a step compiled whole, where dynamo inlines the
-#   model's call and ignores hooks added after it compiled
-#   (``skip_nnmodule_hook_guards``). That step graph-breaks there, in the steps that
-#   have an event only (one more graph variant, not a recompile per event).
-
-
 # The attribute of a module's ``__dict__`` that holds its unit's state.
 _STATE_ATTR = "_traceable_hsdp_state"
 
@@ -363,6 +148,14 @@ def state_of(module: nn.Module) -> FSDPState | None:
     """The state of the fully_shard unit ``module`` belongs to as one of its modules,
     or ``None``."""
     return module.__dict__.get(_STATE_ATTR)
+
+
+def require_state(module: Any) -> FSDPState:
+    """The fully_shard state of ``module``; ``RuntimeError`` if it has none."""
+    state = state_of(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} has no fully_shard state")
+    return state
 
 
 def _path_label(names: list[str]) -> str:
@@ -420,19 +213,14 @@ class FSDPState:
         # The outermost unit whose subtree holds this one (set by that unit's
         # fully_shard); itself while it is a root.
         self.root: FSDPState = self
-        # Root only; see [Note: The post-optimizer event].
-        self.post_optim_event: Any = None
-        self.post_optim_pending = False  # an event is set (what dynamo guards on)
-        self._post_optim_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        # Root only; see [Note: The post-optimizer event] (_post_optim.py).
+        self.post_optim = PostOptimEvent(modules)
         self._hooked: set[int] = set()  # ids of the FSDPParams with a post-acc hook
         # Why fully_shard left parameters out of this unit, raised at its first
         # forward. See [Note: One unit per parameter] (_init.py).
         self.init_errors = init_errors
-        # See [Note: A checkpoint around a unit's call].
-        self.hf_checkpointing_modules = [
-            m for m in modules
-            if isinstance(getattr(type(m), "gradient_checkpointing", None), bool)
-        ]
+        # See [Note: A checkpoint around a unit's call] (_compile_checks.py).
+        self.hf_checkpointing_modules = hf_checkpointing_modules(modules)
         # Where the root found this unit's modules (set by adopt_nested): the module
         # holding each, its path under the root, and the name it holds it by.
         self.slots: list[tuple[nn.Module, str, str]] = []
@@ -444,66 +232,15 @@ class FSDPState:
         self._refuse_compile_regions: Callable[..., Any] | None = None
         if param_group is not None:
             self._register_post_acc_hooks()
-            for m in modules:
-                m.register_load_state_dict_post_hook(self._after_load_state_dict)
-            # See [Note: state_dict and load_state_dict].
             by_module: dict[nn.Module, list[tuple[str, FSDPParam]]] = {}
             for fp in param_group.fsdp_params:
                 for info in fp.module_infos:
                     by_module.setdefault(info.module, []).append((info.param_name, fp))
-            for m, params in by_module.items():
-                m.register_state_dict_pre_hook(self._before_state_dict)
-                m.register_load_state_dict_pre_hook(
-                    functools.partial(self._before_load_own_params, params)
-                )
-            self._hook_eager_recomputes(modules, by_module)
-        for m in modules:
-            m.register_load_state_dict_pre_hook(self._before_load_subtree)
+            register_state_dict_hooks(self, by_module)
+            hook_eager_recomputes(self, modules, by_module)
+        register_load_subtree_hook(self)
         for m in modules:
             m.__dict__[_STATE_ATTR] = self
-
-    def _hook_eager_recomputes(
-        self, modules: list[nn.Module],
-        by_module: dict[nn.Module, list[tuple[str, FSDPParam]]],
-    ) -> None:
-        """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd].
-        ``by_module``: the unit's parameters by the module that holds them."""
-        for m in modules:
-            for path, sub in m.named_modules():
-                if not isinstance(sub, CheckpointWrapper):
-                    continue
-                inner = sub._checkpoint_wrapped_module
-                # dict: a parameter held by two modules (tied) is checked once
-                held = {
-                    id(fp): fp for mod in inner.modules() for _, fp in by_module.get(mod, ())
-                }
-                params = list(held.values())
-                if params:
-                    inner.register_forward_pre_hook(
-                        functools.partial(self._check_eager_recompute, path, params)
-                    )
-
-    def _check_eager_recompute(
-        self, path: str, params: list[FSDPParam], module: nn.Module, args: Any
-    ) -> None:
-        """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd]."""
-        if compiling() or not compiled_autograd.in_compiled_autograd_region:
-            return
-        if all(fp.module_holds_unsharded for fp in params):
-            return
-        raise RuntimeError(
-            f"Unit {self._where()!r}: the checkpoint_wrapper around "
-            f"{type(module).__name__}{f' at {path!r}' if path else ''} in it runs "
-            "eagerly inside a compiled-autograd backward, where its recompute "
-            "would read the sharded parameters. A checkpoint runs eagerly when the forward "
-            "is not compiled, or when its region breaks the graph (TORCH_LOGS=graph_breaks "
-            "names the break; transformers 5.25 has one in every decoder layer's "
-            "attention). Fix, either: set torch._dynamo.config."
-            "skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first "
-            "compiled step, if the region's side effects need not run again in the "
-            "recompute; or remove the graph break from the region; or compile the "
-            "forward (torch.compile(model)) when the backward is compiled."
-        )
 
     # -------------------------------------------------------------------- tree
     def adopt_nested(self) -> None:
@@ -533,7 +270,7 @@ class FSDPState:
                 for child_name, child in sub._modules.items():
                     held = state_of(child) if child is not None else None
                     if held is not None and held is not self:
-                        # See [Note: A checkpoint around a unit's call].
+                        # See [Note: A checkpoint around a unit's call] (_compile_checks.py).
                         held.slots.append((sub, name, child_name))
         for s, names in paths.items():
             # A list unit is labelled by all its modules' paths, as it was built.
@@ -547,11 +284,8 @@ class FSDPState:
                 *(f"{a.kind}.{_path_label(_relative(names, paths[a]))}" for a in enclosing),
             ))
         self.checkpoint_suspects = [s for s in self.states if s.slots or s.hf_checkpointing_modules]
-        # See [Note: A compile region inside a unit]. Built here: a refusal's message
-        # is all dynamo shows (no details).
-        self._refuse_compile_regions = (
-            refusal(f"{COMPILE_REGION_FIX} Modules: {', '.join(regions)}.") if regions else None
-        )
+        # See [Note: A compile region inside a unit] (_compile_checks.py).
+        self._refuse_compile_regions = compile_region_refusal(regions)
 
     def _nest_under(self, root: FSDPState) -> None:
         self.is_root = False
@@ -567,37 +301,37 @@ class FSDPState:
     def _register_post_acc_hooks(self) -> None:
         """A post-accumulate-grad hook on every trainable placeholder that has none
         (a parameter unfrozen after fully_shard gets its hook here)."""
-        pg = self.param_group
-        assert pg is not None
-        for fp in pg.trainable:
+        param_group = self.param_group
+        assert param_group is not None
+        for fp in param_group.trainable:
             if id(fp) not in self._hooked:
                 self._hooked.add(id(fp))
                 fp.unsharded_param.register_post_accumulate_grad_hook(
-                    self._make_post_acc_hook(pg, fp)
+                    self._make_post_acc_hook(param_group, fp)
                 )
 
     # ------------------------------------------------- changes after fully_shard
     # See [Note: Changes after fully_shard] (_param.py).
     def _sync_user_changes(self) -> None:
-        pg = self.param_group
-        if pg is None:
+        param_group = self.param_group
+        if param_group is None:
             return
         if not compiling():
             # See [Note: All-gather extensions are refused] (_param.py).
-            for fp in pg.fsdp_params:
+            for fp in param_group.fsdp_params:
                 refuse_all_gather_extension(fp.fqn, fp.sharded_param._local_tensor)
-        changes = [fp.user_change() for fp in pg.fsdp_params]
+        changes = [fp.user_change() for fp in param_group.fsdp_params]
         # A compiled step follows a freeze without applying it (see the Note).
         if UserChange.OTHER in changes or (not compiling() and UserChange.FROZEN in changes):
             self._apply_user_changes()
 
     @torch._dynamo.disable(reason="traceable_hsdp: a parameter changed after fully_shard")
     def _apply_user_changes(self, check_device: bool = True) -> None:
-        pg = self.param_group
-        if pg is not None:
+        param_group = self.param_group
+        if param_group is not None:
             if check_device:
                 self._refuse_meta_params()
-            pg.reset_sharded_params(check_device)
+            param_group.reset_sharded_params(check_device)
             self._register_post_acc_hooks()
 
     def _refuse_meta_params(self) -> None:
@@ -633,10 +367,10 @@ class FSDPState:
             and not compiled_autograd.compiled_autograd_enabled
             and self.root._needs_backward()
         ):
-            # See [Note: A unit compiled without compiled autograd].
-            args, kwargs = _pre_forward_untraced(self, args, kwargs)
+            # See [Note: A unit compiled without compiled autograd] (_compile_checks.py).
+            args, kwargs = pre_forward_untraced(self, args, kwargs)
             output = orig_forward(*args, **kwargs)
-            return _post_forward_untraced(self, output, (args, kwargs))
+            return post_forward_untraced(self, output, (args, kwargs))
         args, kwargs = self._pre_forward(args, kwargs)
         output = orig_forward(*args, **kwargs)
         return self._post_forward(output, (args, kwargs))
@@ -644,14 +378,14 @@ class FSDPState:
     def _pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        pg = self.param_group
+        param_group = self.param_group
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             # See [Note: Forward during the unit's backward].
-            if pg is not None and pg.unshard_in_backward:
-                pg.unshard()  # no-op unless something resharded it since
+            if param_group is not None and param_group.unshard_in_backward:
+                param_group.unshard()  # no-op unless something resharded it since
                 if not compiling():
                     # See [Note: The module holds the placeholder only in forward].
-                    pg.register_unsharded()
+                    param_group.register_unsharded()
             return self._cast_inputs(args, kwargs)
         # A root checks its whole subtree before anything runs; a unit whose own
         # forward is called outside its root's, itself.
@@ -662,25 +396,25 @@ class FSDPState:
             self._root_pre_forward()
         self._sync_user_changes()
         self.training_state = TrainingState.FORWARD
-        if pg is not None:
-            pg.issue_unshard()
+        if param_group is not None:
+            param_group.issue_unshard()
             for other in self.forward_prefetch:
                 if other.param_group is not None:
                     other.param_group.issue_unshard()
-            pg.wait_for_unshard()
-            pg.register_unsharded()
+            param_group.wait_for_unshard()
+            param_group.register_unsharded()
         args, kwargs = self._cast_inputs(args, kwargs)
-        if pg is not None and torch.is_grad_enabled():
-            args, kwargs = self._mark_input_grads(pg, args, kwargs)
+        if param_group is not None and torch.is_grad_enabled():
+            args, kwargs = self._mark_input_grads(param_group, args, kwargs)
         return args, kwargs
 
     def _mark_input_grads(
-        self, pg: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, param_group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Gives the forward new tensors for its inputs that require grad, through
         which the unit learns that their gradients are complete. See [Note: When a
         unit's backward is done] (_param_group.py)."""
-        counted = pg.counts_input_grads
+        counted = param_group.counts_input_grads
         if compiling():
             if counted:
                 return _map_tensors((args, kwargs), self._hooked_alias)
@@ -690,7 +424,7 @@ class FSDPState:
             return args, kwargs
         outputs = iter(RegisterPostBackwardFunction.apply(_InputGradsDone(self, counted), *inputs))
         if counted:
-            pg.input_grad_hooks += 1
+            param_group.input_grad_hooks += 1
         args, kwargs = _map_tensors((args, kwargs), lambda t: next(outputs) if t.requires_grad else t)
         assert next(outputs, None) is None, "_tensors and _map_tensors disagree on order"
         return args, kwargs
@@ -735,20 +469,20 @@ class FSDPState:
             and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
         ):
             for state in self.checkpoint_suspects:
-                how = state._checkpointed_around()
+                how = checkpointed_around(state)
                 if how is not None:
-                    _refuse_checkpoint_around_unit(how)
+                    refuse_checkpoint_around_unit(how)
         if (
             needs_backward
             and compiling()
             and self._refuse_compile_regions is not None
             and torch._dynamo.config.automatic_dynamic_shapes
         ):
-            # See [Note: A compile region inside a unit].
+            # See [Note: A compile region inside a unit] (_compile_checks.py).
             self._refuse_compile_regions()
-        if self.post_optim_pending:
+        if self.post_optim.pending:
             # Only for a step compiled whole; see [Note: The post-optimizer event].
-            self._wait_post_optim_event()
+            self.post_optim.wait()
         if (
             needs_backward
             and compiled_autograd.compiled_autograd_enabled
@@ -758,7 +492,7 @@ class FSDPState:
             )
         ):
             # See [Note: Unused parameters] (_param_group.py).
-            _refuse_unused_params_compiled()
+            refuse_unused_params_compiled()
         # A compiled backward queues no final callback: finish what it left here.
         # See [Note: Hooks and compiled autograd].
         for state in self.states:
@@ -767,32 +501,16 @@ class FSDPState:
                 # that change between micro-batches (recompiles).
                 held = [] if state.param_group is None else state.param_group.held_after_sync()
                 if held:
-                    _refuse_held_after_sync(f"Parameters: {', '.join(held)}.")
+                    refuse_held_after_sync(f"Parameters: {', '.join(held)}.")
                 state._finish_backward()
         self._final_callback_queued = False
 
-    def _checkpointed_around(self) -> str | None:
-        """How a checkpoint is put around this unit's whole call, if one is. See
-        [Note: A checkpoint around a unit's call]."""
-        for holder, path, name in self.slots:
-            if isinstance(holder, CheckpointWrapper):
-                return f"Unit {self._where()!r}: checkpoint_wrapper {path!r} wraps it."
-            now = holder._modules.get(name)
-            if isinstance(now, CheckpointWrapper) and now._checkpoint_wrapped_module in self.modules:
-                where = f"{path}.{name}" if path else name
-                return (f"Unit {self._where()!r}: checkpoint_wrapper {where!r} wraps it "
-                        "(put there after fully_shard on the root).")
-        for m in self.hf_checkpointing_modules:
-            if m.gradient_checkpointing and m.training:
-                return (f"Unit {self._where()!r}: Hugging Face gradient checkpointing "
-                        "is on (activation_checkpointing_enable(), formerly "
-                        "gradient_checkpointing_enable()).")
-        return None
-
     def _where(self) -> str:
         """The unit's path under its root, for messages."""
-        pg = self.param_group
-        return pg.label if pg is not None else " ".join(type(m).__name__ for m in self.modules)
+        param_group = self.param_group
+        if param_group is not None:
+            return param_group.label
+        return " ".join(type(m).__name__ for m in self.modules)
 
     # [Note: The default keeps the root gathered for backward]
     # ``reshard_after_forward=None`` (the default, as torch 2.13's) keeps the root's
@@ -803,9 +521,8 @@ class FSDPState:
     # modules hold the gathered plain parameters until the next backward or
     # reshard(), so an optimizer built from ``model.parameters()`` after an
     # evaluation forward steps those copies and never the sharded parameters; the
-    # loss of the second step differs, with no error (torch's, and ours with ``None``
-    # before this: the same wrong losses, demo Llama, 2 ranks). Compiled, a root left
-    # gathered by an evaluation forward also made the next training step compile its
+    # loss of the second step differs, with no error. Compiled, a root left gathered
+    # by an evaluation forward would also make the next training step compile its
     # forward and backward again (its state differs from the one the graphs were
     # traced with).
     # What it costs: an evaluation loop re-gathers the root's parameters at each
@@ -814,23 +531,23 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             # See [Note: Forward during the unit's backward].
             return self._cast_output(output)
-        pg = self.param_group
-        if pg is not None:
+        param_group = self.param_group
+        if param_group is not None:
             raf = self.reshard_after_forward
             if raf is None:  # See [Note: The default keeps the root gathered for backward].
                 raf = not (self.is_root and torch.is_grad_enabled())
             if raf is True:
-                pg.reshard()
+                param_group.reshard()
             elif raf is False:
                 # The data stays gathered for backward. Eagerly the modules keep
                 # holding it, as torch's; see [Note: The module holds the placeholder
                 # only in forward] (_param.py).
                 if compiling():
-                    pg.register_sharded()
+                    param_group.register_sharded()
             else:  # an int: keep 1/raf for a smaller re-gather in backward
-                pg.post_forward_reshard()
-            pg.in_backward = False  # See [Note: A unit's state and its group's backward].
-            pg.open_calls.clear()  # See [Note: Output hooks after the unit's backward].
+                param_group.post_forward_reshard()
+            param_group.in_backward = False  # See [Note: A unit's state and its group's backward].
+            param_group.open_calls.clear()  # See [Note: Output hooks after the unit's backward].
         self.training_state = TrainingState.IDLE
         output = self._cast_output(output)
         if torch.is_grad_enabled():
@@ -906,14 +623,14 @@ class FSDPState:
         return grad
 
     def _call_pre_backward(self, call: list[bool], grad: torch.Tensor) -> torch.Tensor:
-        pg = self.param_group
+        param_group = self.param_group
         if call[0]:  # this call's backward is over for the unit
             # Unless a later backward runs its graph again (retain_graph=True): see
             # [Note: A second backward through a retained graph] (_param_group.py).
-            if compiling() or pg is None or not pg.rearm_if_retained(call):
+            if compiling() or param_group is None or not param_group.rearm_if_retained(call):
                 return grad
-        if pg is not None and not any(c is call for c in pg.open_calls):
-            pg.open_calls.append(call)
+        if param_group is not None and not any(c is call for c in param_group.open_calls):
+            param_group.open_calls.append(call)
         return self._pre_backward(grad)
 
     # ----------------------------------------------------------------- backward
@@ -925,14 +642,14 @@ class FSDPState:
         if not root._final_callback_queued:
             root._final_callback_queued = True
             _queue_final_callback(root._root_post_backward_final)
-        pg = self.param_group
+        param_group = self.param_group
         if (
-            pg is not None
-            and not pg.in_backward
+            param_group is not None
+            and not param_group.in_backward
             and self.training_state is not TrainingState.PRE_BACKWARD
         ):
             self.training_state = TrainingState.PRE_BACKWARD
-            pg.pre_backward()
+            param_group.pre_backward()
             for other in self.backward_prefetch:
                 if other.param_group is not None:
                     other.param_group.issue_unshard()
@@ -941,37 +658,31 @@ class FSDPState:
     # [Note: Parameter hooks hold their unit weakly]
     # autograd keeps a placeholder's post-accumulate-grad hooks in C++, where the
     # garbage collector cannot see them. A hook that held its unit (state, group,
-    # FSDPParam) strongly closed a cycle placeholder -> hook -> FSDPParam ->
-    # placeholder that the collector could never free: every model ever sharded
-    # stayed alive, with its parameters, meshes and process groups, for the life of
-    # the process (torch's fully_shard, whose per-parameter work hangs off the
-    # module's forward, frees its models). A process group that outlives
-    # ``destroy_process_group`` keeps gloo's worker threads running to interpreter
-    # exit, where one that still holds a finished collective's tensors must take the
-    # GIL and aborts the process ("terminate called without an active exception",
-    # torch issue 190489). ``examples/dcp_resume.py --eager`` under CPU load aborted
-    # so in 9 of 34 runs, and in 1 of 32 with this fix: torch's DTensor sharding
-    # cache still holds the mesh, hence the group, to exit (see [Note: Exiting with
-    # gloo worker threads] in ``_exit.py`` for what releases it now).
-    # So the hook holds its unit through weak references, and does nothing once the
-    # unit is gone. ``tests/test_runtime.py`` checks that a dropped model is freed,
-    # eager and compiled. Compiled autograd traces the dereferences like any other
-    # Python in the hook.
+    # FSDPParam) strongly would close a cycle placeholder -> hook -> FSDPParam ->
+    # placeholder that the collector cannot free: every model ever sharded would stay
+    # alive, with its parameters, meshes and process groups, for the life of the
+    # process (torch's fully_shard frees its models). A process group that outlives
+    # ``destroy_process_group`` also keeps gloo's worker threads running to
+    # interpreter exit, where they can abort the process ([Note: Exiting with gloo
+    # worker threads] in ``_exit.py``). So the hook holds its unit through weak
+    # references, and does nothing once the unit is gone. ``tests/test_runtime.py``
+    # checks that a dropped model is freed, eager and compiled. Compiled autograd
+    # traces the dereferences like any other Python in the hook.
     def _make_post_acc_hook(
-        self, pg: FSDPParamGroup, fp: Any
+        self, param_group: FSDPParamGroup, fp: Any
     ) -> Callable[[torch.Tensor], None]:
         """See [Note: Parameter hooks hold their unit weakly]."""
-        state_ref, pg_ref, fp_ref = weakref.ref(self), weakref.ref(pg), weakref.ref(fp)
+        state_ref, pg_ref, fp_ref = weakref.ref(self), weakref.ref(param_group), weakref.ref(fp)
 
         def hook(_param: torch.Tensor) -> None:
-            state, pg, fp = state_ref(), pg_ref(), fp_ref()
-            if state is None or pg is None or fp is None:
+            state, param_group, fp = state_ref(), pg_ref(), fp_ref()
+            if state is None or param_group is None or fp is None:
                 return  # the unit was freed; its placeholder outlived it
-            if pg.reduce_scatter_unused_params and compiling():
+            if param_group.reduce_scatter_unused_params and compiling():
                 # A backward compiled without a compiled forward (the root's
                 # pre-forward refuses the other cases). See [Note: Unused parameters].
-                _refuse_unused_params_compiled()
-            pg.post_accumulate_grad(fp)
+                refuse_unused_params_compiled()
+            param_group.post_accumulate_grad(fp)
             state._idle_if_group_done()
 
         return hook
@@ -1056,207 +767,6 @@ class FSDPState:
         self._final_callback_queued = False
         self.reduction_pending = False
         self.iteration += 1  # a pending GradientReductionHandle is invalid now
-
-    def set_post_optim_event(self, event: Any) -> None:
-        """Root only. See [Note: The post-optimizer event]."""
-        self.post_optim_event = event
-        self.post_optim_pending = True
-        if not self._post_optim_hooks:
-            self._post_optim_hooks = [
-                m.register_forward_pre_hook(self._wait_post_optim_event, prepend=True)
-                for m in self.modules
-            ]
-
-    def clear_post_optim_event(self) -> None:
-        """Root only: drops an event set and not yet waited for (eagerly)."""
-        if self.post_optim_pending:
-            self.post_optim_event = None
-            self._wait_post_optim_event()
-
-    # Disabled as a whole: dynamo must not compile the hook's own frame either (under
-    # torch.compile(model, fullgraph=True) that is a hard error).
-    @torch._dynamo.disable
-    def _wait_post_optim_event(self, *hook_args: Any) -> None:
-        """The current stream waits on the event, once. Eager only. Also the forward
-        pre-hook (``hook_args``: the module and its inputs, unused)."""
-        event, self.post_optim_event = self.post_optim_event, None
-        self.post_optim_pending = False
-        for handle in self._post_optim_hooks:
-            handle.remove()
-        self._post_optim_hooks = []
-        if event is not None:
-            event.wait()
-
-    # -------------------------------------------------------------- state dict
-    # See [Note: state_dict and load_state_dict].
-    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if self.param_group is not None:
-            self.param_group.register_sharded()
-
-    def _before_load_subtree(
-        self,
-        module: nn.Module,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        *args: Any,
-    ) -> None:
-        # On the unit's module, before any module under it loads: prepares every
-        # value for this unit and the units nested in it, so a refused value raises
-        # before anything is loaded.
-        assign = bool(local_metadata.get("assign_to_params_buffers", False))
-        paths: dict[int, list[str]] = {}
-        for path, sub in module.named_modules(remove_duplicate=False):
-            paths.setdefault(id(sub), []).append(f"{path}." if path else "")
-        for state in self.states:
-            pg = state.param_group
-            if pg is None:
-                continue
-            reached = False
-            for fp in pg.fsdp_params:
-                for info in fp.module_infos:
-                    for path in paths.get(id(info.module), ()):
-                        key = prefix + path + info.param_name
-                        _prepare_loaded_value(state_dict, key, fp, assign)
-                        reached = True
-            if reached:
-                pg.reshard()  # See [Note: state_dict and load_state_dict].
-
-    def _before_load_own_params(
-        self,
-        params: list[tuple[str, FSDPParam]],
-        module: nn.Module,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        *args: Any,
-    ) -> None:
-        # On a module holding managed parameters: the same for its own parameters,
-        # for a load_state_dict() called on this module (or a parent that is no unit).
-        assign = bool(local_metadata.get("assign_to_params_buffers", False))
-        for name, fp in params:
-            _prepare_loaded_value(state_dict, prefix + name, fp, assign)
-        if self.param_group is not None:
-            self.param_group.reshard()  # See [Note: state_dict and load_state_dict].
-
-    def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
-        if self.param_group is not None:
-            # assign=True gives each registration of a shared parameter its own
-            # tensor; the unit keeps the first one and every registration gets it
-            # back, so the parameter stays shared (reset_sharded_param). The device
-            # is not checked here: this hook runs after each of a list unit's modules
-            # loads, when the next ones may still hold their meta shards (HF
-            # accelerate loads its [final norm, head] unit so). A shard still on meta
-            # at the next forward is refused there, naming the fix.
-            self._apply_user_changes(check_device=False)
-
-
-# [Note: state_dict and load_state_dict]
-# Outside a unit's forward its modules hold the sharded DTensors under the original
-# names, so ``state_dict()`` returns DTensors keyed by the original FQNs and
-# ``load_state_dict()`` copies into the sharded parameters (DTensor.copy_). Pre-hooks
-# make three cases work that would otherwise be wrong or fail:
-#
-# - state_dict() between unshard() and reshard(): the modules hold the unsharded
-#   placeholders (plain full tensors). A pre-hook registers the sharded parameters
-#   again (the gathered data stays, so a later forward or reshard() is unaffected),
-#   and the state dict holds DTensors as always.
-# - load_state_dict() while the unit holds gathered data (between unshard() and
-#   reshard(), after a forward with reshard_after_forward=False, after a backward
-#   with reshard_after_backward=False, or with an async unshard in flight): the new
-#   values go to the sharded parameters, and the gathered copy would be stale, so
-#   the pre-hooks reshard first (frees it; an all-gather in flight is waited for
-#   and dropped). The next forward, or unshard(), gathers the loaded values.
-#   torch's FSDP2 does the same (its pre-hooks move the group to sharded).
-# - a plain tensor of the parameter's full shape (a full, consolidated state dict):
-#   DTensor.copy_ refuses to mix tensor types, so the pre-hooks turn it into a
-#   DTensor with distribute_tensor(..., src_data_rank=None): each rank keeps its
-#   own shard of its own full tensor, without communication (as torch's
-#   set_model_state_dict does for a full state dict). Every rank must pass the same
-#   full values. A plain tensor of another shape is left for torch's size-mismatch
-#   error.
-#
-# With assign=True the loaded DTensor becomes the sharded parameter (the post-hook,
-# FSDPParam.reset_sharded_param, swaps it in); the pre-hook checks that it has the mesh,
-# placements and dtype of the parameter it replaces.
-#
-# Two pre-hooks do this. One on each unit's module prepares every value of the unit
-# and of the units nested in it, before any module under it loads, so a refused value
-# raises before anything is copied or assigned (load_state_dict visits a module
-# before its children). One on each module that holds managed parameters prepares
-# its own: it covers load_state_dict() called on a module inside a unit, and is a
-# no-op check when the unit's hook already ran.
-
-
-def _prepare_loaded_value(
-    state_dict: dict[str, Any], key: str, fp: FSDPParam, assign: bool
-) -> None:
-    """Turns a plain full tensor at ``key`` into a DTensor laid out like ``fp``'s
-    sharded parameter, and with ``assign`` checks that it can replace it. See
-    [Note: state_dict and load_state_dict]."""
-    value = state_dict.get(key)
-    if not isinstance(value, torch.Tensor):
-        return  # missing (torch reports it) or not a tensor (torch raises)
-    sharded = fp.sharded_param
-    if not isinstance(value, DTensor):
-        if value.shape != sharded.shape:
-            return  # torch reports the size mismatch with the key
-        # Each rank keeps its own shard of its own full tensor: no communication, so
-        # every rank must load the same full values. distribute_tensor copies the
-        # shard out, so an assigned parameter does not keep the full tensor alive.
-        value = distribute_tensor(
-            value.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
-        )
-        local_device = fp.shard_device
-        if value.to_local().device != local_device:
-            # CPUOffloadPolicy keeps the shards on the CPU (distribute_tensor puts
-            # them on the mesh's device).
-            value = DTensor.from_local(
-                value.to_local().to(local_device),
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-        state_dict[key] = value
-    if assign:
-        _check_assignable(key, value, fp)
-
-
-def _check_assignable(key: str, value: DTensor, fp: FSDPParam) -> None:
-    """Raises ValueError unless ``value`` can replace ``fp``'s sharded parameter under
-    assign=True. A parameter still on meta (a model built there) is replaced by
-    shards on the device it gathers from: torch's rank-0 broadcast flow (build on
-    meta, fully_shard, load_state_dict(sharded_sd, assign=True))."""
-    sharded = fp.sharded_param
-    if value.device_mesh != sharded.device_mesh or tuple(value.placements) != tuple(
-        sharded.placements
-    ):
-        raise ValueError(
-            f"load_state_dict(assign=True): {key!r} is a DTensor with placements "
-            f"{tuple(value.placements)} on {value.device_mesh}; the fully_shard parameter "
-            f"it would replace has placements {tuple(sharded.placements)} on "
-            f"{sharded.device_mesh}. Redistribute it first "
-            "(value.redistribute(param.device_mesh, param.placements)), or load with "
-            "assign=False, which copies."
-        )
-    if value.to_local().device != fp.shard_device:
-        why = " (CPUOffloadPolicy keeps shards on the CPU)" if fp.offload is not None else ""
-        raise ValueError(
-            f"load_state_dict(assign=True): {key!r} holds its shard on "
-            f"{value.to_local().device}; the fully_shard unit keeps this parameter's shard "
-            f"on {fp.shard_device}{why}. Move the shards there first, or load with "
-            "assign=False, which copies."
-        )
-    if value.dtype != sharded.dtype:
-        raise ValueError(
-            f"load_state_dict(assign=True): {key!r} has dtype {value.dtype}; the "
-            f"fully_shard parameter it would replace has {sharded.dtype}, and the "
-            "unit's gradients and mixed precision are set up for that dtype. Cast it "
-            "first (value.to(param.dtype)), or load with assign=False, which casts."
-        )
-
 
 # [Note: Activations in dataclasses]
 # A unit's inputs and outputs may hold tensors in dataclasses, which pytree does not

@@ -86,7 +86,7 @@ _E = TorchInternal
 _PASSES = ("traceable_hsdp.passes.install", "traceable_hsdp.passes.uninstall")
 
 INTERNALS: tuple[TorchInternal, ...] = (
-    # fully_shard and FSDPModule: torch's FSDP2 protocols (_fully_shard.py, _state.py).
+    # fully_shard and FSDPModule: torch's FSDP2 protocols (_module.py, _torch_view.py, _state.py).
     _E("torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction",
        "each unit's post-backward runs in this autograd function, as in torch's fully_shard"),
     _E("torch.distributed.fsdp.FSDPModule.__new__",
@@ -102,7 +102,7 @@ INTERNALS: tuple[TorchInternal, ...] = (
        "marks a unit as fully_shard's in that registry, which replicate() reads"),
     _E("torch.distributed.tensor._dtensor_spec.DTensorSpec",
        "the spec a tensor-parallel parameter keeps (FSDPParam.tp_spec)"),
-    # A unit compiled in place (_fully_shard.py).
+    # A unit compiled in place (_compiled_call.py).
     _E("torch._dynamo.eval_frame.OptimizeContext",
        "a unit compiled in place compiles its forward with nn.Module.compile's context"),
     _E("torch._dynamo.trace_rules.check",
@@ -176,7 +176,7 @@ INTERNALS: tuple[TorchInternal, ...] = (
     _E("torch._inductor.graph.GraphLowering.decide_layout_opt",
        "no channels-last copy of a placeholder that the graph resizes and fills",
        *_PASSES),
-    # The exchanges' pooled all-to-all (passes/_ops.py).
+    # The exchanges' pooled all-to-all (passes/gloo/_pool.py).
     _E("torch._inductor.ir._CollectiveKernel.create_out_of_place",
        "the pooled all-to-all is lowered as Inductor lowers torch's collectives"),
     _E("torch._inductor.ir.TensorBox.create",

@@ -7,25 +7,8 @@ of that copy, and, in ``wait()``, a copy of this rank's chunk out of it: every r
 sends and receives the whole tensor instead of the 1/world_size that a
 reduce-scatter needs, and the caller's thread pays the last copy. An all-to-all
 moves exactly what a reduce-scatter needs: rank ``r`` sends chunk ``j`` of its
-input to rank ``j`` and receives chunk ``r`` from every rank, then adds them. Bare
-ops on 2 gloo ranks (one thread each, float32, medians of 20 calls, the machine
-otherwise idle, 2026-11-27; ``benchmarks/collective_latency.py``, whose third column
-is this module's exchange as the eager runtime issues it):
-
-=========  ==========================  =============================
-input      ``reduce_scatter_tensor``   ``all_to_all_single`` + add
-=========  ==========================  =============================
-16 KiB     0.73 ms                     0.56 ms
-256 KiB    0.67 ms                     0.51 ms
-1 MiB      2.07 ms                     0.90 ms
-4 MiB      6.45 ms                     2.50 ms
-16 MiB     23.72 ms                    9.57 ms
-=========  ==========================  =============================
-
-In a training step (``benchmarks/step_time.py``, docs/benchmarks.md) the compiled
-step of the compute shape (5 reduce-scatters, 16.5 MiB of gradients) took 0.93x the
-time it took without this pass (geometric mean of both run orders), and the eager
-step went from 1.01-1.12x to 0.93-0.98x of torch's eager ``fully_shard``.
+input to rank ``j`` and receives chunk ``r`` from every rank, then adds them.
+``benchmarks/collective_latency.py`` compares the two as bare ops (docs/benchmarks.md).
 
 So this pass rewrites each reduce-scatter of CPU tensors over a gloo group of two
 ranks, read by one wait::
@@ -54,10 +37,9 @@ exactly one wait are left alone. A 2x2 HSDP mesh's shard groups have two ranks.
 The exchange is issued where the reduce-scatter was and waited for where its wait
 was, so ``overlap``'s schedule holds; Inductor keeps an out-of-place collective's
 input alive until its wait (``_WaitKernel.get_volatile_reads``). An exchange in
-flight with an ``_out`` all-gather issued after it ran clean in 3 of 3 runs of
-``benchmarks/gloo_in_flight.py --pattern ex+ago`` (20,000 rounds each), where the
-control, a reduce-scatter then an allocating all-gather, crashed in 2 of 2 runs the
-same minutes ([Note: CPU all-gathers into buffers] in ``gather_into_buffers.py``).
+flight with an ``_out`` all-gather issued after it is safe on gloo, where a
+reduce-scatter then an allocating all-gather is not ([Note: CPU all-gathers into
+buffers] in ``gather_into_buffers.py``; ``benchmarks/gloo_in_flight.py``).
 The rewritten node keeps the reduce-scatter's annotation and is marked
 (:data:`EXCHANGED`), so the graph vocabulary still counts it as a reduce-scatter
 (:func:`passes._graph.collective_family`). The eager runtime does the
@@ -77,21 +59,9 @@ all-gather's layout. The price is writing the shard twice where the bucket is pa
 ``2n``), and gloo copies the chunk a rank sends itself, as its all-gather copies
 this rank's shard.
 
-As bare ops neither form wins (``benchmarks/collective_latency.py --iters 20
---max-mib 16``, 2 gloo ranks, two runs, 2026-12-05, 2-core AVX-512 Xeon; the second
-is ``benchmarks/results/collective_latency_cpu_agx_1205.md``): the exchange, its
-input doubled by a separate ``torch.cat``, took 0.85x and 1.97x gloo's all-gather's
-wall time at 4 KiB, 1.22x and 1.04x at 1 MiB, 0.71x and 0.95x at 4 MiB, and 0.99x
-and 1.04x at 16 MiB; its CPU time (every thread, the second run) 1.48x, 1.12x,
-1.04x and 0.82x. In a training step the doubling is part of the bucket's packing,
-which the all-gather needs anyway. There the step took 0.94x to 1.01x the time it
-took without this pass in six comparisons (``benchmarks/step_time.py`` and
-``profile_step.py``, the variant ``ours_compiled_no_all_gather_by_exchange`` beside
-``ours_compiled``, three shapes, both run orders; geometric mean 0.97x;
-docs/benchmarks.md). It moves CPU work more
-than it removes it: over the compute shape's steps (``profile_step.py``, rank 0)
-gloo's threads spent 4.4 ms less user time a step (the copy), while system time grew
-by 5.7 ms on the main thread and 5.0 ms on gloo's. A small gain, kept as the default.
+As bare ops neither form wins; in a training step the doubling is part of the
+bucket's packing, which the all-gather needs anyway, and the step is a little faster
+with it (docs/benchmarks.md, ``benchmarks/step_time.py``).
 
 So :func:`all_gather_by_exchange` rewrites each all-gather of CPU tensors over a
 gloo group of two ranks, read by one wait::
@@ -113,10 +83,8 @@ The values are the same bit for bit in every dtype: nothing is computed, only
 moved. It runs after ``overlap`` and before :func:`gather_into_buffers`, which then
 has no all-gather left over two gloo ranks; the exchange is an allocating
 collective, whose input Inductor keeps alive until its wait (as for the
-reduce-scatter's exchange above). In flight with the other collectives of a step:
-``benchmarks/gloo_in_flight.py`` ran ``ex+exg``, ``exg+ex`` and ``exg+exg+exg`` (an
-exchanged reduce-scatter and all-gathers in flight together, 20,000 rounds a run)
-clean in 3 of 3 runs each (2026-12-05). Left alone: more than two ranks (an
+reduce-scatter's exchange above), and safe in flight with the step's other
+collectives (``benchmarks/gloo_in_flight.py``). Left alone: more than two ranks (an
 all-to-all of a doubled input would send each shard world-size times), GPU
 all-gathers (NCCL writes into the output), symbolic shapes, and an all-gather not
 read by exactly one wait. The exchange keeps the all-gather's annotation and is
@@ -124,13 +92,6 @@ marked (:data:`EXCHANGED`, ``"all_gather"``), so the graph vocabulary counts it 
 an all-gather, under :data:`~passes._graph.AG_EXCHANGE_COUNT`. Eagerly the runtime
 keeps gloo's ``_out`` all-gather (``traceable_hsdp/_collectives.py``): the numbers
 are the same either way. ``PassConfig(all_gather_by_exchange=False)`` turns it off.
-
-Tried and not kept (2026-12-05): both exchanges sending the other rank its part and
-nothing to itself (splits ``[0, k]`` on rank 0, ``[k, 0]`` on rank 1; the copy-out
-reading this rank's bucket and the received one). On the compute shape gloo's
-threads did 11 ms less a step, the waits and the step did not move (four A/B pairs,
-both run orders), and the graphs would differ between the ranks (docs/benchmarks.md,
-"A third lever that did not pay").
 
 Invariant: the rewritten graph computes the same tensors as before, with its
 collectives issued and waited for at the same positions and over the same groups.
@@ -145,7 +106,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._graph import (
+from .._graph import (
     ALL_GATHER,
     ALL_TO_ALL,
     EXCHANGED,
@@ -155,8 +116,8 @@ from ._graph import (
     group_backend,
     single_wait,
 )
-from ._ops import POOLED_ALL_TO_ALL, pooled_all_to_all_lowering
-from ._rewrite import insert_call, static_numel, tensor_val
+from ._pool import POOLED_ALL_TO_ALL, pooled_all_to_all_lowering
+from .._rewrite import insert_call, static_numel, tensor_val
 
 __all__ = ["all_gather_by_exchange", "is_gloo_group", "reduce_scatter_by_exchange"]
 
@@ -218,7 +179,7 @@ def _all_to_all(pooled: bool) -> torch._ops.OpOverload:
     """The all-to-all an exchange issues: ours, its output from the pool, where asked
     and Inductor can lower it; else torch's. Asked once a candidate is found, so a
     graph with none never registers the lowering. See [Note: Exchange outputs from a
-    pool] in ``_ops.py``."""
+    pool] in ``_pool.py``."""
     return POOLED_ALL_TO_ALL if pooled and pooled_all_to_all_lowering() else ALL_TO_ALL
 
 
@@ -252,7 +213,7 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
     gloo group of two ranks in ``gm`` (a post-grad graph module, changed in place)
     into an all-to-all and an addition, and returns how many. See [Note: gloo
     reduce-scatters as an exchange]. ``pooled``: the all-to-all's output comes from
-    the pool ([Note: Exchange outputs from a pool] in ``_ops.py``)."""
+    the pool ([Note: Exchange outputs from a pool] in ``_pool.py``)."""
     graph = gm.graph
     done = 0
     for node, args, val, name in _candidates(graph, REDUCE_SCATTER):

@@ -5,35 +5,14 @@ On torch 2.13 with gloo, the allocating functional all-gather
 (``_c10d_functional.all_gather_into_tensor``, which reaches gloo through
 ``allgather_into_tensor_coalesced``) corrupts the heap or hangs when another
 collective is in flight at the same time; the ``_out`` form
-(``all_gather_into_tensor_out``, gloo's ``_allgather_base``) does not. Bare ops on 2
-gloo ranks (2 cores, 20,000 rounds a run, some compute and allocation on the main
-thread while the collectives are in flight; 2026-11-27):
-
-========================================================  ==================
-in flight at once                                          runs that crashed
-========================================================  ==================
-3 allocating all-gathers                                   3 of 6
-3 ``_out`` all-gathers                                     0 of 6
-1 allocating all-gather, alone                             0 of 6 (2 of 8 at 250,000)
-1 ``_out`` all-gather, alone, 250,000 rounds a run          0 of 4
-an all-reduce, then an allocating all-gather               3 of 4 (1 hung)
-a reduce-scatter, then an allocating all-gather            3 of 4 (1 hung)
-an all-reduce, then an ``_out`` all-gather                 0 of 4
-a reduce-scatter, then an ``_out`` all-gather              0 of 4
-an ``_out`` all-gather, then a reduce-scatter              0 of 4
-========================================================  ==================
-
-(crash: ``malloc(): unaligned tcache chunk detected``, ``free(): invalid pointer``
-or SIGSEGV, at an allocation on the main thread; hung: a gloo worker spinning in
-``~UnboundBuffer``.) ``benchmarks/gloo_in_flight.py`` runs that loop; on an
-otherwise idle machine it crashed in 4 of 4 runs with a reduce-scatter then an
-allocating all-gather, and in 0 of 4 with the ``_out`` form (results in
-``docs/passes.md``). Alone, the allocating form crashes too, about once in a
-million calls (``docs/design.md``). The overlap pass (``overlap.py``) keeps one
-all-gather in flight, but a reduce-scatter may be in flight when it is issued
-(late waits), which is the fifth row's pattern: the compiled backward of the
-compute-shape benchmark died that way once. So this pass, the last one on every
-post-grad graph, rewrites each all-gather of CPU tensors::
+(``all_gather_into_tensor_out``, gloo's ``_allgather_base``) does not, alone or with
+a reduce-scatter or an all-reduce in flight (crashes: ``malloc(): unaligned tcache
+chunk detected``, ``free(): invalid pointer`` or SIGSEGV at an allocation on the main
+thread; hangs: a gloo worker spinning in ``~UnboundBuffer``).
+``benchmarks/gloo_in_flight.py`` reproduces it; docs/passes.md has the table. The
+overlap pass (``overlap.py``) keeps one all-gather in flight, but a reduce-scatter may
+be in flight when it is issued (late waits), which is that pattern. So this pass,
+the last one on every post-grad graph, rewrites each all-gather of CPU tensors::
 
     ag  = all_gather_into_tensor(shard, 2, "0")
     r   = wait_tensor(ag)
@@ -85,8 +64,8 @@ import logging
 import torch
 from torch import fx
 
-from ._graph import ALL_GATHER, ALL_GATHER_OUT, WAIT, bound_args, single_wait
-from ._rewrite import tensor_val
+from .._graph import ALL_GATHER, ALL_GATHER_OUT, WAIT, bound_args, single_wait
+from .._rewrite import tensor_val
 
 __all__ = ["gather_into_buffers"]
 

@@ -1,6 +1,6 @@
 """The demo training job behind ``traceable-hsdp train``.
 
-A small :class:`~traceable_hsdp.models.Llama` sharded with
+A small :class:`~traceable_hsdp.demo.models.Llama` sharded with
 :func:`~traceable_hsdp.fully_shard` (FSDP on a 1-D mesh, HSDP on a 2-D
 ``(replicate, shard)`` mesh), trained with AdamW on synthetic tokens, compiled by
 default. :func:`launch` starts the ranks (or joins the ones torchrun started);
@@ -328,7 +328,7 @@ def _build_sharded(
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     import traceable_hsdp
-    from traceable_hsdp.models import Llama
+    from .models import Llama
 
     mp_policy = traceable_hsdp.MixedPrecisionPolicy()
     if cfg.mixed_precision == "bf16":
@@ -389,10 +389,10 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         RuntimeError: no default process group is initialized.
         ValueError: the world size is not divisible by ``cfg.replicate``.
     """
-    # Imported here so that ``traceable_hsdp.cli --help`` stays cheap.
+    # Imported here so that ``traceable_hsdp.demo.cli --help`` stays cheap.
     from tqdm import tqdm
 
-    from traceable_hsdp.models import LlamaConfig
+    from .models import LlamaConfig
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -424,7 +424,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     # torch.optim.AdamW's numbers and state, stepped on the local shards; see
     # [Note: Optimizer steps on local shards] (optim.py). Fused, as torchtitan and HF
     # Trainer step by default (docs/api.md, "Optimizers on local shards").
-    from .optim import AdamW
+    from ..optim import AdamW
 
     optim = AdamW(model.parameters(), lr=cfg.lr, fused=True)
 
@@ -452,7 +452,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
         backend: Any = cfg.backend
         dump = None
         if cfg.dump_dir is not None:
-            from traceable_hsdp._dump import dump_graphs
+            from ..debug._dump import dump_graphs
 
             dump = stack.enter_context(dump_graphs(
                 os.path.join(cfg.dump_dir, f"rank{rank}"), trace=cfg.dump_trace,
@@ -556,8 +556,8 @@ def _train_loop(
 
 def _compare_rank_dumps(dump_dir: str, world: int, say: Callable[[str], None]) -> None:
     """On rank 0, after every rank wrote its dump: do all ranks hold the same
-    collectives in the same order? See :func:`traceable_hsdp._dump.compare_dumps`."""
-    from traceable_hsdp._dump import compare_dumps
+    collectives in the same order? See :func:`traceable_hsdp.debug._dump.compare_dumps`."""
+    from ..debug._dump import compare_dumps
 
     dist.barrier()
     if dist.get_rank() == 0:

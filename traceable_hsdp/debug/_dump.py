@@ -66,7 +66,7 @@ recorded, forward graphs keep their annotations, and backward ones show none.
 
 [Note: The final schedule in the dump]
 The post-grad graph after our passes is not yet the order that runs: Inductor's
-scheduler reorders it (see [Note: The final schedule] in ``passes/_graph.py``).
+scheduler reorders it (see [Note: The final schedule] in ``_schedule.py``).
 While dumping, a handler on torch's structured-trace logger (the logger
 ``TORCH_TRACE`` writes through; it is added for the block and removed after)
 receives each graph's ``inductor_output_code`` record, the generated code, and
@@ -90,15 +90,14 @@ keeps its parameters gathered (``reshard_after_forward=None``, the default), dyn
 replays the units' state changes after the graph, and one replayed value (the
 blocks' ``sharded_state``) is read from the root's ``sharded_state``; depyf's
 recompiled source (its ``__transformed_code_0_for_forward.py``) reads it after the
-replay has set the root's state to gathered. So the first block was marked gathered,
-skipped its re-gather in backward, and read freed storage ("setStorage ... out of
-bounds for storage of size 0"), in the dump only: the same model, compiled the same
-way without depyf, trains (2 ranks, aot_eager, 2026-11-27). A dump must
-run the program a plain run runs, so ``dump_graphs`` registers two hooks of its own
-through torch's ``register_bytecode_hook``, one before depyf's and one after: the
-first remembers dynamo's code for the frame, the last hands it back. depyf still
-writes every file (its ``__transformed_code_*`` files are its decompilation of
-dynamo's bytecode: a reading aid, not what ran).
+replay has set the root's state to gathered. The first block is then marked
+gathered, skips its re-gather in backward and reads freed storage ("setStorage ...
+out of bounds for storage of size 0"), in the dump only. A dump must run the program a
+plain run runs, so ``dump_graphs`` registers two hooks of its own through torch's
+``register_bytecode_hook``, one before depyf's and one after: the first remembers
+dynamo's code for the frame, the last hands it back. depyf still writes every file (its
+``__transformed_code_*`` files are its decompilation of dynamo's bytecode: a reading
+aid, not what ran).
 
 [Note: dynamo must not compile depyf's own functions]
 ``depyf.prepare_debug`` swaps three torch functions for its own while the block
@@ -154,23 +153,11 @@ import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch import fx
 
-from ._torch_internals import dynamo_skips
-from .passes._graph import (
-    CollectiveRow,
-    Kind,
-    PostGradRecorder,
-    RecordedGraph,
-    annotation_of,
-    collective_table,
-    copy_annotations,
-    current_compile,
-    family_counts,
-    graph_counts,
-    is_collective,
-    max_in_flight,
-    read_schedule,
-    with_schedule,
-)
+from .._torch_internals import dynamo_skips
+from ..passes._graph import annotation_of, copy_annotations, is_collective
+from ._recorder import Kind, PostGradRecorder, RecordedGraph, current_compile
+from ._schedule import max_in_flight, read_schedule, with_schedule
+from ._table import CollectiveRow, collective_table, family_counts, graph_counts
 
 __all__ = [
     "dump_graphs",
@@ -308,7 +295,7 @@ class GraphRecord:
             collective (``"C3"``: issue of collective 3), wait (``"W3"``; ``"W-"``
             for a wait on a tensor no collective produced, as the one that keeps a
             CPU all-gather's input alive: [Note: The input lives until the wait] in
-            ``passes/gather_into_buffers.py``) or kernel (its name), see [Note: The
+            ``passes/gloo/gather_into_buffers.py``) or kernel (its name), see [Note: The
             final schedule in the dump].
         schedule_note: the ``"scheduled"`` stage only: whether the order of issues
             and waits agrees with torch's ``inductor_collective_schedule``, or why
@@ -710,7 +697,7 @@ def _structured_trace(trace_dir: Path) -> Iterator[list[Path]]:
     ``_compile.py``), so the log holds them as ``TORCH_TRACE``'s would."""
     from torch._logging import _internal as tl
 
-    from ._compile import side_effect_messages_on
+    from .._compile import side_effect_messages_on
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     handler = tl.LazyTraceHandler(str(trace_dir))
@@ -802,7 +789,7 @@ def _recorder(dump: GraphDump, stage: Stage) -> PostGradRecorder:
 def _hook_inductor(dump: GraphDump) -> Callable[[], None]:
     """Brackets the post-grad pre-pass with the recorders; returns the undo.
     See [Note: Hooking Inductor]."""
-    from .passes import install
+    from ..passes import install
 
     install()
     inner = inductor_config.post_grad_custom_pre_pass

@@ -5,8 +5,8 @@ its arguments to its own subparser, checks them, and runs. ``main`` parses, look
 subcommand up by name and returns its exit status. To add one, write a
 ``Subcommand(name, help, add_arguments, run)`` and append it to ``SUBCOMMANDS``.
 
-Run ``traceable-hsdp train`` (or ``python -m traceable_hsdp.cli train``); under
-``torchrun --nproc-per-node N -m traceable_hsdp.cli train`` each process is one rank.
+Run ``traceable-hsdp train`` (or ``python -m traceable_hsdp.demo.cli train``); under
+``torchrun --nproc-per-node N -m traceable_hsdp.demo.cli train`` each process is one rank.
 ``traceable-hsdp dump OUT_DIR`` runs the same job for 2 steps with
 :func:`traceable_hsdp.dump_graphs` on every rank (see docs/debugging.md).
 
@@ -272,7 +272,7 @@ def _run_dump(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import dataclasses
     import os
 
-    from ._dump_env import ENV_DUMP
+    from ..debug._dump_env import ENV_DUMP
 
     if os.environ.get(ENV_DUMP, "").strip():
         parser.error(f"{ENV_DUMP} is set: traceable-hsdp dump writes its own dump (to "
@@ -305,7 +305,7 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if len(ranks) < 2:
         parser.error(f"{args.dump_dir} holds {len(ranks)} rank<r> dump directories; "
                      "comparing needs at least 2.")
-    from ._dump import compare_dumps
+    from ..debug._dump import compare_dumps
 
     line = compare_dumps([os.path.join(args.dump_dir, f"rank{r}") for r in ranks])
     print(line)

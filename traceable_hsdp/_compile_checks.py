@@ -1,0 +1,309 @@
+"""What the runtime refuses to compile, and the checkpointing it must detect to refuse
+it: each refusal's message (the cause and the fix), the checks the root's
+pre-forward and the units run, and the detection of a checkpoint around a unit's call
+(``checkpoint_wrapper``, Hugging Face's gradient checkpointing) or inside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ._common import compiling, refusal
+from ._param import FSDPParam
+from ._torch_internals import CheckpointWrapper, compiled_autograd
+
+if TYPE_CHECKING:
+    from ._state import FSDPState
+
+UNIT_FULLGRAPH_FIX = (
+    "traceable_hsdp: a fully_shard unit's forward is being compiled with "
+    "fullgraph=True while compiled autograd is off. Without compiled autograd the "
+    "unit's gathers and the hooks that re-gather it for backward and reduce its "
+    "gradients run eagerly around the compiled compute, as torch's fully_shard hooks "
+    "do, which needs the graph breaks that fullgraph=True forbids. Fix: call "
+    "`traceable_hsdp.enable_compiled_autograd()` once before the training loop (the "
+    "whole step, collectives included, is then traced), or drop fullgraph=True, or "
+    "compile each block instead (block.compile(), before or after fully_shard). See "
+    "docs/compile.md, 'Compiled without compiled autograd'."
+)
+
+_log = logging.getLogger("traceable_hsdp")
+_EAGER_HOOKS_SAID = False
+
+
+# [Note: A unit compiled without compiled autograd]
+# ``torch.compile(model)`` with compiled autograd off (torchtitan's plain compile
+# line, HF accelerate's FSDP2 flow with a dynamo backend, ``torch.compile(unit)``
+# below an eager root) cannot trace a unit's backward hooks. Such a unit, the root
+# included, runs its pre-forward and its post-forward eagerly, as functions disabled
+# for dynamo: dynamo breaks the graph around each and compiles the module's own
+# forward between them, as around torch's fully_shard hooks. Its gathers and its
+# reduce-scatters then run eagerly at the unit's boundaries and its backward hooks
+# are registered eagerly, so the step trains with the eager numbers; the process
+# logs once how to get the traced step instead. Under ``fullgraph=True`` there is no
+# graph break to fall back on: the disabled function's reason,
+# ``UNIT_FULLGRAPH_FIX``, is the error the user reads. Traced after such a break, the
+# pre-forward would put the unit's label and its parameter count into the guards,
+# and per-block compiles would recompile for each unit. Tested by
+# ``test_compiled_without_compiled_autograd`` (test_runtime.py),
+# ``test_units_compiled_without_compiled_autograd_train_correctly``
+# (test_reliability.py) and ``test_compiled_without_compiled_autograd_inductor``
+# (test_conformance.py). A unit compiled in place (``block.compile()``) does not get
+# here: see [Note: A unit compiled in place] (_compiled_call.py) and [Note: One FSDP
+# class per module class] (_fsdp_class.py). With compiled autograd on, a unit traced
+# on its own keeps its pre-forward in the graph, one graph for every unit of its
+# class: [Note: One graph for every unit of a class] in _common.py.
+@torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
+def pre_forward_untraced(
+    state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The unit's pre-forward, eagerly: see [Note: A unit compiled without compiled
+    autograd]."""
+    global _EAGER_HOOKS_SAID
+    if not _EAGER_HOOKS_SAID:
+        _EAGER_HOOKS_SAID = True
+        _log.warning(
+            "traceable_hsdp: fully_shard units are compiled while compiled autograd is "
+            "off, so their all-gathers and reduce-scatters run eagerly at each unit's "
+            "boundaries (as torch's fully_shard's do) and the compiled graphs hold only "
+            "the compute. To trace the whole step, collectives included, call "
+            "traceable_hsdp.enable_compiled_autograd() before the training loop "
+            "(docs/compile.md)."
+        )
+    return state._pre_forward(args, kwargs)
+
+
+@torch._dynamo.disable(reason=UNIT_FULLGRAPH_FIX)
+def post_forward_untraced(state: FSDPState, output: Any, inputs: Any) -> Any:
+    """The unit's post-forward, eagerly: see [Note: A unit compiled without compiled
+    autograd]."""
+    return state._post_forward(output, inputs)
+
+
+UNUSED_PARAMS_COMPILE_FIX = (
+    "traceable_hsdp: set_reduce_scatter_unused_params(True) reduces a unit's gradients "
+    "at the end of the backward, which a compiled backward cannot do (it has no "
+    "end-of-backward callback; the unit would be reduced only at the next forward, "
+    "after the optimizer step), so this compiled backward is refused. Fix: run this "
+    "model's backward eagerly (no compiled autograd), or make every rank use every "
+    "parameter and call set_reduce_scatter_unused_params(False). See [Note: Unused "
+    "parameters] in traceable_hsdp/_param_group.py."
+)
+
+
+refuse_unused_params_compiled = refusal(UNUSED_PARAMS_COMPILE_FIX)
+
+
+HELD_AFTER_SYNC_FIX = (
+    "traceable_hsdp: the last backward synced gradients but a parameter got no "
+    "gradient in it, so the gradient kept for it by earlier "
+    "set_requires_gradient_sync(False) backwards was "
+    "never reduced (a compiled backward has no end-of-backward callback to do it), "
+    "and the optimizer step ran without it. Fix: make the syncing micro-batch use "
+    "these parameters, or run this model's backward eagerly (without compiled "
+    "autograd), where they are reduced at the end of the backward. Call "
+    "reset_iter_state() on the root to drop them and go on. See [Note: Held gradients "
+    "of unused parameters] in traceable_hsdp/_param_group.py."
+)
+
+
+refuse_held_after_sync = refusal(HELD_AFTER_SYNC_FIX)
+
+
+CHECKPOINT_AROUND_UNIT_FIX = (
+    "traceable_hsdp: a fully_shard unit is checkpointed around its whole call, so "
+    "the unit's pre- and post-forward run inside the checkpointed region. Compiled, "
+    "dynamo refuses a region with side effects (the hooks) and runs it eagerly, and "
+    "the compiled backward then fails inside compiled autograd ('NoneType' object "
+    "has no attribute 'op'). Fix, either: set "
+    "`torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True` "
+    "before the first compiled step (the hooks then run once, in the forward, and "
+    "the backward recomputes only the region's ops, after the unit's re-gather); or "
+    "checkpoint inside the unit: `fully_shard(checkpoint_wrapper(block))` "
+    "(torchtitan's order) instead of Hugging Face's activation_checkpointing_enable() "
+    "(or its older name, gradient_checkpointing_enable()) or checkpoint_wrapper "
+    "applied after fully_shard. See docs/compile.md, "
+    "'Activation checkpointing'."
+)
+
+
+refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
+
+
+# [Note: A checkpoint inside a unit, run eagerly by compiled autograd]
+# ``checkpoint_wrapper(block)`` before ``fully_shard`` (torchtitan's order) puts the
+# checkpoint inside the unit. Compiled, dynamo traces the region as a higher-order
+# op and the backward recomputes it inside the compiled graphs. A graph break
+# inside the region makes dynamo run the checkpoint eagerly instead. transformers
+# 5.25 has one in every decoder layer: its attention sets a global of the
+# ``kernels`` package, a side effect the higher-order op refuses ("Mutating a
+# variable from outside the scope of this HOP"). The recompute then runs eagerly,
+# inside the compiled-autograd backward, and reads the modules' parameters. A
+# compiled backward leaves the sharded ones there ([Note: The module holds the
+# placeholder only in forward] in _param.py), and the region failed on them with
+# DTensor's "got mixed torch.Tensor and DTensor", naming neither cause nor fix.
+# So each unit hooks the forward of the module each of its checkpoint_wrappers
+# wraps, when that module holds parameters of the unit. The hook does nothing
+# while dynamo traces or outside a compiled-autograd backward. There, if those
+# parameters are not gathered in the modules, it raises with the fixes: dynamo's
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (transformers' side effect is
+# a global set and restored within one call, which the recompute need not repeat),
+# or no graph break in the region. (A forward run eagerly under compiled autograd
+# meets the same, and is told to compile the forward.) Eagerly the modules hold the
+# gathered parameters for the recompute, and the hook passes.
+
+# [Note: A checkpoint around a unit's call]
+# Two common ways of checkpointing put the checkpoint around a unit's whole call,
+# hooks included: Hugging Face's ``activation_checkpointing_enable()`` (its layers
+# checkpoint ``type(self).forward``, which for a unit is our forward wrapper, see
+# [Note: Forward wrapper, not module hooks]; the older name,
+# ``gradient_checkpointing_enable()``, deprecated in transformers 5.24, does the
+# same, and both set the ``gradient_checkpointing`` flag that the check reads) and
+# ``checkpoint_wrapper`` applied after ``fully_shard``. Eagerly that trains (the
+# recompute sees the unit in its backward; see [Note: Forward during the unit's
+# backward]). Compiled, it trains only with dynamo's
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint``; without it the step ended in a
+# compiled-autograd ``AttributeError`` that names neither the cause nor the fix, so
+# the root's compiled pre-forward refuses it instead. The flag is the user's to set,
+# not ours: torch documents it as letting compiled code differ from eager for side
+# effects in checkpointed code (eager replays them in the recompute). The units that
+# can be so are found when the tree is wired, into the root's
+# ``checkpoint_suspects``: a module whose class has Hugging Face's
+# ``GradientCheckpointingLayer`` attribute (its flag is read), and every nested
+# unit, with the module that holds it and the name it holds it by (its ``slots``). A
+# unit is checkpointed around if that holder is a ``checkpoint_wrapper``
+# (``checkpoint_wrapper(fully_shard(block))`` before the root's fully_shard) or if a
+# wrapper has since replaced the unit in its holder (torch's
+# ``apply_activation_checkpointing`` called after the root's fully_shard). Without
+# the refusal, plain ``torch.compile`` (no fullgraph) compiles each of the
+# backward's graph breaks in turn, for minutes. Only the compiled
+# pre-forward reads them, with the flag off: eager reads nothing, and in a compiled
+# step dynamo guards on each slot (a few more guards a unit),
+# so a wrapper put there later recompiles and is seen.
+
+
+COMPILE_REGION_FIX = (
+    "traceable_hsdp: a module inside a fully_shard unit has its forward marked "
+    "torch.compiler.nested_compile_region. torch 2.13's compiled autograd cannot "
+    "trace the region's backward: it runs the rest of the backward eagerly and "
+    "compiles each of the units' gradient hooks as a graph of its own, which with "
+    "dynamo's automatic dynamic shapes fails on 2 or more ranks (an IndexError "
+    "while dynamo builds guards). Fix, either: remove nested_compile_region from "
+    "these modules (recommended: the backward then stays one compiled graph, with its "
+    "collectives bucketed and overlapped); or set "
+    "`torch._dynamo.config.automatic_dynamic_shapes = False` before the first "
+    "compiled step (it trains correctly, its backward partly eager). See [Note: A "
+    "compile region inside a unit] in traceable_hsdp/_state.py."
+)
+
+
+# [Note: A compile region inside a unit]
+# ``torch.compiler.nested_compile_region`` is torch's way to compile a repeated block
+# once. Inside our units, torch 2.13's compiled autograd graph-breaks at the region's
+# backward (``invoke_subgraph``) without resuming: the rest of its graph runs eagerly,
+# and each gradient hook it calls is compiled as a frame of its own (one per
+# parameter, until dynamo's recompile limit, then eager). Those hooks reduce each
+# gradient on its own, as traced ones do (see [Note: Eager or traced] in
+# ``_common.py``), and train correctly, but the second compile of a hook frame makes
+# the tensor sizes dynamic, and on 2 or more ranks dynamo then fails to build its
+# guards (an ``IndexError`` naming no cause). So the root's compiled pre-forward
+# refuses the regions unless ``automatic_dynamic_shapes`` is off, which the message
+# offers along with removing them; the message names the marked modules. The
+# regions are found when the tree is wired (a module whose class, or the module
+# itself, has a forward carrying torch's ``__marked_compile_region_fn__``), and the
+# root keeps the refusal that names them; a region marked on a plain function
+# inside a forward is not seen.
+
+
+def marks_compile_region(module: nn.Module) -> bool:
+    """Whether ``module``'s forward (its own, or its classes') is marked with
+    ``torch.compiler.nested_compile_region``. See [Note: A compile region inside a
+    unit]."""
+    forwards = [module.__dict__.get("forward")]
+    forwards += [klass.__dict__.get("forward") for klass in type(module).__mro__]
+    return any(hasattr(f, "__marked_compile_region_fn__") for f in forwards if f is not None)
+
+
+def hf_checkpointing_modules(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules whose class has Hugging Face's ``gradient_checkpointing`` flag. See
+    [Note: A checkpoint around a unit's call]."""
+    return [
+        m for m in modules
+        if isinstance(getattr(type(m), "gradient_checkpointing", None), bool)
+    ]
+
+
+def compile_region_refusal(regions: list[str]) -> Callable[..., Any] | None:
+    """The refusal naming the modules marked as compile regions, ``None`` for none.
+    Built when the tree is wired: a refusal's message is all dynamo shows. See
+    [Note: A compile region inside a unit]."""
+    return refusal(f"{COMPILE_REGION_FIX} Modules: {', '.join(regions)}.") if regions else None
+
+
+def hook_eager_recomputes(
+    state: FSDPState, modules: list[nn.Module],
+    by_module: dict[nn.Module, list[tuple[str, FSDPParam]]],
+) -> None:
+    """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd].
+    ``by_module``: the unit's parameters by the module that holds them."""
+    for m in modules:
+        for path, sub in m.named_modules():
+            if not isinstance(sub, CheckpointWrapper):
+                continue
+            inner = sub._checkpoint_wrapped_module
+            # dict: a parameter held by two modules (tied) is checked once
+            held = {
+                id(fp): fp for mod in inner.modules() for _, fp in by_module.get(mod, ())
+            }
+            params = list(held.values())
+            if params:
+                inner.register_forward_pre_hook(
+                    functools.partial(_check_eager_recompute, state, path, params)
+                )
+
+def _check_eager_recompute(
+    state: FSDPState, path: str, params: list[FSDPParam], module: nn.Module, args: Any
+) -> None:
+    """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd]."""
+    if compiling() or not compiled_autograd.in_compiled_autograd_region:
+        return
+    if all(fp.module_holds_unsharded for fp in params):
+        return
+    raise RuntimeError(
+        f"Unit {state._where()!r}: the checkpoint_wrapper around "
+        f"{type(module).__name__}{f' at {path!r}' if path else ''} in it runs "
+        "eagerly inside a compiled-autograd backward, where its recompute "
+        "would read the sharded parameters. A checkpoint runs eagerly when the forward "
+        "is not compiled, or when its region breaks the graph (TORCH_LOGS=graph_breaks "
+        "names the break; transformers 5.25 has one in every decoder layer's "
+        "attention). Fix, either: set torch._dynamo.config."
+        "skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first "
+        "compiled step, if the region's side effects need not run again in the "
+        "recompute; or remove the graph break from the region; or compile the "
+        "forward (torch.compile(model)) when the backward is compiled."
+    )
+
+
+def checkpointed_around(state: FSDPState) -> str | None:
+    """How a checkpoint is put around this unit's whole call, if one is. See
+    [Note: A checkpoint around a unit's call]."""
+    for holder, path, name in state.slots:
+        if isinstance(holder, CheckpointWrapper):
+            return f"Unit {state._where()!r}: checkpoint_wrapper {path!r} wraps it."
+        now = holder._modules.get(name)
+        if isinstance(now, CheckpointWrapper) and now._checkpoint_wrapped_module in state.modules:
+            where = f"{path}.{name}" if path else name
+            return (f"Unit {state._where()!r}: checkpoint_wrapper {where!r} wraps it "
+                    "(put there after fully_shard on the root).")
+    for m in state.hf_checkpointing_modules:
+        if m.gradient_checkpointing and m.training:
+            return (f"Unit {state._where()!r}: Hugging Face gradient checkpointing "
+                    "is on (activation_checkpointing_enable(), formerly "
+                    "gradient_checkpointing_enable()).")
+    return None

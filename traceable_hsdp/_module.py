@@ -1,0 +1,645 @@
+"""The ``FSDPModule`` mixin every unit's class gets, its methods, and the handles they
+return (``UnshardHandle``, ``GradientReductionHandle``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+
+from ._compiled_call import dispatch_compiled_call
+from ._param_group import FSDPParamGroup
+from ._state import FSDPState, require_state, state_of
+from ._torch_view import TorchStateView
+
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
+
+
+# [Note: A subclass of torch's FSDPModule]
+# Our mixin subclasses ``torch.distributed.fsdp.FSDPModule``, so code written against
+# torch's FSDP2 recognises our units: ``isinstance(m, FSDPModule)`` in user loops,
+# torchtitan and accelerate, and torch's public helpers that check it, such as
+# ``torch.distributed.fsdp.register_fsdp_forward_method`` (a silent no-op on a module
+# that is not one, which left a method reading sharded parameters). Every public method
+# of torch's class is overridden here (tests/test_module_methods.py checks it), so none of
+# torch's runtime runs on our units. torch's helpers that go further reach the unit's
+# state through the private ``_get_fsdp_state()``; it returns a ``TorchStateView``
+# that offers the two entries torch's ``register_fsdp_forward_method`` calls
+# (``_pre_forward`` and ``_post_forward``, with torch's signatures) and raises an
+# ``AttributeError`` naming the attribute and the way out for any other (torch's
+# ``share_comm_ctx``, ``FSDPMemTracker``).
+#
+# torch.distributed.pipelining treats a stage whose module is an ``FSDPModule`` as
+# FSDP: it runs every micro-batch's backward with gradient sync and resharding off,
+# then, in its gradient-reduction step, fetches the state with torch's own
+# ``fully_shard.state(module)`` and calls ``post_backward()`` on each parameter group
+# and ``_root_post_backward_final_callback()`` on the root. So the view is also
+# registered where torch's ``fully_shard.state`` looks (``expose_to_torch``), and
+# offers those three entries: a group's ``post_backward`` is the group's own
+# ``end_of_backward`` (it reduces the gradients the micro-batches kept), the root's
+# callback is our root's end-of-backward (which then frees the units, the last
+# backward being flagged).
+# tests/test_pipelining.py checks a 2-stage x 2-way FSDP schedule against one process.
+
+
+class FSDPModule(_TorchFSDPModule):
+    """Mixin added to the class of every module passed to :func:`fully_shard`. A
+    subclass of torch's ``FSDPModule`` whose methods are all ours; see [Note: A
+    subclass of torch's FSDPModule]."""
+
+    # The generated class's MRO: FSDP<Orig>, this mixin, torch's FSDPModule, Orig.
+    # torch's FSDPModule.__new__ reads it too: an entry of [Note: Torch internals],
+    # checked by _torch_internals.install().
+    _orig_cls_mro_index: int = 3
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Constructing FSDP<Orig>(...) (e.g. indexing a container module) builds Orig.
+        orig_cls = cls.__mro__[cls._orig_cls_mro_index]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile`` (compiles this module's call in place), for a unit:
+        see [Note: A unit compiled in place] (``_compiled_call.py``)."""
+        nn.Module.compile(self, *args, **kwargs)
+        dispatch_compiled_call(self)
+
+    def _get_fsdp_state(self) -> TorchStateView:
+        """torch's private accessor, for torch's helpers that call it (see [Note: A
+        subclass of torch's FSDPModule]). Our own code uses ``fully_shard.state``."""
+        return TorchStateView(require_state(self))
+
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """All-gathers this unit's parameters into their unsharded placeholders and
+        registers those on the modules, as before its forward.
+
+        Args:
+            async_op: if ``True``, issue the all-gathers and return a handle whose
+                ``wait()`` finishes the unshard (the next forward also waits for it);
+                default ``False`` waits before returning.
+
+        Returns:
+            An :class:`UnshardHandle` when ``async_op``, else ``None``.
+        """
+        state = require_state(self)
+        param_group = state.param_group
+        if param_group is None:
+            return UnshardHandle(None) if async_op else None
+        param_group.issue_unshard()
+        if async_op:
+            return UnshardHandle(param_group)
+        param_group.wait_for_unshard()
+        param_group.register_unsharded()
+        return None
+
+    def reshard(self) -> None:
+        """Frees this unit's unsharded parameters and registers the sharded ones."""
+        state = require_state(self)
+        if state.param_group is not None:
+            state.param_group.reshard()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``model.to(dtype)``, ``to_empty(device=...)``, ``.double()``: nn.Module's
+        # _apply converts the sharded DTensors; the unit then follows them. See
+        # [Note: Changes after fully_shard] in _param.py.
+        self.reshard()
+        # The original class's _apply, past torch's FSDPModule (whose _apply would
+        # read torch's private state).
+        out = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        # Devices are checked at the next forward: in a list unit, the other
+        # modules may not be converted yet.
+        require_state(self)._apply_user_changes(check_device=False)
+        return out
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether the next backwards reduce gradients. With ``False``, unsharded
+        gradients accumulate on the placeholders across backwards (gradient
+        accumulation without communication); the first backward with ``True``
+        reduces the accumulated sum. For HSDP it covers the reduce-scatter and the
+        all-reduce together.
+
+        Args:
+            requires_gradient_sync: reduce gradients (``True``) or accumulate them
+                unsharded (``False``).
+            recurse: also set it on every fully_shard unit inside this module
+                (default ``True``).
+        """
+        _set_on_groups(self, recurse, "reduce_grads", "requires_gradient_sync", requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the next forwards free the unsharded parameters after use (and
+        re-gather them for backward).
+
+        Args:
+            reshard_after_forward: the new setting.
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        for state in _states(self, recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether backward frees the unsharded parameters when the unit's gradients
+        are done. ``False`` keeps them gathered for the next micro-batch's forward;
+        set it back to ``True`` before the last micro-batch (the optimizer step
+        changes the sharded parameters, and a kept unsharded copy would be stale).
+
+        Args:
+            reshard_after_backward: the new setting.
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _set_on_groups(
+            self, recurse, "reshard_after_backward", "reshard_after_backward", reshard_after_backward
+        )
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step. On the
+        last backward the root finishes every unit (frees what backward left
+        gathered); with ``False`` it leaves them as they are, for micro-batching.
+        Eager only: a compiled backward finishes each unit when its last gradient is
+        reduced (see docs/compile.md)."""
+        _check_bool("is_last_backward", is_last_backward)
+        require_state(self).is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: "list[FSDPModule]") -> None:
+        """All-gathers of these units are issued in this unit's pre-forward (after its
+        own), so they overlap this unit's forward; each waits in its own pre-forward.
+
+        Raises:
+            TypeError: an entry is not a fully_shard module.
+        """
+        require_state(self).forward_prefetch = _prefetch_states(modules, "forward")
+
+    def set_modules_to_backward_prefetch(self, modules: "list[FSDPModule]") -> None:
+        """All-gathers of these units are issued in this unit's pre-backward, so they
+        overlap this unit's backward.
+
+        Raises:
+            TypeError: an entry is not a fully_shard module.
+        """
+        require_state(self).backward_prefetch = _prefetch_states(modules, "backward")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's gradients by ``factor`` after summing them over the
+        data-parallel ranks, instead of averaging (the default divides by the number
+        of ranks). This unit only, as torch's (no ``recurse``): call it on each unit
+        that should use the factor.
+
+        Raises:
+            ValueError: ``factor`` is not a positive number.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}.")
+        for state in _states(self, recurse=False):
+            if state.param_group is not None:
+                state.param_group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor` (as in torch)."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Sum in the collectives and divide by the number of data-parallel ranks
+        locally, instead of averaging in the collectives (same result up to
+        rounding). An explicit gradient divide factor takes precedence. This unit
+        only, as torch's (no ``recurse``)."""
+        _set_on_groups(self, False, "force_sum", "enable", enable)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces gradients over the replicas. With
+        ``False`` the reduce-scatter still runs and the shard-reduced gradients
+        accumulate locally; the next backward with ``True`` all-reduces the sum.
+        Nothing changes on a 1-D mesh."""
+        _set_on_groups(self, recurse, "all_reduce_grads", "requires_all_reduce", requires_all_reduce)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether this unit re-gathers its parameters for backward (default
+        ``True``). ``False`` saves the re-gather for a unit whose backward does not
+        read its parameters, e.g. an embedding: its weight gradient needs only the
+        indices and the output gradient. A backward that does read a parameter that
+        was not re-gathered fails loudly (its storage has size 0)."""
+        _set_on_groups(self, False, "unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Calls ``hook`` on each of this unit's gradients once it is reduced (the
+        reduce-scatter output for FSDP, the all-reduce output for HSDP), before it is
+        divided by a gradient divide factor and accumulated into the sharded
+        parameter's ``.grad``; the hook may change it in place. Unlike torch, which
+        calls it once per unit on a flat buffer, it is called once per trainable
+        parameter, on that parameter's local shard in ``reduce_dtype``. Eager and
+        compiled (the hook is traced into the backward graph). Applies to this unit
+        only, as torch's. See [Note: The all-reduce hook] in ``_param_group.py``.
+
+        Args:
+            hook: ``hook(reduced: torch.Tensor) -> None``; ``None`` removes it.
+            stream: run the hook on this stream (default ``None``: the current
+                one). FSDP on an accelerator mesh, eager backward only.
+
+        Raises:
+            TypeError: ``hook`` is not callable, or ``stream`` is not a stream.
+            ValueError: ``stream`` with HSDP (a 2-D mesh), as in torch, or on a
+                mesh whose device has no streams (CPU), or on another device type.
+        """
+        if hook is not None and not callable(hook):
+            raise TypeError(
+                f"set_all_reduce_hook expects a callable hook(reduced: Tensor) -> None, got "
+                f"{type(hook).__name__}."
+            )
+        state = require_state(self)
+        param_group = state.param_group
+        if stream is not None:
+            if not isinstance(stream, (torch.Stream, torch.cuda.Stream)):
+                raise TypeError(
+                    f"set_all_reduce_hook(stream=...) expects a torch.Stream (e.g. "
+                    f"torch.cuda.Stream()), got {type(stream).__name__}."
+                )
+            if param_group is not None and param_group.mesh_info.replicate_mesh_dim is not None:
+                raise ValueError(
+                    "stream cannot be set when using native HSDP (a 2-D mesh): the hook "
+                    "runs after the all-reduce, on the current stream. Pass stream=None."
+                )
+            if param_group is not None:
+                device = param_group.mesh_info.device
+                stream_type = torch.device(stream.device).type
+                if device.type == "cpu" or stream_type != device.type:
+                    raise ValueError(
+                        f"set_all_reduce_hook(stream=...) got a {stream_type} stream for "
+                        f"a unit on {device.type}; the stream must be on the mesh's "
+                        "accelerator (a CPU mesh has no streams: pass stream=None)."
+                    )
+        if param_group is not None:
+            param_group.all_reduce_hook = hook
+            param_group.all_reduce_hook_stream = stream if hook is not None else None
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Makes the root's next forward wait for ``event`` (recorded after the
+        optimizer step): the current stream waits on it (``event.wait()``) before
+        the root's pre-forward, once; then the event is dropped, so set a new one
+        each iteration. Our all-gathers run on the current stream and so follow the
+        optimizer step anyway; the wait is for an optimizer that ran on another
+        stream. Works with a compiled model too (the wait runs outside the graph).
+        Called on a nested unit, it sets the event of that unit's root. See
+        [Note: The post-optimizer event] in ``_post_optim.py``.
+
+        Args:
+            event: a ``torch.Event`` (or ``torch.cuda.Event``), or ``None``: what
+                ``torch.cpu.current_stream().record_event()`` returns (the CPU has no
+                events; CPU work is ordered already), which clears an event set
+                before and waits for nothing.
+
+        Raises:
+            TypeError: ``event`` is neither an event nor ``None``.
+        """
+        if event is not None and not isinstance(event, (torch.Event, torch.cuda.Event)):
+            raise TypeError(
+                "set_post_optim_event expects a torch.Event (or torch.cuda.Event) "
+                f"recorded after the optimizer step, got {type(event).__name__}."
+            )
+        root = require_state(self).root
+        if event is None:
+            root.post_optim.clear()
+        else:
+            root.post_optim.set(event)
+
+    def reset_iter_state(self) -> None:
+        """Recovers from an exception that stopped a forward or backward midway:
+        waits for and drops the all-gathers in flight, reshards every unit (the
+        modules hold their sharded parameters again), drops the gradients the
+        failed iteration left unreduced (unsharded gradients, those kept by
+        ``set_requires_gradient_sync(False)`` or ``set_reduce_scatter_unused_params``,
+        HSDP gradients not yet all-reduced) and sets every unit idle, so the next
+        iteration runs normally. Gradients already reduced into the sharded
+        parameters' ``.grad`` stay: call ``optimizer.zero_grad()`` to drop them. Every
+        rank must raise at the same point and call it (as for any collective).
+
+        Raises:
+            RuntimeError: called on a unit that is not the root (the outermost
+                ``fully_shard`` module).
+        """
+        _require_root(self, "reset_iter_state").reset_iter()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Whether resharding keeps the unsharded parameters' storage (torch 2.15's
+        method). ``True`` keeps each placeholder's full-size storage allocated across
+        reshard and unshard, so its data pointer stays the same (what CUDA graph
+        capture needs), at the cost of holding the unsharded parameters; the next
+        unshard refills it. ``False`` (a unit's default) frees it at every reshard.
+        Eager and compiled alike (a compiled graph that sees the change recompiles).
+
+        Args:
+            keep: keep the storage (``True``) or free it (``False``).
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _check_bool("keep", keep)
+        for state in _states(self, recurse):
+            if state.param_group is not None:
+                for fp in state.param_group.fsdp_params:
+                    fp.keep_storage = keep
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Whether the caller ends each backward iteration with
+        :meth:`finalize_backward` (torch 2.15's method). When enabled, the end of a
+        backward neither reduces the gradients a unit kept nor reshards what backward
+        left gathered, whatever ``set_is_last_backward`` says; ``finalize_backward``
+        does both. torch.distributed.pipelining (2.15) uses it for its micro-batches.
+        See [Note: Manual backward finalization] in ``_state.py``.
+
+        Raises:
+            RuntimeError: called on a unit that is not the root, or, to change the
+                mode, during a backward or while a finalization is pending.
+        """
+        _check_bool("enabled", enabled)
+        state = _require_root(self, "set_manual_backward_finalization")
+        if enabled != state.manual_finalization:
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError(
+                    "set_manual_backward_finalization cannot change mode during backward"
+                )
+            if state.reduction_pending:
+                raise RuntimeError(
+                    "set_manual_backward_finalization cannot change mode while a gradient "
+                    "reduction is pending: call wait() on its GradientReductionHandle first"
+                )
+        state.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
+        """Ends the backward iteration under manual finalization (torch 2.15's
+        method): reduces the gradients the units kept and reshards them as
+        ``set_reshard_after_backward`` says. Call it on the root after every
+        backward of the iteration, with gradient sync on again. See [Note: Manual
+        backward finalization] in ``_state.py``.
+
+        Args:
+            async_op: return a :class:`GradientReductionHandle` to ``wait()`` on
+                (default ``False`` returns ``None``). The reduction is complete when
+                it returns either way: our collectives run on the current stream.
+
+        Raises:
+            RuntimeError: not the root; manual finalization is off; called inside a
+                backward; a previous ``async_op`` handle was not waited on.
+        """
+        _check_bool("async_op", async_op)
+        state = _require_root(self, "finalize_backward")
+        state.finalize_backward()
+        if not async_op:
+            return None
+        state.reduction_pending = True
+        return GradientReductionHandle(state)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether parameters that got no gradient in a backward still join the
+        gradient reduction, with zeros, so ranks that took different branches
+        (mixture of experts, multi-modal models) issue the same collectives. A unit
+        with it on reduces all its trainable parameters together at the end of the
+        backward, in a fixed order; its unsharded gradients are kept until then.
+        Eager backward only: a compiled backward with it on is refused with a
+        ``RuntimeError``. See [Note: Unused parameters] in ``_param_group.py``.
+
+        Args:
+            reduce_scatter_unused_params: the new setting (default of a unit:
+                ``False``).
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+        """
+        _set_on_groups(
+            self, recurse, "reduce_scatter_unused_params", "reduce_scatter_unused_params",
+            reduce_scatter_unused_params,
+        )
+
+    # [Note: torch's communication tuning methods]
+    # The seven methods below tune torch's eager runtime: its communication objects,
+    # staging buffers, streams and process groups. Here every collective is a
+    # functional c10d op on the current stream, traced into the compiled graphs, and
+    # its buffers are the graph's (Inductor plans them) or the eager op's: there is no
+    # Comm object, staging buffer, copy-in buffer or side stream for them to act on.
+    # They exist with torch's signatures and raise NotImplementedError naming what to
+    # use instead; those whose argument asks for what already happens (turning an
+    # option off) return quietly.
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_custom_all_gather",
+            "the all-gathers are functional c10d ops traced into the compiled graphs, "
+            "and their output buffers are allocated by the graph, so a custom AllGather "
+            "(which allocates and issues the collective eagerly) has no place to run. "
+            "To change how all-gathers are grouped, use traceable_hsdp.passes "
+            "(PassConfig(bucket_all_gathers=..., bucket_cap_mb=...)).",
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_custom_reduce_scatter",
+            "the reduce-scatters are functional c10d ops traced into the compiled "
+            "graphs, and their buffers are allocated by the graph, so a custom "
+            "ReduceScatter has no place to run. To change how reduce-scatters are "
+            "grouped, use traceable_hsdp.passes (PassConfig(bucket_reduce_scatters=..., "
+            "bucket_cap_mb=...)); for a custom reduction after the collective, "
+            "set_all_reduce_hook.",
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
+        happens anyway) does nothing. See [Note: torch's communication tuning
+        methods]."""
+        _check_bool("enable", enable)
+        if enable:
+            _not_supported(
+                "set_allocate_memory_from_process_group_for_comm",
+                "there are no FSDP staging buffers: collective inputs and outputs are "
+                "ordinary tensors of the compiled graph, whose memory Inductor plans (or "
+                "of the eager ops). Bucketing (traceable_hsdp.passes, bucket_cap_mb) "
+                "controls how large the collective buffers are.",
+            )
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Not supported: raises ``NotImplementedError`` (``TypeError``/``ValueError``
+        first for a value torch would refuse). See [Note: torch's communication
+        tuning methods]."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}."
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}.")
+        _not_supported(
+            "set_reduce_scatter_max_input_buffers",
+            "there is no reduce-scatter copy-in buffer to recycle and no separate "
+            "reduce-scatter stream: the reduce-scatters run on the current stream and "
+            "Inductor plans their buffers. For overlap use traceable_hsdp.passes "
+            "(PassConfig(overlap=True) waits for each reduce-scatter only before the next "
+            "one), and bucket_cap_mb for the buffer size.",
+        )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
+        happens anyway) does nothing. See [Note: torch's communication tuning
+        methods]."""
+        _check_bool("enable", enable)
+        if enable:
+            _not_supported(
+                "set_separate_reduce_scatter_group",
+                "every collective runs on the current stream through the unit's mesh "
+                "groups, whose names are baked into the compiled graphs; there is no "
+                "reduce-scatter stream for a second process group to run on. For "
+                "overlap use traceable_hsdp.passes (PassConfig(overlap=True)).",
+            )
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Not supported: raises ``NotImplementedError``. See [Note: torch's
+        communication tuning methods]."""
+        _not_supported(
+            "set_symm_mem_for_comm",
+            "the all-gather output buffers are allocated by the compiled graph "
+            "(Inductor) or the eager op, not by FSDP, so they cannot be put in "
+            "symmetric memory from here. Bucketing and overlap are configured with "
+            "traceable_hsdp.passes.",
+        )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """torch's private switch that issues the pre-forward and pre-backward
+        all-gathers with ``async_op=True`` so that their buffers are allocated on
+        the current stream. Ours always are (every collective runs on the current
+        stream), and prefetching stays as configured, so both values leave the
+        behaviour as it is; the argument is checked. See [Note: torch's
+        communication tuning methods]."""
+        _check_bool("async_op", async_op)
+
+
+def _not_supported(method: str, why: str) -> None:
+    raise NotImplementedError(f"traceable_hsdp does not support FSDPModule.{method}: {why}")
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the unshard."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        """Waits for the all-gathers and fills the placeholders. Idempotent."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group.register_unsharded()
+            self._group = None
+
+
+# torch 2.15 adds the class; a handle of ours is an instance of torch's where it exists.
+_TorchGradientReductionHandle: type = getattr(
+    torch.distributed.fsdp, "GradientReductionHandle", object
+)
+
+
+class GradientReductionHandle(_TorchGradientReductionHandle):  # type: ignore[misc,valid-type]
+    """Returned by ``finalize_backward(async_op=True)``: ``wait()`` ends the pending
+    reduction. See [Note: Manual backward finalization] in ``_state.py``."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state: FSDPState | None = state
+        self._iteration = state.iteration
+
+    def wait(self) -> None:
+        """Releases the reduction (already complete). Idempotent.
+
+        Raises:
+            RuntimeError: ``reset_iter_state`` invalidated this handle.
+        """
+        state = self._state
+        if state is None:
+            return
+        if state.iteration != self._iteration:
+            raise RuntimeError(
+                "This gradient reduction handle was invalidated by reset_iter_state; "
+                "the iteration's gradients were dropped."
+            )
+        state.reduction_pending = False
+        self._state = None
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}.")
+
+
+# The parameter group's flags the public setters write; a name outside this set is a
+# typo that would otherwise create a new attribute and change nothing.
+_GroupFlag = Literal[
+    "reduce_grads", "reshard_after_backward", "force_sum", "all_reduce_grads",
+    "unshard_in_backward", "reduce_scatter_unused_params",
+]
+_GROUP_FLAGS = frozenset(get_args(_GroupFlag))
+
+
+def _set_on_groups(module: Any, recurse: bool, attr: _GroupFlag, name: str, value: object) -> None:
+    """The boolean setters' one body: checks that ``value`` (the argument ``name``)
+    is a bool, then sets ``attr`` of this unit's parameter group to it, and with
+    ``recurse`` of every unit's inside too."""
+    if attr not in _GROUP_FLAGS:
+        raise AssertionError(f"_set_on_groups: {attr!r} is not a parameter-group flag")
+    _check_bool(name, value)
+    for state in _states(module, recurse):
+        if state.param_group is not None:
+            assert isinstance(getattr(state.param_group, attr), bool), attr
+            setattr(state.param_group, attr, value)
+
+
+def _states(module: Any, recurse: bool) -> list[FSDPState]:
+    root = require_state(module)
+    if not recurse:
+        return [root]
+    out: list[FSDPState] = []
+    for m in module.modules():
+        s = state_of(m)
+        if s is not None and s not in out:
+            out.append(s)
+    return out
+
+
+def _prefetch_states(modules: Any, which: str) -> list[FSDPState]:
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"set_modules_to_{which}_prefetch expects a list of modules.")
+    out = []
+    for m in modules:
+        s = state_of(m) if isinstance(m, nn.Module) else None
+        if s is None:
+            raise TypeError(
+                f"set_modules_to_{which}_prefetch got a {type(m).__name__} that is not a "
+                "fully_shard module; pass modules returned by fully_shard."
+            )
+        out.append(s)
+    return out
+
+
+def _require_root(module: Any, method: str) -> FSDPState:
+    state = require_state(module)
+    if not state.is_root:
+        raise RuntimeError(
+            f"{method} must be called on the root FSDP module; this "
+            f"{type(module).__name__} is nested in another fully_shard unit. Call it on "
+            "the outermost module fully_shard was applied to."
+        )
+    return state
