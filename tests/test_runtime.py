@@ -390,6 +390,7 @@ def test_module_hooks_on_a_unit(one_rank) -> None:
     assert torch.equal(kept["ours"], torch.full((4, 4), 0.5)), kept["ours"]
 
 
+@pytest.mark.slow
 def test_torch_layers_compiled_with_inductor() -> None:
     """torch's Conv2d, BatchNorm2d and TransformerEncoderLayer in units and the root,
     compiled whole with Inductor. Two hazards: Inductor's channels-last layout for
@@ -533,7 +534,7 @@ def test_compiled_without_compiled_autograd(one_rank, caplog) -> None:
     finally:
         _state._EAGER_HOOKS_SAID = monkey_said
     for (k, v), (k2, v2) in zip(m.state_dict().items(), eager.state_dict().items()):
-        assert k == k2 and torch.equal(v.full_tensor(), v2.full_tensor()), k
+        assert k == k2 and torch.equal(full_tensor(v), full_tensor(v2)), k
     torch._dynamo.reset()
 
 
