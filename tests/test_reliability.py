@@ -201,7 +201,7 @@ def test_uneven_shards_at_the_edges() -> None:
 def test_units_compiled_without_compiled_autograd_train_correctly() -> None:
     """Compiled with compiled autograd off, each unit's hooks run eagerly around the
     compiled compute ([Note: A unit compiled without compiled autograd] in
-    _state.py), and train correctly (aot_eager, 2 ranks, 3 SGD steps): a unit holding
+    _compile_checks.py), and train correctly (aot_eager, 2 ranks, 3 SGD steps): a unit holding
     another unit compiled on its own under an eager root (``torch.compile(model[2])``);
     the same with that block frozen while its input needs grad; the whole model
     compiled (``torch.compile(model)``, torchtitan's plain line); and a wholly frozen

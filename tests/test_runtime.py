@@ -491,11 +491,11 @@ def test_refused_like_torch_fully_shard(one_rank) -> None:
 def test_compiled_without_compiled_autograd(one_rank, caplog) -> None:
     """``torch.compile(model)`` with compiled autograd off trains as torch's
     fully_shard does under it: each unit's hooks run eagerly around the compiled
-    compute ([Note: A unit compiled without compiled autograd] in _state.py), bitwise
+    compute ([Note: A unit compiled without compiled autograd] in _compile_checks.py), bitwise
     equal to the same model eager (aot_eager: the same ops), with one log line naming
     ``enable_compiled_autograd``; under ``fullgraph=True`` that graph break is the
     error, naming the fix. 2 ranks and Inductor: test_reliability.py."""
-    from traceable_hsdp import _state
+    from traceable_hsdp import _compile_checks as checks
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -523,8 +523,8 @@ def test_compiled_without_compiled_autograd(one_rank, caplog) -> None:
                        "enable_compiled_autograd"):
         torch.compile(m, backend="aot_eager", fullgraph=True)(torch.randn(3, 4))
     torch._dynamo.reset()
-    monkey_said = _state._EAGER_HOOKS_SAID
-    _state._EAGER_HOOKS_SAID = False
+    said_before = checks._EAGER_HOOKS_SAID
+    checks._EAGER_HOOKS_SAID = False
     try:
         m = build()
         with caplog.at_level("WARNING", logger="traceable_hsdp"):
@@ -532,7 +532,7 @@ def test_compiled_without_compiled_autograd(one_rank, caplog) -> None:
         said = [r for r in caplog.records if "enable_compiled_autograd" in r.getMessage()]
         assert len(said) == 1, caplog.records
     finally:
-        _state._EAGER_HOOKS_SAID = monkey_said
+        checks._EAGER_HOOKS_SAID = said_before
     for (k, v), (k2, v2) in zip(m.state_dict().items(), eager.state_dict().items()):
         assert k == k2 and torch.equal(full_tensor(v), full_tensor(v2)), k
     torch._dynamo.reset()
