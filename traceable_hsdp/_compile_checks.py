@@ -267,6 +267,7 @@ def hook_eager_recomputes(
                     functools.partial(_check_eager_recompute, state, path, params)
                 )
 
+
 def _check_eager_recompute(
     state: FSDPState, path: str, params: list[FSDPParam], module: nn.Module, args: Any
 ) -> None:

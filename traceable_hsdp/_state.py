@@ -71,6 +71,7 @@ from ._torch_internals import (
 if TYPE_CHECKING:
     from ._init import UnitOptions
 
+
 class _InputGradsDone:
     """What torch's ``RegisterPostBackwardFunction`` calls (``post_backward``) when
     the gradients of one forward's inputs are complete; it counts them down when

@@ -152,6 +152,7 @@ def _before_state_dict(state: FSDPState, module: nn.Module, prefix: str, keep_va
     if state.param_group is not None:
         state.param_group.register_sharded()
 
+
 def _before_load_subtree(
     unit: FSDPState,
     module: nn.Module,
@@ -181,6 +182,7 @@ def _before_load_subtree(
         if reached:
             param_group.reshard()  # See [Note: state_dict and load_state_dict].
 
+
 def _before_load_own_params(
     state: FSDPState,
     params: list[tuple[str, FSDPParam]],
@@ -197,6 +199,7 @@ def _before_load_own_params(
         _prepare_loaded_value(state_dict, prefix + name, fp, assign)
     if state.param_group is not None:
         state.param_group.reshard()  # See [Note: state_dict and load_state_dict].
+
 
 def _after_load_state_dict(state: FSDPState, module: nn.Module, incompatible_keys: Any) -> None:
     if state.param_group is not None:

@@ -41,6 +41,7 @@ from ..passes._graph import (
     resize_nbytes,
 )
 
+
 @dataclass(frozen=True)
 class CollectiveRow:
     """One collective of a graph.
