@@ -32,7 +32,6 @@ NOT_SUPPORTED = {
     "set_custom_all_gather": (None,),
     "set_custom_reduce_scatter": (None,),
     "set_allocate_memory_from_process_group_for_comm": (True,),
-    "set_reduce_scatter_max_input_buffers": (2,),
     "set_separate_reduce_scatter_group": (),
     "set_symm_mem_for_comm": (),
 }
@@ -95,8 +94,15 @@ def test_not_supported_methods_raise(one_rank) -> None:
     for name, args in NOT_SUPPORTED.items():
         with pytest.raises(NotImplementedError, match=f"does not support FSDPModule.{name}: "):
             getattr(m, name)(*args)
-    with pytest.raises(NotImplementedError, match=r"traceable_hsdp.passes \(PassConfig\(overlap"):
-        m.set_reduce_scatter_max_input_buffers(2)
+    # torch's copy-in cap: checked and recorded, as torch's (per unit, recurse).
+    from traceable_hsdp._state import state_of
+
+    groups = [state_of(u).param_group for u in (m, m[0])]
+    assert [g.reduce_scatter_max_input_buffers for g in groups] == [1, 1]
+    m.set_reduce_scatter_max_input_buffers(3, recurse=False)
+    assert [g.reduce_scatter_max_input_buffers for g in groups] == [3, 1]
+    m.set_reduce_scatter_max_input_buffers(2)
+    assert [g.reduce_scatter_max_input_buffers for g in groups] == [2, 2]
     # Turning an option off asks for what happens anyway: accepted.
     m.set_allocate_memory_from_process_group_for_comm(False)
     m.set_separate_reduce_scatter_group(False, recurse=False)

@@ -424,14 +424,15 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     # [Note: torch's communication tuning methods]
-    # The seven methods below tune torch's eager runtime: its communication objects,
+    # The methods below tune torch's eager runtime: its communication objects,
     # staging buffers, streams and process groups. Here every collective is a
     # functional c10d op on the current stream, traced into the compiled graphs, and
     # its buffers are the graph's (Inductor plans them) or the eager op's: there is no
     # Comm object, staging buffer, copy-in buffer or side stream for them to act on.
     # They exist with torch's signatures and raise NotImplementedError naming what to
     # use instead; those whose argument asks for what already happens (turning an
-    # option off) return quietly.
+    # option off) return quietly. set_reduce_scatter_max_input_buffers, whose stall
+    # does not arise here, is checked and recorded (its docstring says why).
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Not supported: raises ``NotImplementedError``. See [Note: torch's
@@ -475,23 +476,32 @@ class FSDPModule(_TorchFSDPModule):
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """Not supported: raises ``NotImplementedError`` (``TypeError``/``ValueError``
-        first for a value torch would refuse). See [Note: torch's communication
-        tuning methods]."""
+        """torch's cap on reduce-scatter copy-in buffers in flight, a pure scheduling
+        knob (the numbers do not change). Checked and recorded as torch's; here it
+        changes nothing, because what it tunes does not arise: eagerly each unit's
+        reduce-scatter copies into a fresh buffer and is waited for before the next
+        unit's backward, so no copy-in ever waits for a buffer to be recycled (the
+        stall torch's cap removes) and one buffer is in flight at a time; traced,
+        Inductor plans the buffers and the overlap pass sets how many reduce-scatters
+        are in flight (docs/passes.md).
+
+        Args:
+            max_input_buffers: a positive int.
+            recurse: also set it on every fully_shard unit inside (default ``True``).
+
+        Raises:
+            TypeError: ``max_input_buffers`` is not an int (a bool included).
+            ValueError: ``max_input_buffers`` is below 1.
+        """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}."
             )
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}.")
-        _not_supported(
-            "set_reduce_scatter_max_input_buffers",
-            "there is no reduce-scatter copy-in buffer to recycle and no separate "
-            "reduce-scatter stream: the reduce-scatters run on the current stream and "
-            "Inductor plans their buffers. For overlap use traceable_hsdp.passes "
-            "(PassConfig(overlap=True) waits for each reduce-scatter only before the next "
-            "one), and bucket_cap_mb for the buffer size.",
-        )
+        for state in _states(self, recurse):
+            if state.param_group is not None:
+                state.param_group.reduce_scatter_max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True

@@ -276,6 +276,9 @@ class FSDPParamGroup:
         self.all_reduce_hook_stream: torch.Stream | None = None
         # See [Note: Unused parameters].
         self.reduce_scatter_unused_params = False
+        # torch's reduce-scatter copy-in cap; recorded, see
+        # FSDPModule.set_reduce_scatter_max_input_buffers.
+        self.reduce_scatter_max_input_buffers = 1
         # reduce_grads as the last backward began; see [Note: Held gradients of
         # unused parameters].
         self.backward_syncs = False
