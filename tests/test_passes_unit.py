@@ -1452,3 +1452,26 @@ def test_cpp_wrapper_refused_on_what_it_cannot_call() -> None:
         assert message.count("inductor.resize_storage_bytes_.default") == 1, message
         _refuse_cpp_wrapper(graph(marked=False, resize=False))  # a user's: not refused
     _refuse_cpp_wrapper(graph(marked=True, resize=True))  # the wrapper off
+
+
+def test_pool_keeps_within_its_budget() -> None:
+    """The exchange pool keeps at most ``POOL_MAX_BYTES`` (64 MiB) a process:
+    layer-sized buffers are pooled until the budget is full; a buffer past it (an
+    embedding-sized bucket, or any other) is handed out unpooled. See [Note: Exchange
+    outputs from a pool] in passes/gloo/_pool.py."""
+    from traceable_hsdp.passes.gloo import _pool
+
+    cpu = torch.device("cpu")
+    _pool.release_exchange_buffers()
+    assert _pool.exchange_pool_bytes() == 0
+    assert _pool.POOL_MAX_BYTES == 64 << 20
+    held = [_pool._take([2 << 20], torch.float32, cpu) for _ in range(_pool.POOL_DEPTH)]
+    assert _pool.exchange_pool_bytes() == 64 << 20  # 8 buffers of 8 MiB
+    big = _pool._take([32 << 20], torch.float32, cpu)  # 128 MiB: never pooled
+    small = _pool._take([1 << 10], torch.float32, cpu)  # 4 KiB past the budget
+    assert _pool.exchange_pool_bytes() == 64 << 20
+    # Released, the buffers in use stay; unused, they go.
+    assert _pool.release_exchange_buffers() == 0
+    del big, small, held
+    assert _pool.release_exchange_buffers() == 64 << 20
+    assert _pool.exchange_pool_bytes() == 0

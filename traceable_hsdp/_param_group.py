@@ -563,6 +563,7 @@ class FSDPParamGroup:
         self._grads_ready = 0
         if not held:
             return
+        grad = None  # the loop's last gradient: _reduce_flat frees them as it goes
         if compiled_backward():
             for fp, grad in held:
                 self._reduce(fp, grad)
@@ -593,8 +594,8 @@ class FSDPParamGroup:
 
     def _reduce_flat(self, held: list[tuple[FSDPParam, torch.Tensor]]) -> None:
         """Reduces ``held`` (parameter, unsharded gradient) in one flat collective per
-        kind and ``reduce_dtype``, eagerly. See [Note: One collective per unit,
-        eagerly]."""
+        kind and ``reduce_dtype``, eagerly, and empties it. See [Note: One collective
+        per unit, eagerly]."""
         hook = self._reduced_hook()
         # Parameters sharded over another mesh (torch's ShardPlacementResult) reduce
         # over their own groups, with their own divide factor.
@@ -603,7 +604,15 @@ class FSDPParamGroup:
             mi = fp.mesh_info
             key = (mi.shard_group_name, mi.replicate_group_name, fp.replicate, fp.reduce_dtype)
             buckets.setdefault(key, []).append((fp, grad.to(fp.reduce_dtype)))
-        for (_, _, replicate, _), bucket in buckets.items():
+        # From here only the buckets reference the unit's unsharded gradients, and each
+        # bucket is emptied once packed into its flat buffer, so a gradient is freed
+        # as soon as its collective's input holds it (the caller's list and the loop
+        # variables would keep every gradient of the unit alive through the unit's
+        # last collective).
+        held.clear()
+        grad = None
+        for key in list(buckets):  # in order; each popped, so emptying it frees it
+            replicate, bucket = key[2], buckets.pop(key)
             mi = bucket[0][0].mesh_info
             divide_factor = self._divide_factor(mi)
             op = "avg" if divide_factor is None else "sum"
@@ -629,7 +638,8 @@ class FSDPParamGroup:
         rows = [fp.flat_reduce_rows(grad) for fp, grad in bucket]
         flat = torch.empty((ws, sum(numels)), dtype=rows[0].dtype, device=rows[0].device)
         chunk_cat(rows, ws, flat)
-        del rows, bucket  # the unsharded gradients can go
+        del rows
+        bucket.clear()  # the unsharded gradients can go (the caller's list is this one)
         out = reduce_scatter(flat.view(-1), op, ws, mi.shard_group_name)
         if mi.replicate_group_name is not None:
             parts = [fp.flat_reduced_local(part) for fp, part in zip(params, out.split(numels))]
@@ -656,7 +666,7 @@ class FSDPParamGroup:
         each parameter's end as in ``FSDPParam.reduce_grad``."""
         params = [fp for fp, _ in bucket]
         flat = torch.cat([grad.reshape(-1) for _, grad in bucket])
-        del bucket
+        bucket.clear()  # the unsharded gradients can go (the caller's list is this one)
         out = all_reduce(flat, op, mi.shard_group_name, mi.shard_size)
         if mi.replicate_group_name is not None:
             out = all_reduce(out, op, mi.replicate_group_name, mi.replicate_size)

@@ -47,11 +47,17 @@ __all__ = [
 #   moment after the wait returns: the op then takes another buffer.) A storage whose
 #   size changed is dropped from the pool.
 # - Buffers are pooled by shape and dtype and device; at most :data:`POOL_DEPTH` a
-#   key. When all of a key's buffers are in use, the op allocates a new one and
-#   pools it while the key has room, else returns it unpooled (freed after use). So
+#   key, and at most :data:`POOL_MAX_BYTES` in all. When all of a key's buffers are
+#   in use, the op allocates a new one and pools it while the key and the budget
+#   have room, else returns it unpooled (freed after use), as torch's op does. So
 #   the pool holds at most the most exchanges of a shape whose outputs were alive at
-#   once (17 MiB a rank in the compute shape), like the CUDA caching allocator's
-#   reserved memory.
+#   once, like the CUDA caching allocator's reserved memory, within the budget.
+#   Without the budget a model with a large vocabulary kept its root's bucket (the
+#   embedding and the head) and every layer's, resident between steps: about 700
+#   MiB a rank for an 8-layer HF Llama of width 1024 on 2 ranks, which put our peak
+#   RSS above torch's per-block compile; with it, 40 MiB and the same peak as
+#   torch's (docs/benchmarks.md, "Memory"). ``test_pool_keeps_within_its_budget``
+#   pins it.
 # - It is kept between steps, which is the point; :func:`release_exchange_buffers`
 #   drops every buffer not in use (as ``torch.cuda.empty_cache()`` does), and
 #   ``PassConfig(pool_exchange_outputs=False)`` compiles graphs that allocate as
@@ -66,6 +72,10 @@ __all__ = [
 
 POOL_DEPTH = 8
 """Most buffers kept for one (shape, dtype, device)."""
+
+POOL_MAX_BYTES = 64 << 20
+"""Most bytes the pool keeps in all, per process. See [Note: Exchange outputs from a
+pool]."""
 
 _pool: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.UntypedStorage]] = {}
 _pool_lock = threading.Lock()
@@ -101,9 +111,17 @@ def _take(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.T
             break
         if storage is None:
             storage = torch.empty(shape, dtype=dtype, device=device).untyped_storage()
-            if len(kept) < POOL_DEPTH:
+            if len(kept) < POOL_DEPTH and _kept_bytes() + nbytes <= POOL_MAX_BYTES:
                 kept.append(storage)
     return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape)
+
+
+def _kept_bytes() -> int:
+    """Bytes of every pooled buffer, by its key's size (a buffer resized under us
+    counts at the size it was pooled at until it is dropped). Under ``_pool_lock``."""
+    return sum(
+        len(kept) * dtype.itemsize * math.prod(shape) for (shape, dtype, _), kept in _pool.items()
+    )
 
 
 def exchange_pool_bytes() -> int:
