@@ -1,63 +1,37 @@
 """The graph vocabulary: what a node of a traceable_hsdp graph is, written once.
 
-Every reader of traced graphs uses this module and matches no op name by itself: the
-passes, ``traceable_hsdp.dump_graphs``, the benchmarks and the tests. It owns
-
-- the predicates: is this node a collective (and which), a wait, an ``fsdp.copy_``,
-  a storage resize, a view; its arguments by schema name;
-- the collective annotations' keys, and reading, merging and copying them
-  (see [Note: Collective annotations]).
-- resolving a collective's process group by name, and its backend for a device
-  (:func:`resolve_group`, :func:`group_backend`).
-
-It imports only torch.
+Every reader of traced graphs (the passes, ``dump_graphs``, the benchmarks and the
+tests) uses this module and matches no op name by itself. It owns the predicates
+(collective, wait, ``fsdp.copy_``, resize, view; arguments by schema name), the
+collective annotations ([Note: Collective annotations]), and resolving a collective's
+process group (:func:`resolve_group`, :func:`group_backend`). It imports only torch.
 
 [Note: Two op forms]
-A graph calls an ATen-style op in one of two forms. Post-grad and AOTAutograd graphs
-call the ``OpOverload`` (``torch.ops._c10d_functional.all_gather_into_tensor.default``);
-the graph dynamo hands a ``torch.compile`` backend calls the ``OpOverloadPacket``
-(``torch.ops._c10d_functional.all_gather_into_tensor``), sometimes with keyword
-arguments. Every predicate here compares the op's qualified name (namespace and
-name), so it accepts both forms; :func:`bound_args` binds either form's arguments to
-the op schema's names. Functional collectives live in ``_c10d_functional`` (and the
-older ``c10d_functional``); ``wait_tensor`` is the wait, everything else there
-communicates.
+Post-grad and AOTAutograd graphs call the ``OpOverload`` (``...all_gather_into_tensor
+.default``); the graph dynamo hands a backend calls the ``OpOverloadPacket``, sometimes
+with keyword arguments. Every predicate compares the qualified name, so it accepts
+both; :func:`bound_args` binds either form to the schema's names.
 
 [Note: Collective annotations]
-The runtime issues each parameter's all-gather and reduce-scatter (and, for HSDP, its
-all-reduce) inside ``traceable_hsdp._annotate.collective_annotation``, which is
-``torch.fx.traceback.annotate`` with one key, :data:`ANNOTATION_KEY`. Every FX node
-traced inside it gets::
+The runtime issues each parameter's collectives inside
+``traceable_hsdp._annotate.collective_annotation`` (``torch.fx.traceback.annotate``
+with :data:`ANNOTATION_KEY`), so every node traced inside gets::
 
     node.meta["custom"]["traceable_hsdp"] = {"unit": "layers.0", "params": ("attn.wq.weight",)}
 
-``unit`` is the unit's label and ``params`` the parameter FQNs relative to the unit's
-module. A unit that carries its own pass options (``hsdp(comm_fusion=...,
-bucket_size=...)``, see :class:`UnitPassOptions`) adds ``"bucket"`` (bool) and
-``"bucket_cap_mb"`` (MiB or ``None``); the bucketing passes read them (see [Note:
-Per-unit pass options] in ``bucket_collectives.py``). Passes that merge collectives
-give the merged node the concatenation (:func:`merge_annotations`), so after
-bucketing one collective lists every parameter it serves.
+``params`` are FQNs relative to the unit's module. A unit with its own pass options
+adds ``"bucket"`` and ``"bucket_cap_mb"`` ([Note: Per-unit pass options] in
+``bucket_collectives.py``). Merging passes give the merged node the concatenation
+(:func:`merge_annotations`).
 
-Where it survives, on torch 2.13 (checked with the demo Llama, 2 ranks):
+It survives in dynamo's graphs (forward and compiled-autograd backward) and
+AOTAutograd's and Inductor's forward graphs, but NOT in AOTAutograd's graph of a
+compiled-autograd backward, which AOTAutograd re-traces from a wrapper without node
+meta. ``dump_graphs`` copies the annotations back from dynamo's graph
+(:func:`copy_annotations`); the passes cannot, so there the ``PassConfig`` decides.
 
-- dynamo's graphs (what a ``torch.compile`` backend receives): forward, and the
-  graph compiled autograd hands to dynamo for the backward (the annotation is
-  entered inside the backward hooks, which dynamo inlines);
-- AOTAutograd's forward graph and so Inductor's post-grad forward graph;
-- NOT AOTAutograd's graph of a compiled-autograd backward, nor its post-grad graph:
-  that graph takes a boxed list input, so dynamo hands AOTAutograd a wrapper module
-  instead of the ``GraphModule``, and AOTAutograd re-traces it without preserving
-  node meta (every node's meta is lost, ``stack_trace`` included).
-  ``traceable_hsdp.dump_graphs`` copies the annotations over from dynamo's graph of
-  the same compile (:func:`copy_annotations`); the passes cannot (no public Inductor
-  hook shows them dynamo's graph), so in those graphs the process-wide
-  ``PassConfig`` decides what a unit's own options would have.
-
-The annotation is metadata only: the graph, its code and the FX graph cache key are
-the same with and without it (see [Note: Per-unit options and the FX graph cache] in
-``_install.py``).
-
+The annotation is metadata only: graph, code and cache key are the same without it
+([Note: Per-unit options and the FX graph cache] in ``_install.py``).
 """
 
 from __future__ import annotations
