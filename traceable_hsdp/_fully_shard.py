@@ -84,29 +84,20 @@ def fully_shard(
             model already distributed by ``parallelize_module`` over
             ``world_mesh["tp"]``, pass ``world_mesh["dp"]`` (see [Note: FSDP x TP]
             in ``_param.py``).
-        reshard_after_forward: ``True`` frees the unsharded parameters after forward
-            and re-gathers them for backward; ``False`` keeps them from forward to
-            backward. ``None`` (the default, as torch 2.13's): ``False`` for the root
-            unit (its backward comes first; after a forward without grad it reshards
-            too), ``True`` for the others. An int k dividing the shard group's size
-            keeps 1/k of each parameter per rank after forward and re-gathers over
-            groups of k ranks for backward.
-        shard_placement_fn: called with each managed parameter; returns the
-            ``Shard(dim)`` to shard it on, or ``None`` for ``Shard(0)`` (default
-            ``None``: every parameter on dim 0), or torch's
-            ``ShardPlacementResult(placement, mesh_info)`` to shard it over another
-            mesh than ``mesh``.
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward;
+            ``False`` keeps them until backward; ``None`` (default): ``False`` for the
+            root (see [Note: The default keeps the root gathered for backward]),
+            ``True`` for the others; an int k keeps 1/k per rank ([Note: Reshard to
+            a smaller world]).
+        shard_placement_fn: called with each managed parameter; returns a
+            ``Shard(dim)``, ``None`` for ``Shard(0)``, or torch's
+            ``ShardPlacementResult`` for another mesh (default ``None``).
         mp_policy: dtypes for the gathered parameters, the gradient reduction and
-            the outputs (default full precision). torch's own policy object is
-            accepted too.
-        offload_policy: ``OffloadPolicy()`` (default, no offload) or
-            ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters and gradients
-            live on the CPU and are copied to the mesh's device for the all-gather.
+            the outputs (default full precision); torch's policy is accepted too.
+        offload_policy: ``OffloadPolicy()`` (default) or ``CPUOffloadPolicy()``.
         ignored_params: parameters left alone (neither sharded nor reduced).
-        dp_mesh_dims: torch 2.13's SPMD-mesh form (``DataParallelMeshDims``:
-            parameters already ``DTensor``s on the full mesh, ``mesh`` that full mesh)
-            is not supported: only ``None`` is accepted. The same layout is
-            expressed with the TP submesh and the DP submesh; see Raises.
+        dp_mesh_dims: only ``None``; torch's SPMD-mesh form is expressed with the TP
+            and DP submeshes instead.
 
     Returns:
         The same module (or list), its class now a subclass of ``FSDPModule``.
