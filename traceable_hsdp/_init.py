@@ -5,14 +5,9 @@ unit is built from what these return (``_fully_shard.py``).
 
 [Note: Unit options]
 Everything a unit is built from travels as one frozen :class:`UnitOptions`, checked
-once by :func:`unit_options`: the mesh, ``reshard_after_forward``, the placement
-function, the policies, the ignored parameters, and what ``hsdp()`` adds
-(``replicate``, ``keep_storage``, its pass options). ``fully_shard`` builds it from
-its arguments; ``hsdp()`` builds it from its own and hands it to
-``_fully_shard.shard_unit``, the internal seam both entries share. The options a
-user may change later through ``FSDPModule``'s setters (``reshard_after_forward``)
-are copied into the unit's state at construction; the dataclass itself never
-changes.
+once by :func:`unit_options`; ``fully_shard`` and ``hsdp()`` both build one and meet in
+``_fully_shard.shard_unit``. Options a setter may change later are copied into the
+unit's state.
 """
 
 from __future__ import annotations
@@ -225,15 +220,11 @@ def mark_managed(param: nn.Parameter, sharded: nn.Parameter, desc: str, unit: st
 
 
 # [Note: Post-forward meshes]
-# An int ``reshard_after_forward=k`` re-gathers over groups of k consecutive ranks of
-# each shard group: one DeviceMesh per mesh object and k, built once (building it
-# creates process groups on every rank). The table is keyed by the mesh object, not
-# by its value: a mesh built again after the process group was destroyed and
-# re-created compares equal to the old one, whose cached groups no longer exist. It
-# lives beside the mesh (an entry dies with its mesh), not in the mesh's ``__dict__``:
-# that is the mesh's pickled state, which the FX graph cache key holds (see [Note: FX
-# graph cache keys across processes] in ``_cache.py``), so a unit with an int
-# ``reshard_after_forward`` would change the keys of every graph on that mesh.
+# An int ``reshard_after_forward=k`` needs a mesh of k-rank groups, built once per mesh
+# object and k (it creates process groups). Keyed by identity, since a mesh rebuilt
+# after re-initializing compares equal to one whose groups are gone; kept beside the
+# mesh, not in its ``__dict__``, which the FX graph cache key pickles ([Note: FX graph
+# cache keys across processes] in ``_cache.py``).
 _post_forward_meshes: dict[int, tuple[weakref.ref[DeviceMesh], dict[int, DeviceMesh]]] = {}
 
 
@@ -368,21 +359,13 @@ _SHARD_OF_ATTR = "_traceable_hsdp_shard_of"
 
 
 # [Note: One unit per parameter]
-# A parameter registered on several modules (a tied embedding and output head) is
-# managed once, by the unit whose own modules hold all its registrations: it is
-# gathered once per forward into one placeholder that every one of them holds, and
-# autograd sums the gradients of all uses into that placeholder's gradient before its
-# post-accumulate-grad hook reduces it. A unit gathers only for its own forward, so a
-# parameter cannot be split between units. The two ways to split it are refused
-# (neither fails clearly by itself):
-# - the original parameter is still registered outside an earlier unit: fully_shard
-#   swapped it for a DTensor only on that unit's modules, so a later unit would shard
-#   the original again into an independent copy: silently untied. Refused at the
-#   first forward, as torch's (its message says "already managed by another"): the
-#   later unit leaves the parameter out and records why;
-# - a module inside a nested unit is also reachable from the parent outside it: the
-#   parent's forward would read the nested unit's sharded DTensor ("got mixed
-#   torch.Tensor and DTensor" deep in the forward). Refused when the parent is built.
+# A parameter registered on several modules (tied embedding and head) is managed once,
+# by the unit whose modules hold all its registrations: one placeholder, gradients of
+# all uses summed before the hook reduces them. Splitting it between units is refused:
+# - still registered outside an earlier unit, a later unit would shard an untied copy:
+#   the later unit leaves it out and the first forward refuses it, as torch's does;
+# - a nested unit's module also reachable from the parent outside it would be read
+#   sharded by the parent's forward: refused when the parent is built.
 
 
 def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
