@@ -3,67 +3,48 @@
 [Note: Sharded parameter and unsharded placeholder]
 Each managed parameter has two ``nn.Parameter``s:
 
-- ``sharded_param``: a ``DTensor`` sharded on dim 0 over the shard dim (replicated over
-  the replicate dim for HSDP): what the optimizer steps, ``state_dict()`` returns and
-  the module holds between uses. Its local tensor follows ``torch.chunk`` semantics, so
-  uneven first dims work and ``full_tensor()`` and DCP see the usual layout; the
-  collectives pad the local rows to ``chunk_rows``.
+- ``sharded_param``: a ``DTensor`` sharded on dim 0 (``torch.chunk`` layout, replicated
+  over the replicate dim for HSDP): what the optimizer steps, ``state_dict()`` returns
+  and the module holds between uses. Collectives pad the local rows to ``chunk_rows``.
 - ``unsharded_param``: a plain ``nn.Parameter`` of the full shape whose storage is
-  resized to full before use and to 0 bytes after (``inductor.resize_storage_bytes_``
-  when traced) and filled with ``torch.ops.fsdp.copy_``. Neither op is functionalized,
-  so both stay in the traced graphs, in program order, for the passes to rewrite.
-  Autograd saves this placeholder for backward, so resizing it to 0 frees the memory;
-  the backward re-gathers into the same storage.
+  resized to full before use and to 0 bytes after, and filled with
+  ``torch.ops.fsdp.copy_``. Neither op is functionalized, so both stay in the traced
+  graphs, in order, for the passes to rewrite. Autograd saves this placeholder, so
+  resizing it to 0 frees the memory; the backward re-gathers into the same storage.
 
 [Note: The module holds the placeholder only in forward]
 The modules hold the placeholder from a unit's pre-forward to its post-forward, between
-an explicit ``unshard()`` and ``reshard()``, and, eagerly, from the unit's pre-backward
-(or the end of a forward with ``reshard_after_forward=False``) until its backward is
-done; at every other time they hold the sharded parameter. The eager backward needs it
-for activation checkpointing, whose recompute reads the modules' parameters (torch's
-FSDP2 does the same). A compiled backward registers nothing: autograd reads saved
-tensors, and swapping ``module._parameters`` inside a compiled-autograd graph raises
-``IndexError`` in dynamo (the swap replays against an emptied ``inputs`` list). The end
-of a unit's backward registers the sharded parameters even when the data stays gathered
-(``set_reshard_after_backward(False)``), so ``state_dict()``, ``parameters()`` and
-``clip_grad_norm_`` see them between steps.
+``unshard()`` and ``reshard()``, and, eagerly, from the unit's pre-backward (or the end
+of a forward with ``reshard_after_forward=False``) until its backward is done, for
+activation checkpointing's recompute (as torch's FSDP2). Otherwise they hold the
+sharded parameter, also when the data stays gathered, so ``state_dict()`` and
+``clip_grad_norm_`` see it between steps. A compiled backward registers nothing:
+swapping ``module._parameters`` inside a compiled-autograd graph fails in dynamo.
 
 [Note: Changes after fully_shard]
 What a user does to a parameter after ``fully_shard`` is honoured, as in torch's FSDP2,
-or refused at the next forward; never silently dropped. The unit re-reads the sharded
-parameter (``FSDPParam.reset_sharded_param``) in ``FSDPModule._apply`` (``model.to``,
-``to_empty`` after meta init; the placeholder follows dtype and device), in
-``load_state_dict(assign=True)``, and at each pre-forward when ``user_change`` (attribute
-reads only) finds one: a freeze is followed, an assigned DTensor adopted, a plain tensor
-refused (``TypeError``), a shard on meta or off the mesh's device refused
-(``ValueError``).
-
-Dynamo cannot trace ``requires_grad_``, so a change is applied by a dynamo-disabled
-function: a graph break in the step that sees it. A freeze needs none: while tracing,
-the placeholder keeps requiring grad and its hook drops the gradient instead of reducing
-it, so ``fullgraph=True`` trains through a freeze; other changes under ``fullgraph=True``
-raise dynamo's graph-break error naming the change.
+or refused at the next forward; never silently dropped. ``reset_sharded_param`` re-reads
+it in ``FSDPModule._apply`` (``model.to``, ``to_empty``), ``load_state_dict(assign=True)``
+and at each pre-forward where ``user_change`` finds a change: a freeze is followed, an
+assigned DTensor adopted, a plain tensor (``TypeError``) or a shard off the mesh's
+device (``ValueError``) refused. Applying a change is dynamo-disabled (a graph break),
+but a traced freeze needs none: the placeholder keeps requiring grad and its hook drops
+the gradient.
 
 [Note: Changes while the modules hold the gathered parameter]
-Between a unit's forward and its backward, a unit that stays gathered (the root, by
-default) has its modules hold the gathered parameter ([Note: The module holds the
-placeholder only in forward]), also after a forward whose backward never runs. A change
-made there would be lost when the sharded one is registered again. So ``user_change``
-and ``register_sharded`` refuse a replaced parameter (``RuntimeError`` naming it and the
-fix) and carry a ``requires_grad_`` on the gathered parameter over to the sharded one
-(compared with the value at registration, since a compiled step leaves a frozen
-parameter's placeholder requiring grad). A TP view made while dynamo traces is not kept
-(it would become a forward output no gradient reaches), so a replacement inside a
-compiled TP step is not checked. An optimizer built in that window is refused by
-``_optim_check.py``.
+A unit that stays gathered after forward (the root, by default) has its modules hold
+the gathered parameter ([Note: The module holds the placeholder only in forward]); a
+change made there would be lost at the next reshard. So ``user_change`` and
+``register_sharded`` refuse a replacement (``RuntimeError`` naming the fix) and carry a
+``requires_grad_`` over to the sharded parameter (compared with its value at
+registration). A TP view made while tracing is not kept (it would become a forward
+output), so it is not checked.
 
 [Note: Replicated parameters]
 ``hsdp(threshold=..., replicate_params=...)`` keeps small parameters whole on every
-rank, where a collective costs more than the memory saved. Such a parameter is a
-``DTensor`` replicated on every mesh dim; its gather is its local tensor, and its
-gradient is all-reduced over the shard group and then the replicate group (averaged as
-for sharded ones). It still goes through the placeholder, so lifecycle and graphs keep
-one shape.
+rank as ``DTensor``s replicated on every mesh dim: no gather, and the gradient is
+all-reduced over both groups. They still go through the placeholder, so lifecycle and
+graphs keep one shape.
 
 [Note: Reshard to a smaller world]
 ``reshard_after_forward=k`` (k divides the shard group's size S) frees the placeholder
@@ -84,27 +65,20 @@ placeholder lives on the device. ``pin_memory=True`` pins only when an accelerat
 present.
 
 [Note: Hooks on the sharded parameter]
-A ``register_post_accumulate_grad_hook`` hook on a parameter of a sharded module sits
-on the sharded ``DTensor``, which autograd never reaches. As torch's ``foreach_reduce``
-does, the runtime calls those hooks once the gradient is fully reduced into
-``sharded_param.grad``, eager and traced alike, and not while the reduction is held back
-(``set_requires_gradient_sync(False)``, ``set_requires_all_reduce(False)``). This makes
-an optimizer step in backward work on sharded parameters. Traced, dynamo reads the
-hooks from the fake tensor, which has none, so the runtime gives each sharded parameter
-an empty ``OrderedDict`` up front and the traced path reads that dict; dynamo guards on
-its contents, so adding or removing a hook recompiles.
+Post-accumulate-grad hooks on a sharded ``DTensor`` are never reached by autograd, so,
+as torch's ``foreach_reduce`` does, the runtime calls them once the gradient is fully
+reduced (not while reduction is held back): an optimizer step in backward works.
+Traced, dynamo sees the fake tensor's hooks (none), so each sharded parameter gets an
+empty ``OrderedDict`` up front, which the traced path reads and dynamo guards on.
 
 [Note: Offload copies and the CPU]
-A device-to-host copy with ``non_blocking=True`` returns before the copy runs; a CPU
-read before the stream reaches it reads stale memory with no error. So the reduced
-gradient goes back to the CPU (``_grad_to_cpu``) asynchronously only when nothing on the
-CPU reads it during backward (eager, pinned, no gradient to add to, no hook): an event
-is recorded after the copy and waited for at the root's end of backward
-(``wait_grad_offload``), or by an earlier read. Otherwise the copy blocks. The
-host-to-device copy in ``all_gather_input`` needs no event: its reader is on the same
-stream, and its source is written only after ``backward()``, when the CPU has waited.
-A forward without backward needs ``torch.accelerator.synchronize()`` before writing the
-CPU shards, as with torch's FSDP2.
+A non-blocking device-to-host copy returns before it runs; a CPU read before then reads
+stale memory silently. So ``_grad_to_cpu`` copies asynchronously only when nothing on
+the CPU reads the gradient during backward (eager, pinned, nothing to add to, no hook),
+recording an event that ``wait_grad_offload`` waits for at the root's end of backward;
+otherwise it blocks. The host-to-device copy needs no event (same-stream reader). After
+a forward without backward, ``torch.accelerator.synchronize()`` before writing the CPU
+shards, as with torch's FSDP2.
 
 [Note: FSDP x TP]
 A parameter that is already a ``DTensor`` (``parallelize_module`` over a ``tp`` mesh)
@@ -127,12 +101,10 @@ Refused at ``fully_shard``: an int ``reshard_after_forward`` with a DTensor para
 mesh dims, and a TP parameter that ``hsdp()`` would replicate.
 
 [Note: The forward reads the local shard, not the DTensor]
-The all-gather input is read from ``sharded_param._local_tensor`` (no grad, shares the
-storage), not ``to_local()``, as torch's FSDP2 does. Through the DTensor the leaf would
-become an input of the compiled forward with an edge to its AccumulateGrad; compiled
-autograd would then lift and fakeify the DTensor while ``torch.compile`` is active and
-graph-break on its constructor. The post-accumulate-grad hook sets the gradient, so no
-edge is needed.
+The all-gather input is read from ``sharded_param._local_tensor``, not ``to_local()``,
+as torch's FSDP2 does: through the DTensor, the leaf would get a gradient edge into the
+compiled forward, and compiled autograd would graph-break fakeifying it. The hook sets
+the gradient, so no edge is needed.
 
 [Note: A lean traced path]
 Dynamo traces the runtime once per parameter in forward and again in backward, and each
