@@ -11,12 +11,9 @@ Frees after the last read]) and :func:`gather_into_buffers` after ([Note: CPU
 all-gathers into buffers]); last, a graph the C++ wrapper cannot call is refused
 ([Note: Inductor's C++ wrapper]).
 
-- Composes: a user pass already set there runs after ours; the cache key hashes both
-  (a user pass without ``uuid()`` bypasses the cache, as it would without us).
-- Idempotent: installing again changes nothing; a user pass set after install is
-  wrapped again by the next ``install()``.
-- Cache-safe: ``uuid()`` hashes every ``passes/*.py`` source and the current
-  :class:`PassConfig`.
+It composes (a user pass already set runs after ours, and the cache key hashes both),
+is idempotent, and is cache-safe (``uuid()`` hashes every ``passes/*.py`` source and
+the current :class:`PassConfig`).
 
 :func:`install` also sets ``torch._functorch.config.joint_custom_pass`` to a
 :class:`TraceableHSDPJointPass` running :func:`save_checkpoint_outputs` and
@@ -31,15 +28,11 @@ which bypass AOTAutograd's cache (whose key ignores ``joint_custom_pass``).
 is compiled (the cache key follows it). Its initial value comes from the environment:
 
 ``TRACEABLE_HSDP_PASSES``
-    Comma-separated pass names to run, the others off: ``remove_resize_copy``,
-    ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``bucket`` (both),
-    ``overlap``, ``reduce_scatter_by_exchange``, ``all_gather_by_exchange``; or
-    ``all`` (the default when unset or empty) or ``none``. Case-insensitive; an unknown
-    name raises ``ValueError``.
+    Comma-separated pass names to run (``bucket`` for both bucketing passes), ``all``
+    (default) or ``none``; an unknown name raises ``ValueError``.
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``
-    ``bucket_cap_mb``: a number >= 0 (MiB), or ``none`` for one bucket per unit.
-    Unset or empty: ``DEFAULT_BUCKET_CAP_MB``. See [Note: Bucket size cap] and
-    [Note: The default bucket cap] in ``bucket_collectives.py``.
+    MiB >= 0, or ``none`` for one bucket per unit ([Note: Bucket size cap] in
+    ``bucket_collectives.py``).
 
 In code: ``set_config(PassConfig(...))`` or ``install(config=...)``. A unit's own
 options (``hsdp(comm_fusion=...)``) travel in its collective annotations instead
@@ -59,10 +52,8 @@ before the first change:
 - ``GraphLowering.decide_layout_opt``, wrapped ([Note: Layout optimization and the
   placeholders]).
 
-Each :func:`install` sets them again. These and the runtime's other process-wide
-changes are entries of [Note: Torch internals] (``traceable_hsdp/_torch_internals.py``).
-Nothing else writes process-wide configuration, but ``dump_graphs``, for the length of
-its block (``traceable_hsdp/debug/_dump.py``).
+These are entries of [Note: Torch internals]. Nothing else writes process-wide
+configuration, but ``dump_graphs`` for the length of its block.
 
 [Note: Saved views of the placeholder]
 AOTAutograd's partitioner may save a view of a placeholder for backward and compute it

@@ -39,24 +39,14 @@ from ._param import FSDPParam
 # trainable gradients AND all input gradients are complete; it counts both down.
 #
 # Eagerly, every pre-forward passes the inputs that require grad through torch's
-# ``RegisterPostBackwardFunction`` (as torch's FSDP2 does), even when all parameters
-# train: the autograd graph is then torch's, so a tensor several units read sums its
-# gradient in torch's order (bitwise parity), and tooling that counts that node's calls
-# sees ours. The class is private to torch's ``_fsdp_param_group``; if it moves, the
-# import fails loudly.
-#
-# Compiled, an ``autograd.Function`` trigger fails under compiled autograd, so a unit
-# with a frozen parameter hooks a fresh alias (``view_as``) of each such input, one count
-# per input. The trigger is always made in this forward, never on the caller's tensor:
-# a tensor living across steps would collect a hook per step and count the unit down
-# too early. A unit whose parameters all train reads no count, so a pipeline schedule's
-# micro-batch forwards share one graph (tests/test_pipelining.py); one with frozen
-# parameters compiles one forward per micro-batch count (docs/api.md).
-#
-# A forward run several times before one backward sums its counts; the unit stays
-# gathered until the last use's backward is done (torch's FSDP2 reshards between uses).
-# Inputs whose output never reaches a backward are finished by the end of the backward
-# (see [Note: Hooks and compiled autograd] in ``_state.py``).
+# ``RegisterPostBackwardFunction``, as torch's FSDP2 does, so a tensor several units
+# read sums its gradient in torch's order (bitwise parity). Compiled, where that
+# trigger fails, a unit with a frozen parameter hooks a fresh alias (``view_as``) of
+# each input, made in this forward (a tensor living across steps would collect a hook
+# per step). A unit whose parameters all train reads no count, so pipeline micro-batch
+# forwards share one graph (tests/test_pipelining.py). A forward run several times
+# before one backward sums its counts; the unit stays gathered until the last use's
+# backward is done.
 
 
 # [Note: The all-reduce hook]
@@ -98,21 +88,13 @@ from ._param import FSDPParam
 # Eagerly a unit issues one all-gather per process group and dtype and, once all its
 # trainable gradients are complete, one reduce-scatter (and for HSDP one all-reduce), as
 # torch's FSDP2 does: backends charge latency per call. Buffers are laid out as in
-# [Note: Flat buffers] (``_collectives.py``):
-#
-# - all-gather: the padded, cast local shards go into one flat input
-#   (``_foreach_copy_``); after the wait, ``split_with_sizes_copy`` copies each part into
-#   its placeholder or a buffer ``fill_unsharded`` finishes. Other groups (after an int
-#   ``reshard_after_forward``) or dtypes get their own all-gather; replicated parameters
-#   and one-rank groups take the per-parameter path.
-# - reduction: each post-accumulate-grad hook keeps its gradient on ``accumulated_grad``;
-#   the one completing the unit does one ``_chunk_cat``, one reduce-scatter, (HSDP) one
-#   all-reduce, then per parameter what ``FSDPParam.reduce_grad`` does. A unit some of
-#   whose parameters got no gradient is reduced by the root's end-of-backward callback.
-#
-# Each element meets the same elements as in a per-parameter collective, so the numbers
-# are bitwise the per-parameter ones on two ranks, and torch's (same layout) beyond.
-# tests/test_eager_flat.py counts the collectives per unit and checks parity with torch.
+# [Note: Flat buffers] (``_collectives.py``): one flat input per group and dtype
+# (``_foreach_copy_`` in, ``split_with_sizes_copy``
+# out) for the all-gather; the gradients kept on ``accumulated_grad`` until the last
+# one, then one ``_chunk_cat`` and reduce-scatter, then per parameter what
+# ``FSDPParam.reduce_grad`` does. Replicated parameters and one-rank groups take the
+# per-parameter path. The numbers are the per-parameter ones (bitwise on two ranks)
+# and torch's; tests/test_eager_flat.py counts the collectives and checks parity.
 #
 # A traced unit keeps one collective per parameter ([Note: Eager or traced]) for the
 # passes to bucket. An eager all-gather waited for by a traced forward
