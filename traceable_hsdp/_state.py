@@ -66,10 +66,8 @@ if TYPE_CHECKING:
 
 
 class _InputGradsDone:
-    """What torch's ``RegisterPostBackwardFunction`` calls (``post_backward``) when
-    the gradients of one forward's inputs are complete; it counts them down when
-    that forward counted them. See [Note: When a unit's backward is done]
-    (_param_group.py)."""
+    """Called by torch's ``RegisterPostBackwardFunction`` when one forward's input
+    gradients are complete. See [Note: When a unit's backward is done]."""
 
     def __init__(self, state: FSDPState, counted: bool) -> None:
         self.state = state
@@ -171,8 +169,7 @@ class FSDPState:
         self.kind = type(modules[0]).__name__
         self.param_group = param_group
         self.options = options
-        # Changed by FSDPModule.set_reshard_after_forward; the options keep the
-        # value the unit was built with.
+        # Changed by FSDPModule.set_reshard_after_forward.
         self.reshard_after_forward = options.reshard_after_forward
         self.mp_policy = options.mp_policy
         self.is_root = True
@@ -187,8 +184,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         self._final_callback_queued = False
-        # The outermost unit whose subtree holds this one (set by that unit's
-        # fully_shard); itself while it is a root.
+        # The outermost unit holding this one; itself while it is a root.
         self.root: FSDPState = self
         # Root only; see [Note: The post-optimizer event] (_post_optim.py).
         self.post_optim = PostOptimEvent(modules)
@@ -203,9 +199,7 @@ class FSDPState:
         self.slots: list[tuple[nn.Module, str, str]] = []
         # Root only: the units of its tree that either can mark (set by adopt_nested).
         self.checkpoint_suspects: list[FSDPState] = []
-        # Root only: the refusal naming the modules marked as compile regions, None
-        # when there are none (adopt_nested). See [Note: A compile region inside a
-        # unit].
+        # Root only; see [Note: A compile region inside a unit].
         self._refuse_compile_regions: Callable[..., Any] | None = None
         if param_group is not None:
             self._register_post_acc_hooks()
@@ -250,7 +244,6 @@ class FSDPState:
                         # See [Note: A checkpoint around a unit's call] (_compile_checks.py).
                         held.slots.append((sub, name, child_name))
         for s, names in paths.items():
-            # A list unit is labelled by all its modules' paths, as it was built.
             # See [Note: One graph for every unit of a class] (_common.py).
             enclosing = sorted(
                 (a for a in paths if a is not s and _below(names, paths[a])),
@@ -364,8 +357,7 @@ class FSDPState:
                     # See [Note: The module holds the placeholder only in forward].
                     param_group.register_unsharded()
             return self._cast_inputs(args, kwargs)
-        # A root checks its whole subtree before anything runs; a unit whose own
-        # forward is called outside its root's, itself.
+        # A root checks its subtree; a unit called outside its root's forward, itself.
         for state in self.states if self.is_root else (self,):
             if state.init_errors:
                 raise ValueError(state.init_errors[0])
@@ -388,9 +380,8 @@ class FSDPState:
     def _mark_input_grads(
         self, param_group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Gives the forward new tensors for its inputs that require grad, through
-        which the unit learns that their gradients are complete. See [Note: When a
-        unit's backward is done] (_param_group.py)."""
+        """Aliases the forward inputs that require grad, to count their gradients.
+        See [Note: When a unit's backward is done]."""
         counted = param_group.counts_input_grads
         if compiling():
             if counted:
@@ -407,9 +398,8 @@ class FSDPState:
         return args, kwargs
 
     def _hooked_alias(self, t: torch.Tensor) -> torch.Tensor:
-        """A fresh alias of a forward input that requires grad, with the hook that
-        counts its gradient; other tensors unchanged. See [Note: When a unit's
-        backward is done] (_param_group.py)."""
+        """A fresh alias of ``t`` with a counting hook, if it requires grad. See
+        [Note: When a unit's backward is done]."""
         if not t.requires_grad:
             return t
         alias = t.view_as(t)
@@ -508,9 +498,7 @@ class FSDPState:
             if raf is True:
                 param_group.reshard()
             elif raf is False:
-                # The data stays gathered for backward. Eagerly the modules keep
-                # holding it, as torch's; see [Note: The module holds the placeholder
-                # only in forward] (_param.py).
+                # See [Note: The module holds the placeholder only in forward].
                 if compiling():
                     param_group.register_sharded()
             else:  # an int: keep 1/raf for a smaller re-gather in backward
@@ -585,9 +573,8 @@ class FSDPState:
 
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        # Runs once per output tensor; every step below is idempotent. Any unit's
-        # backward queues its root's final callback: a nested unit may run a backward
-        # of its own (a module of it called outside the root's forward).
+        # Runs once per output tensor; every step below is idempotent. Any unit queues
+        # its root's final callback: a nested unit may run a backward of its own.
         root = self.root
         if not root._final_callback_queued:
             root._final_callback_queued = True
@@ -642,8 +629,7 @@ class FSDPState:
 
     def _idle_if_group_done(self) -> None:
         if self.param_group is not None and not self.param_group.in_backward:
-            # The group finished: the unit is idle again, so the next forward sees
-            # the same state as the first (no recompile).
+            # Idle again, so the next forward sees the first one's state (no recompile).
             self.training_state = TrainingState.IDLE
 
     def _finish_backward(self) -> None:
@@ -727,10 +713,8 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``tree`` with ``fn`` applied to every tensor, dataclass fields included (as
-    shallow copies: the caller's objects are untouched; a frozen dataclass's fields
-    are set as its own ``__init__`` sets them). See [Note: Activations in
-    dataclasses]."""
+    """``tree`` with ``fn`` applied to every tensor, dataclasses shallow-copied. See
+    [Note: Activations in dataclasses]."""
 
     def apply(x: Any) -> Any:
         if isinstance(x, torch.Tensor):

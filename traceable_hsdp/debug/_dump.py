@@ -4,21 +4,12 @@
 Everything ``torch.compile`` compiles inside ``with dump_graphs(out_dir) as dump:``
 is written under ``out_dir``:
 
-- ``depyf/``: readable source of every compiled function and graph, from
-  ``depyf.prepare_debug``, when depyf is installed (optional).
-- ``post_grad/NN_KIND_before_passes.py`` and ``..._after_passes.py``: each graph
-  Inductor compiles, right before and after traceable_hsdp's post-grad passes.
-- ``graphs/NN_KIND_dynamo.py``: the graph dynamo hands the backend, with
-  ``backend=dump.backend(...)`` ([Note: The recording backend]).
-- ``scheduled/NN_KIND_output_code.py``: Inductor's generated code, whose ``call``
-  runs the kernels in the final order ([Note: The final schedule in the dump]).
-- ``collectives.json``: per graph and stage, each collective in order (op, group,
-  dtype, bytes, unit and parameters) and per-graph counts; the ``scheduled`` stage
-  adds positions and overlap distances.
-- ``breaks_and_recompiles.json``: graph breaks and recompiles, with reasons.
-- ``summary.txt``: what is printed at the end.
-- ``trace/`` and ``tlparse/`` with ``trace=True``: a ``TORCH_TRACE``-style log, and
-  tlparse's report when ``tlparse`` is on ``PATH``.
+``depyf/`` (when depyf is installed), ``post_grad/NN_KIND_{before,after}_passes.py``
+(around our passes), ``graphs/NN_KIND_dynamo.py`` ([Note: The recording backend]),
+``scheduled/NN_KIND_output_code.py`` ([Note: The final schedule in the dump]),
+``collectives.json`` (each collective per graph and stage, with unit, parameters and,
+scheduled, overlap distance), ``breaks_and_recompiles.json``, ``summary.txt``, and with
+``trace=True`` ``trace/`` and ``tlparse/``.
 
 ``NN`` numbers the compiles in order; ``KIND`` is ``fwd`` (a dynamo frame), ``bwd`` (a
 compiled-autograd backward) or ``aot_bwd`` (AOTAutograd's own backward, which a
@@ -40,14 +31,10 @@ annotations are copied from dynamo's graph of the same compile id, only when bot
 hold the same sequence of collectives (otherwise ``collectives.json`` says why).
 
 [Note: The final schedule in the dump]
-Inductor's scheduler reorders the post-grad graph ([Note: The final schedule] in
-``_schedule.py``). While dumping, a handler on torch's structured-trace logger receives
-each graph's ``inductor_output_code`` and ``inductor_collective_schedule``; the code is
-written to ``scheduled/`` and read (``read_schedule``) into the final order, giving each
-row its position and overlap distance and each graph ``max_in_flight`` (more than one
-all-gather is what gloo cannot take). The order is checked against torch's artifact.
-The handler makes torch render every payload, adding compile time as ``TORCH_TRACE``
-does.
+A handler on torch's structured-trace logger receives each graph's generated code
+(``scheduled/``), read into the final order ([Note: The final schedule] in
+``_schedule.py``) and checked against torch's ``inductor_collective_schedule``. It
+makes torch render every payload, adding compile time as ``TORCH_TRACE`` does.
 
 [Note: depyf writes, dynamo's bytecode runs]
 ``depyf.prepare_debug``'s bytecode hook returns its recompiled decompilation of
