@@ -261,8 +261,7 @@ class FSDPParam:
         start = min(rank * self.chunk_rows, n)
         with torch.no_grad():
             local = data.detach().narrow(shard_dim, start, self.local_rows).clone()
-            # A meta parameter stays on meta until module.to_empty(); see [Note:
-            # Changes after fully_shard].
+            # A meta parameter stays on meta until module.to_empty().
             if offload is not None and not local.is_meta:
                 local = local.cpu()
                 if offload.pin_memory and torch.accelerator.is_available():
@@ -362,9 +361,8 @@ class FSDPParam:
         return torch.cat([local, zeros], dim=0)
 
     def all_gather_start(self) -> torch.Tensor:
-        """Issues this parameter's all-gather; the result (``shard_size * chunk_rows``
-        rows) is ready after :meth:`wait_gathered`. A replicated parameter needs no
-        collective: its local tensor is the result."""
+        """Issues this parameter's all-gather (none for a replicated parameter); the
+        result is ready after :meth:`wait_gathered`."""
         if self.replicate:
             return self.all_gather_input()
         if self.post_forward_shard is not None:
@@ -394,9 +392,8 @@ class FSDPParam:
         return (mi.shard_group_name, mi.shard_size) if mi.shard_size > 1 else None
 
     def flat_gather_source(self) -> tuple[torch.Tensor, int]:
-        """What this rank puts into the all-gather, with the shard dim first, not yet
-        padded or cast to ``dtype`` (ND), and the rows every rank's part has once
-        padded. The flat buffer's copy pads and casts as :meth:`all_gather_input`."""
+        """This rank's all-gather input, shard dim first, not yet padded or cast (ND),
+        and the padded rows of every rank's part."""
         if self.post_forward_shard is not None:
             return self.post_forward_shard, self.post_forward_shard.size(0)
         # See [Note: The forward reads the local shard, not the DTensor].
@@ -408,10 +405,8 @@ class FSDPParam:
         return local, self.chunk_rows
 
     def flat_gather_target(self, world_size: int, numel: int) -> torch.Tensor:
-        """Where the flat all-gather's ``(world_size, numel)`` part for this parameter
-        is copied: the placeholder itself (grown to full) when its rows are exactly
-        the gathered rows (dim-0 shard, no padding), else a new buffer that
-        :meth:`flat_gather_done` copies from."""
+        """Where the flat all-gather's ``(world_size, numel)`` part is copied: the
+        grown placeholder when :meth:`_gathers_in_place`, else a new buffer."""
         if self.sharded_state is ShardedState.UNSHARDED:
             raise AssertionError(
                 f"{self.fqn}: flat_gather_target needs a sharded state, found {self.sharded_state}"
@@ -424,8 +419,7 @@ class FSDPParam:
         return torch.empty((world_size, numel), dtype=self.dtype, device=self.device)
 
     def flat_gather_done(self, target: torch.Tensor) -> None:
-        """Finishes the unshard from the ``target`` of :meth:`flat_gather_target`,
-        filled."""
+        """Finishes the unshard from the filled :meth:`flat_gather_target`."""
         if self._gathers_in_place():
             self.post_forward_shard = None
             self.sharded_state = ShardedState.UNSHARDED
@@ -613,8 +607,7 @@ class FSDPParam:
 
     def flat_reduced_local(self, part: torch.Tensor) -> torch.Tensor:
         """This rank's gradient shard in the sharded layout, as a view of ``part``
-        (this parameter's ``flat_numel`` elements of the reduce-scatter output, 1D);
-        not contiguous for a shard dim other than 0."""
+        (its ``flat_numel`` elements of the reduce-scatter output, 1D)."""
         local = part.view(self.chunk_rows, *self._moved_rest())
         if self.local_rows != self.chunk_rows:
             local = local.narrow(0, 0, self.local_rows)
@@ -623,9 +616,8 @@ class FSDPParam:
         return local
 
     def fold_replicas_pending(self, local: torch.Tensor) -> None:
-        """HSDP: adds into ``local`` (the view of :meth:`flat_reduced_local`, before
-        the all-reduce over the replicas) what earlier backwards reduced without it,
-        as ``reduce_grad`` does."""
+        """HSDP: adds into ``local`` what earlier backwards reduced without the
+        all-reduce, as ``reduce_grad`` does."""
         if not self.replicas_pending:
             return
         self.wait_grad_offload()  # see [Note: Offload copies and the CPU]
@@ -666,9 +658,8 @@ class FSDPParam:
         self._run_sharded_grad_hooks()
 
     def _run_sharded_grad_hooks(self) -> None:
-        """The post-accumulate-grad hooks registered on the sharded parameter (an
-        optimizer step in backward), once its gradient is reduced. See [Note: Hooks on
-        the sharded parameter]."""
+        """Runs the sharded parameter's post-accumulate-grad hooks. See [Note: Hooks
+        on the sharded parameter]."""
         sp = self.sharded_param
         # Traced, read the tracked dict: the fake tensor's attribute is None.
         hooks = self._grad_hooks if compiling() else sp._post_accumulate_grad_hooks
@@ -677,9 +668,8 @@ class FSDPParam:
                 hook(sp)
 
     def _track_grad_hooks(self) -> None:
-        """Gives the sharded parameter its hook dict now, so that later registrations
-        land in a dict the traced path holds. See [Note: Hooks on the sharded
-        parameter]."""
+        """Gives the sharded parameter its hook dict now. See [Note: Hooks on the
+        sharded parameter]."""
         sp = self.sharded_param
         if sp._post_accumulate_grad_hooks is None:
             sp._post_accumulate_grad_hooks = OrderedDict()
@@ -693,9 +683,8 @@ class FSDPParam:
         self.accumulate_sharded_grad(local)
 
     def _grad_to_cpu(self, local: torch.Tensor) -> torch.Tensor:
-        """The reduced gradient shard copied to the CPU, asynchronously only when no
-        CPU read comes before :meth:`wait_grad_offload`. See [Note: Offload copies
-        and the CPU]."""
+        """The reduced gradient shard copied to the CPU. See [Note: Offload copies and
+        the CPU]."""
         if local.device.type == "cpu":
             return local
         self.wait_grad_offload()  # the gradient read below must be complete
@@ -735,10 +724,8 @@ class FSDPParam:
         )
 
     def user_change(self) -> UserChange:
-        """What the user changed in the sharded parameter since the unit last read it:
-        replaced it on a module, flipped its ``requires_grad``, cast it, or left it on
-        the meta device. Only attribute reads (traced without ops). See
-        [Note: Changes after fully_shard]."""
+        """What the user changed in the sharded parameter since the unit last read it,
+        by attribute reads only. See [Note: Changes after fully_shard]."""
         if self.module_holds_unsharded:
             # See [Note: Changes while the modules hold the gathered parameter].
             held = self._held
@@ -814,9 +801,7 @@ class FSDPParam:
             self.unsharded_param.requires_grad_(sp.requires_grad)
 
     def _follow_gathered_changes(self) -> None:
-        """While the modules hold the gathered parameter: refuses a replacement of it,
-        and makes the sharded parameter follow a freeze or unfreeze of it. See
-        [Note: Changes while the modules hold the gathered parameter]."""
+        """See [Note: Changes while the modules hold the gathered parameter]."""
         held = self._held
         if held is None:
             return
