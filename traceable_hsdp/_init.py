@@ -144,10 +144,8 @@ def default_mesh(caller: str, shard_size: int | None = None) -> DeviceMesh:
 
 @dataclass
 class CollectedParams:
-    """What a unit manages: its parameters in registration order, each with every
-    place it is registered (``(fqn, ParamModuleInfo)``, the first one naming it), and
-    why parameters were left out (raised at the unit's first forward; see [Note: One
-    unit per parameter])."""
+    """What a unit manages: its parameters with every place each is registered, and
+    why parameters were left out ([Note: One unit per parameter])."""
 
     params: list[nn.Parameter]
     where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]
@@ -211,10 +209,8 @@ def collect_params(modules: list[nn.Module], options: UnitOptions) -> CollectedP
 
 
 def mark_managed(param: nn.Parameter, sharded: nn.Parameter, desc: str, unit: str) -> None:
-    """Records on an original parameter that a unit sharded it (``desc``: "'<fqn>' of
-    the fully_shard unit <Class>"), for the sharing rule (see [Note: One unit per
-    parameter]), and on the sharded one which unit holds it, so that fully_shard on a
-    module inside that unit, applied later, names the order of calls."""
+    """Records on the original and the sharded parameter which unit sharded it, for
+    [Note: One unit per parameter] and the message on a wrong order of calls."""
     setattr(param, _SHARDED_AS_ATTR, desc)
     setattr(sharded, _SHARD_OF_ATTR, unit)
 
@@ -380,9 +376,7 @@ def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.
 
 def _check_no_torch_units(module: nn.Module) -> None:
     """Refuses ``module`` when it, or a module inside it, was sharded by torch's own
-    ``fully_shard``: the two runtimes do not compose (each would own the other's
-    parameters), and the DTensor parameters torch's leaves behind would otherwise be
-    taken for tensor-parallel ones and refused with a message about meshes."""
+    ``fully_shard``: the two runtimes do not compose."""
     from torch.distributed.fsdp import FSDPModule
 
     for path, sub in _own_modules(module):
@@ -397,11 +391,9 @@ def _check_no_torch_units(module: nn.Module) -> None:
 
 
 def _check_no_forward_writes(module: nn.Module) -> None:
-    """Refuses an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm`` in the
-    unit: it renormalizes its weight in place during forward, which writes the
-    gathered copy, and the reshard drops that (torch's fully_shard drops it too, and
-    a compiled step fails in AOTAutograd). See docs/real_jobs.md, "A parameter
-    written in place during forward"."""
+    """Refuses an ``nn.Embedding``/``EmbeddingBag`` with ``max_norm``: its in-place
+    renormalization writes the gathered copy, which the reshard drops. See
+    docs/real_jobs.md."""
     for path, sub in _own_modules(module):
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
             where = f"{type(module).__name__}.{path}" if path else type(module).__name__
@@ -447,10 +439,8 @@ def check_modules(module: Any) -> list[nn.Module]:
 
 
 def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int | None:
-    """``True``/``False``/``None``, or an int k dividing the shard group's size (see
-    [Note: Reshard to a smaller world] in ``_param.py``): k equal to that size is
-    ``True``, k = 1 keeps the whole parameter (``False``). ``None`` stays: ``False``
-    while the unit is a root, else ``True`` (decided at each forward), as torch's."""
+    """``True``/``False``/``None``, or an int k dividing the shard group's size ([Note:
+    Reshard to a smaller world]); k equal to that size is ``True``, k = 1 ``False``."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
@@ -516,10 +506,8 @@ def shard_placement(
     fqn: str,
     mesh_info: MeshInfo,
 ) -> tuple[int, MeshInfo]:
-    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None) and
-    the mesh to shard it over: the unit's, unless it returns torch's
-    ``ShardPlacementResult(placement, mesh_info)`` (e.g. experts sharded over a smaller
-    mesh than the rest of their block)."""
+    """The dim ``shard_placement_fn`` picks for ``param`` (0 for None) and the mesh:
+    the unit's, or a ``ShardPlacementResult``'s."""
     if shard_placement_fn is None:
         return 0, mesh_info
     if not callable(shard_placement_fn):

@@ -148,8 +148,8 @@ class FSDPParamGroup:
         # group's backward] (_state.py).
         self.in_backward = False
         self.sharded_state = ShardedState.SHARDED
-        # All-gathers issued but not yet waited for, or None: traced, one output per
-        # parameter (1D list of ND tensors); eagerly, an _EagerUnshard.
+        # All-gathers in flight: traced, one output per parameter; eagerly, one
+        # _EagerUnshard.
         self._pending: list[torch.Tensor] | _EagerUnshard | None = None
         self._grads_pending = 0  # placeholder grads not yet handled this backward
         # Eager: trainable gradients kept for the unit's flat reduction since the
@@ -164,8 +164,7 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         # See [Note: The all-reduce hook].
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        # The unit's own pass options (hsdp()), carried in its collectives'
-        # annotations; see [Note: Per-unit pass options] (passes).
+        # See [Note: Per-unit pass options] (passes).
         self.pass_options = pass_options
         self.all_reduce_hook_stream: torch.Stream | None = None
         # See [Note: Unused parameters].
@@ -178,11 +177,9 @@ class FSDPParamGroup:
         self.backward_syncs = False
         self.trainable: list[FSDPParam] = []
         self.refresh_trainable()
-        # Forward inputs given a gradient hook since the last pre-backward, summed over
-        # every call of the unit's forward. See [Note: When a unit's backward is done].
+        # See [Note: When a unit's backward is done].
         self.input_grad_hooks = 0
-        # The flags of the forward calls whose output hooks opened this backward, set
-        # when it finishes. See [Note: Output hooks after the unit's backward] (_state.py).
+        # See [Note: Output hooks after the unit's backward] (_state.py).
         self.open_calls: list[list[bool]] = []
         # Eager: what the last finished backward used, for running its graph again.
         # See [Note: A second backward through a retained graph].
@@ -191,11 +188,8 @@ class FSDPParamGroup:
 
     @property
     def traced_label(self) -> str:
-        """The label traced into the unit's collective annotations: its path, or, when
-        the frame being traced starts below the root, its path below the frame's
-        outermost unit, named by that unit's class ("Block.ffn"; "Block" for the block
-        itself), so that one frame serves every unit of the class. See [Note: One graph
-        for every unit of a class] (_common.py)."""
+        """The label traced into the unit's collective annotations. See [Note: One
+        graph for every unit of a class] (_common.py)."""
         k = unit_forwards_in_frame()
         return self.frame_labels[k - 1] if 0 < k <= len(self.frame_labels) else self.label
 
@@ -386,14 +380,11 @@ class FSDPParamGroup:
         return True
 
     def post_accumulate_grad(self, fsdp_param: FSDPParam) -> None:
-        """Runs when ``fsdp_param``'s placeholder gradient is complete for this
-        backward: reduces it into the sharded gradient (unless gradient sync is off,
-        when it stays on the placeholder and accumulates over micro-batches)."""
+        """Runs when ``fsdp_param``'s placeholder gradient is complete: reduces it, or
+        keeps it while gradient sync is off."""
         p = fsdp_param.unsharded_param
         if not fsdp_param.sharded_param.requires_grad or not p.requires_grad:
-            # Frozen after fully_shard or after its forward: see [Note: Changes after
-            # fully_shard] and [Note: Changes while the modules hold the gathered
-            # parameter].
+            # Frozen since: see [Note: Changes after fully_shard].
             p.grad = None
             self._count_down()
             return
@@ -409,15 +400,13 @@ class FSDPParamGroup:
             if compiled_backward():  # see [Note: Eager or traced] (_common.py)
                 self._reduce(fsdp_param, grad)
             else:
-                # Kept until the unit's last trainable gradient: see [Note: One
-                # collective per unit, eagerly].
+                # See [Note: One collective per unit, eagerly].
                 fsdp_param.accumulated_grad = grad
                 self._grads_ready += 1
                 if self._grads_ready >= len(self.trainable):
                     self.reduce_held_grads()
         else:
-            # Kept for a later backward, or for the end of this one: see
-            # [Note: Unused parameters].
+            # See [Note: Unused parameters].
             fsdp_param.accumulated_grad = grad
         self._count_down()
 
@@ -525,9 +514,8 @@ class FSDPParamGroup:
         divide_factor: float | None,
         hook: Callable[[torch.Tensor], None] | None,
     ) -> None:
-        """Replicated parameters (see [Note: Replicated parameters] in ``_param.py``):
-        one all-reduce over the shard group and one over the replicate group, then
-        each parameter's end as in ``FSDPParam.reduce_grad``."""
+        """Replicated parameters: one all-reduce per group, then each parameter's end
+        as in ``FSDPParam.reduce_grad``."""
         params = [fp for fp, _ in bucket]
         flat = torch.cat([grad.reshape(-1) for _, grad in bucket])
         del bucket
@@ -654,8 +642,8 @@ def _call_on_stream(
     reason="traceable_hsdp: an all-gather issued eagerly, waited for in a traced forward"
 )
 def _finish_eager_unshard(pending: _EagerUnshard) -> None:
-    """Waits for an eager unshard and fills the placeholders: one copy-out per flat
-    all-gather. Dynamo-disabled: see [Note: One collective per unit, eagerly]."""
+    """Waits for an eager unshard and fills the placeholders. See [Note: One
+    collective per unit, eagerly]."""
     for fp, gathered in pending.single:
         fp.fill_unsharded(fp.wait_gathered(gathered))
     for fg in pending.flat:
