@@ -110,21 +110,15 @@ _RESIZE_NAME = ("inductor", "resize_storage_bytes_")
 _POOLED_NAME = ("traceable_hsdp", "all_to_all_single")
 _VERSION_COUNTER_NAMES = (("prims", "_tensor_version"), ("prims", "_unsafe_set_version_counter"))
 
-# The meta key that marks an ``all_to_all_single`` node as a reduce-scatter or an
-# all-gather issued as an exchange (see [Note: gloo reduce-scatters as an exchange]
-# and [Note: gloo all-gathers as an exchange] in ``gloo/exchange.py``).
-# Its value is the family the node counts in; :func:`graph_counts` counts it under
-# :data:`EXCHANGE_COUNT` or :data:`AG_EXCHANGE_COUNT`.
+# Marks an ``all_to_all_single`` issued as an exchange ([Note: gloo reduce-scatters as
+# an exchange]); the value is the family it counts in.
 EXCHANGED = "traceable_hsdp_exchange"
 EXCHANGE_COUNT = "reduce_scatter_by_exchange"
 AG_EXCHANGE_COUNT = "all_gather_by_exchange"
 _EXCHANGE_COUNTS = {"reduce_scatter": EXCHANGE_COUNT, "all_gather": AG_EXCHANGE_COUNT}
 
 Family = Literal["all_gather", "reduce_scatter", "all_reduce"]
-# Op-name prefix of each collective family: the plain op and its variants
-# (``_out``, ``_coalesced``, the in-place ``all_reduce_``) count alike, and so does
-# a reduce-scatter or an all-gather issued as an exchange (:data:`EXCHANGE_COUNT`,
-# :data:`AG_EXCHANGE_COUNT`).
+# Op-name prefix of each collective family; variants and exchanges count alike.
 _FAMILIES: tuple[tuple[str, Family], ...] = (
     ("all_gather_into_tensor", "all_gather"),
     (AG_EXCHANGE_COUNT, "all_gather"),
@@ -191,9 +185,7 @@ def is_collective(node: fx.Node) -> bool:
 
 def collective_family(node: fx.Node) -> Family | None:
     """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"`` for a collective of
-    that family, its variants included (``all_gather_into_tensor_out``, the
-    ``_coalesced`` ops, the in-place ``all_reduce_``, a reduce-scatter issued as an
-    exchange: an ``all_to_all_single`` marked :data:`EXCHANGED`); else ``None``."""
+    that family (variants and exchanges included); else ``None``."""
     if not is_collective(node):
         return None
     family = node.meta.get(EXCHANGED)
@@ -224,9 +216,8 @@ def is_placeholder_op(node: fx.Node) -> bool:
 
 
 def is_version_counter_op(node: fx.Node) -> bool:
-    """``prims._tensor_version`` or ``prims._unsafe_set_version_counter``: dynamo's
-    record of ``torch.autograd._unsafe_preserve_version_counter``, which AOTAutograd
-    runs on its fake tensors and leaves out of the graphs it hands on."""
+    """Dynamo's record of ``_unsafe_preserve_version_counter`` ([Note: Version
+    counters in a traced step])."""
     return op_name(node) in _VERSION_COUNTER_NAMES
 
 
@@ -266,10 +257,8 @@ def _schema(node: fx.Node) -> torch._C.FunctionSchema | None:
 
 
 def bound_args(node: fx.Node) -> dict[str, Any]:
-    """The node's arguments by the op schema's names (either form; positional or
-    keyword; defaults filled in), from torch's ``fx.Node.normalized_arguments``;
-    ``{}`` for a node that calls no op. torch names a schema's ``self`` argument
-    ``input``."""
+    """The node's arguments by the op schema's names (either form, defaults filled
+    in); ``{}`` for a node that calls no op. ``self`` is named ``input``."""
     if op_name(node) is None:
         return {}
     try:
@@ -277,15 +266,11 @@ def bound_args(node: fx.Node) -> dict[str, Any]:
             node.graph.owning_module, normalize_to_only_use_kwargs=True
         )
     except RuntimeError:
-        # torch raises when an OpOverloadPacket's call binds to several overloads
-        # and no argument types are given to choose (e.g. ``aten.add`` with two
-        # nodes); bind to the packet's default overload below instead.
+        # Ambiguous overloads: bind to the packet's default overload below.
         pair = None
     if pair is not None:
         return dict(pair.kwargs)
-    # torch's helper could not bind (it returns None when no overload's schema
-    # accepts the node's arguments, e.g. a hand-built node missing an argument):
-    # take what the node has, by the schema's names, without defaults.
+    # torch's helper could not bind: take what the node has, without defaults.
     return _bind_by_schema(node)
 
 
@@ -389,10 +374,8 @@ def _nbytes(value: Any) -> int | None:
 
 
 def resolve_group(name: str | None) -> Any | None:
-    """The live process group named ``name``, or ``None``: no name, no initialized
-    default group, or a name this process does not know (a graph from another
-    process, a group destroyed since). Not cached: a name may be given to another
-    group after its group is destroyed."""
+    """The live process group named ``name``, or ``None`` where this process knows
+    none. Not cached: names are reused after a group is destroyed."""
     import torch.distributed as dist
 
     if name is None or not (dist.is_available() and dist.is_initialized()):
@@ -406,10 +389,8 @@ def resolve_group(name: str | None) -> Any | None:
 
 
 def group_backend(name: str | None, device: torch.device) -> Any | None:
-    """The backend that the process group named ``name`` uses for ``device``'s type
-    (a ``ProcessGroupGloo``, ``ProcessGroupNCCL``, ...), or ``None`` where there is no
-    such group (:func:`resolve_group`) or it has no backend for that device type
-    (torch's threaded test group has none)."""
+    """The backend the process group named ``name`` uses for ``device``'s type, or
+    ``None`` (no such group, or no backend for that type)."""
     group = resolve_group(name)
     if group is None:
         return None
@@ -524,9 +505,8 @@ def unit_pass_options(node: fx.Node) -> UnitPassOptions | None:
 
 
 def merge_annotations(nodes: Iterable[fx.Node]) -> dict[str, Any] | None:
-    """The annotation of one collective that replaces ``nodes``: the distinct units
-    (joined by ``", "``, in order) and all their parameters, in order; the pass
-    options when every node carries the same. ``None`` when no node is annotated."""
+    """The annotation of one collective replacing ``nodes``: their units and
+    parameters, in order, and the pass options they share. ``None`` if none has one."""
     units: list[str] = []
     params: list[str] = []
     options: list[UnitPassOptions | None] = []

@@ -281,10 +281,8 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
 
 
 def _run(gm: fx.GraphModule, cfg: PassConfig, entries: tuple[PassEntry, ...]) -> dict[str, int]:
-    """Runs ``entries`` in order: a pass that cannot be switched off always, a
-    switched one when ``cfg`` has it on, or (``per_unit``) always, reported when on
-    or when it did something (a unit's own options turned it on; see [Note: Per-unit
-    pass options])."""
+    """Runs ``entries`` in order: unswitched ones always, switched ones when on, and
+    ``per_unit`` ones always ([Note: Per-unit pass options])."""
     done: dict[str, int] = {}
     for e in entries:
         on = not e.switch or getattr(cfg, e.name)
@@ -394,9 +392,7 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
         gm = graph.owning_module
         if isinstance(gm, fx.GraphModule):
             _warn_if_options_lost(graph)
-            # The passes that cannot be switched off run whatever the configuration:
-            # see [Note: Frees after the last read] and [Note: CPU all-gathers into
-            # buffers].
+            # Unswitched passes run whatever the configuration.
             _run(gm, get_config(), _POST_GRAD)
             _refuse_cpp_wrapper(graph)
         else:
@@ -446,9 +442,7 @@ def _is_ours(value: object) -> bool:
     return isinstance(value, (list, tuple)) and any(isinstance(v, TraceableHSDPPass) for v in value)
 
 
-# The flags install() changed, as they were before the first install(); see
-# [Note: Global switches]. Keyed by (config module, attribute name). (The two hooks
-# and the layout decision need no record: ours holds what it wraps.)
+# The flags install() changed, as they were before; see [Note: Global switches].
 _saved: dict[tuple[Any, str], Any] = {}
 
 

@@ -326,8 +326,7 @@ def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
         set_annotation(ag, merge_annotations(gathers))
         out = insert_call(graph, WAIT, (ag,), like=first)
         grid = insert_call(graph, _aten.view.default, (out, [size, total]), like=first)
-        # One copy-out for the whole bucket: see [Note: One copy-out per all-gather
-        # bucket] in _ops.py.
+        # See [Note: One copy-out per all-gather bucket] in _ops.py.
         blocks = insert_call(
             graph, SPLIT_COLUMNS, (grid, [m.numel for m in members]), like=first
         )
@@ -464,9 +463,8 @@ def _reduce_scatter_layout(
             results.add(node)
             moved.append(node)
         node = node.next
-    # The last member's input too: a reduce-scatter that reads (through moved
-    # nodes) an earlier member's result, as tensor parallelism's sequence-parallel
-    # reduce-scatters do in the forward, cannot join that member's bucket.
+    # A reduce-scatter reading an earlier member's result (sequence parallelism)
+    # cannot join its bucket.
     if any(i in results for i in last.all_input_nodes):
         return None
     for s in scatters:

@@ -217,10 +217,8 @@ def plan_prefetches(graph: fx.Graph) -> list[Prefetch]:
 
 
 def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
-    """The graph inputs and constants, and the pure nodes computed from them (or from
-    what an in-place op left in a buffer) and not from any collective's result: the
-    copy-in work a prefetch may take along. Compute on activations reads, somewhere
-    up its inputs, a gathered parameter (a wait)."""
+    """Graph inputs, constants and the pure nodes computed from them and from no
+    collective's result: the copy-in work a prefetch may take along."""
     found: set[fx.Node] = set()
 
     def source(i: fx.Node) -> bool:
@@ -243,8 +241,7 @@ def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
 def _plan_prefetch(
     gather: fx.Node, anchor: fx.Node, order: dict[fx.Node, int], from_inputs: set[fx.Node]
 ) -> Prefetch | None:
-    """``gather`` issued as early after ``anchor`` as allowed: each node that must
-    precede it (a barrier) moves the anchor down to that node, until none is left."""
+    """``gather`` issued as early after ``anchor`` as its barriers allow."""
     while True:
         hoist = _producers_after(gather, anchor, order)
         barrier = _last_barrier(gather, hoist, anchor, order, from_inputs)
