@@ -95,9 +95,8 @@ _quieted: list[str] = []  # [torch's policy] while "silent" is ours to undo
 
 
 def side_effect_messages_read() -> bool:
-    """Whether anything would read dynamo's side-effect messages now: the
-    ``side_effects`` logging artifact is on, or the structured trace writes somewhere.
-    See [Note: Dynamo's side-effect messages]."""
+    """Whether anything reads dynamo's side-effect messages now. See [Note: Dynamo's
+    side-effect messages]."""
     if resolve("torch._dynamo.side_effects.side_effects_log").isEnabledFor(logging.DEBUG):
         return True
     default_handler = resolve("torch._logging._internal.LazyTraceHandler")
@@ -141,9 +140,8 @@ def restore_side_effect_messages() -> None:
 
 @contextmanager
 def side_effect_messages_on() -> Iterator[None]:
-    """Torch's ``"info"`` policy inside the block if :func:`quiet_side_effect_messages`
-    had set ``"silent"`` (quieted again after): for a reader added for the block, such
-    as the structured trace of ``dump_graphs(trace=True)``."""
+    """Torch's ``"info"`` policy inside the block, for a reader added for it
+    (``dump_graphs(trace=True)``), if :func:`quiet_side_effect_messages` quieted it."""
     ours = bool(_quieted) and resolve(_POLICY) == "silent"
     if ours:
         restore_side_effect_messages()

@@ -147,10 +147,8 @@ fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
 def shard_unit(module: nn.Module | list[nn.Module], options: UnitOptions) -> Any:
-    """Internal: :func:`fully_shard` with options already checked, for ``hsdp()``
-    (``_hsdp.py``), which builds :class:`~traceable_hsdp._init.UnitOptions` with what
-    fully_shard's arguments cannot say (replicated parameters, kept storage, the
-    unit's pass options). Not public API. See [Note: Unit options] in ``_init.py``.
+    """Internal: :func:`fully_shard` with options already checked, for ``hsdp()``.
+    See [Note: Unit options] in ``_init.py``.
 
     Returns:
         ``module``, as :func:`fully_shard` does.
@@ -172,10 +170,8 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     for m in modules:
         add_fsdp_class(m)
         dispatch_compiled_call(m)  # See [Note: A unit compiled in place] (_compiled_call.py).
-    # Every process-wide change to torch (the passes and the switches of [Note: Global
-    # switches], the FX graph cache keys, dynamo's side-effect messages, compiled
-    # autograd's hook ordering, the exit hook, the optimizer check), each entry
-    # checked first; undone by _torch_internals.undo(). See [Note: Torch internals].
+    # Every process-wide change to torch, each entry checked first. See [Note: Torch
+    # internals].
     _torch_internals.install()
     from .debug._dump_env import start_from_env
 
@@ -260,10 +256,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """torch's: makes several roots (pipeline-parallel model chunks) share their CUDA
-    streams. Ours has no streams to share: every collective runs on the current stream
-    (see [Note: torch's communication tuning methods]), which the roots already
-    share. It checks its argument as torch's does and changes nothing.
+    """torch's: makes several roots share their CUDA streams. Ours run on the current
+    stream already ([Note: torch's communication tuning methods]), so it checks its
+    argument as torch's does and changes nothing.
 
     Raises:
         ValueError: an entry is not a fully_shard module.

@@ -561,10 +561,7 @@ def _snapshot() -> tuple[int, int]:
 
 def _collect_breaks(since: tuple[int, int]) -> _Breaks:
     """Graph breaks and compiles since ``since`` (from :func:`_snapshot`), from
-    dynamo's bookkeeping: ``torch._dynamo.utils.graph_break_reasons`` (one entry per
-    graph break; ``counters["graph_break"]`` is no longer filled on torch 2.13) and
-    ``get_compilation_metrics()`` (one per compiled frame, with its recompile
-    reason)."""
+    dynamo's ``graph_break_reasons`` and ``get_compilation_metrics()``."""
     from torch._dynamo import utils as dynamo_utils
 
     n_breaks, t0 = since
@@ -617,12 +614,10 @@ def _collect_breaks(since: tuple[int, int]) -> _Breaks:
 # ------------------------------------------------------------------- trace
 @contextlib.contextmanager
 def _structured_trace(trace_dir: Path) -> Iterator[list[Path]]:
-    """A ``TORCH_TRACE=trace_dir`` structured log for the block: the handler that
-    ``TORCH_TRACE`` would install at import (``LazyTraceHandler``, which opens its
-    file at the first record) is added to torch's trace logger and removed after.
-    Yields a list that holds the log file once the block exits. Dynamo's side-effect
-    messages are on inside (see [Note: Dynamo's side-effect messages] in
-    ``_compile.py``), so the log holds them as ``TORCH_TRACE``'s would."""
+    """A ``TORCH_TRACE=trace_dir`` structured log for the block (torch's
+    ``LazyTraceHandler``, added and removed); yields a list holding the log file once
+    the block exits. Side-effect messages are on inside ([Note: Dynamo's side-effect
+    messages])."""
     from torch._logging import _internal as tl
 
     from .._compile import side_effect_messages_on
@@ -867,9 +862,8 @@ def dump_graphs(
 def _bytecode_hook(
     hook: Callable[[types.CodeType, types.CodeType], types.CodeType | None],
 ) -> Iterator[None]:
-    """``hook`` runs after dynamo compiles a frame (torch's ``register_bytecode_hook``:
-    called with the frame's code and the code dynamo made, in registration order; a
-    returned code replaces the latter) while the block runs."""
+    """``hook`` registered with torch's ``register_bytecode_hook`` while the block
+    runs."""
     handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
     try:
         yield
