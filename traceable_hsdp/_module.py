@@ -95,12 +95,9 @@ class FSDPModule(_TorchFSDPModule):
             state.param_group.reshard()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # ``model.to(dtype)``, ``to_empty(device=...)``, ``.double()``: nn.Module's
-        # _apply converts the sharded DTensors; the unit then follows them. See
-        # [Note: Changes after fully_shard] in _param.py.
+        # ``model.to(...)``, ``to_empty(...)``: see [Note: Changes after fully_shard].
         self.reshard()
-        # The original class's _apply, past torch's FSDPModule (whose _apply would
-        # read torch's private state).
+        # Past torch's FSDPModule, whose _apply reads torch's private state.
         out = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
         # Devices are checked at the next forward: in a list unit, the other
         # modules may not be converted yet.
@@ -195,17 +192,13 @@ class FSDPModule(_TorchFSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Sum in the collectives and divide by the number of data-parallel ranks
-        locally, instead of averaging in the collectives (same result up to
-        rounding). An explicit gradient divide factor takes precedence. This unit
-        only, as torch's (no ``recurse``)."""
+        """Sum in the collectives and divide locally instead of averaging in them. A
+        gradient divide factor takes precedence. This unit only, as torch's."""
         _set_on_groups(self, False, "force_sum", "enable", enable)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: whether backward all-reduces gradients over the replicas. With
-        ``False`` the reduce-scatter still runs and the shard-reduced gradients
-        accumulate locally; the next backward with ``True`` all-reduces the sum.
-        Nothing changes on a 1-D mesh."""
+        """HSDP: whether backward all-reduces gradients over the replicas; with
+        ``False`` they accumulate until the next backward with ``True``."""
         _set_on_groups(self, recurse, "all_reduce_grads", "requires_all_reduce", requires_all_reduce)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -414,9 +407,8 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
-        happens anyway) does nothing. See [Note: torch's communication tuning
-        methods]."""
+        """``True`` raises ``NotImplementedError``; ``False`` does nothing. See
+        [Note: torch's communication tuning methods]."""
         _check_bool("enable", enable)
         if enable:
             _not_supported(
@@ -455,9 +447,8 @@ class FSDPModule(_TorchFSDPModule):
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
-        happens anyway) does nothing. See [Note: torch's communication tuning
-        methods]."""
+        """``True`` raises ``NotImplementedError``; ``False`` does nothing. See
+        [Note: torch's communication tuning methods]."""
         _check_bool("enable", enable)
         if enable:
             _not_supported(
@@ -480,12 +471,9 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        """torch's private switch that issues the pre-forward and pre-backward
-        all-gathers with ``async_op=True`` so that their buffers are allocated on
-        the current stream. Ours always are (every collective runs on the current
-        stream), and prefetching stays as configured, so both values leave the
-        behaviour as it is; the argument is checked. See [Note: torch's
-        communication tuning methods]."""
+        """torch's private switch to allocate the all-gathers on the current stream,
+        where ours always are: the argument is checked and nothing changes. See
+        [Note: torch's communication tuning methods]."""
         _check_bool("async_op", async_op)
 
 
@@ -554,9 +542,8 @@ _GROUP_FLAGS = frozenset(get_args(_GroupFlag))
 
 
 def _set_on_groups(module: Any, recurse: bool, attr: _GroupFlag, name: str, value: object) -> None:
-    """The boolean setters' one body: checks that ``value`` (the argument ``name``)
-    is a bool, then sets ``attr`` of this unit's parameter group to it, and with
-    ``recurse`` of every unit's inside too."""
+    """The boolean setters' body: checks ``value`` is a bool and sets ``attr`` on this
+    unit's group (and, with ``recurse``, on every unit's inside)."""
     if attr not in _GROUP_FLAGS:
         raise AssertionError(f"_set_on_groups: {attr!r} is not a parameter-group flag")
     _check_bool(name, value)

@@ -40,15 +40,12 @@ class ScheduledOp:
 
     Args:
         position: index in the schedule (collectives, waits and kernels counted).
-        kind: ``"collective"``, ``"wait"``, or ``"kernel"`` (any other op that
-            computes or copies: a generated kernel, an extern kernel such as
-            ``extern_kernels.mm``, an op Inductor falls back to).
+        kind: ``"collective"``, ``"wait"``, or ``"kernel"`` (any other op).
         name: the call as the code writes it: ``torch.ops._c10d_functional.
             all_gather_into_tensor.default``, ``cpp_fused_add_0``, ...
         line: its line in the output code (1-based).
-        collective: a collective's index among the schedule's collectives; for a
-            wait, the index of the collective it waits for (``None`` when that
-            collective was not issued in this graph); ``None`` for a kernel.
+        collective: a collective's index among the schedule's collectives, or the
+            one a wait waits for; else ``None``.
         group_name: a collective's process group (a literal in the code), or
             ``None``.
     """
