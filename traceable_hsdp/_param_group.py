@@ -384,7 +384,8 @@ class FSDPParamGroup:
         keeps it while gradient sync is off."""
         p = fsdp_param.unsharded_param
         if not fsdp_param.sharded_param.requires_grad or not p.requires_grad:
-            # Frozen since: see [Note: Changes after fully_shard].
+            # Frozen since: see [Note: Changes after fully_shard] and [Note: Changes
+            # while the modules hold the gathered parameter].
             p.grad = None
             self._count_down()
             return
