@@ -27,9 +27,9 @@ or refused at the next forward; never silently dropped. ``reset_sharded_param`` 
 it in ``FSDPModule._apply`` (``model.to``, ``to_empty``), ``load_state_dict(assign=True)``
 and at each pre-forward where ``user_change`` finds a change: a freeze is followed, an
 assigned DTensor adopted, a plain tensor (``TypeError``) or a shard off the mesh's
-device (``ValueError``) refused. Applying a change is dynamo-disabled (a graph break),
-but a traced freeze needs none: the placeholder keeps requiring grad and its hook drops
-the gradient.
+device (``ValueError``) refused. Applying a change is dynamo-disabled (a graph break;
+under ``fullgraph=True``, dynamo's error naming the change), but a traced freeze needs
+none: the placeholder keeps requiring grad and its hook drops the gradient.
 
 [Note: Changes while the modules hold the gathered parameter]
 A unit that stays gathered after forward (the root, by default) has its modules hold
@@ -77,8 +77,8 @@ stale memory silently. So ``_grad_to_cpu`` copies asynchronously only when nothi
 the CPU reads the gradient during backward (eager, pinned, nothing to add to, no hook),
 recording an event that ``wait_grad_offload`` waits for at the root's end of backward;
 otherwise it blocks. The host-to-device copy needs no event (same-stream reader). After
-a forward without backward, ``torch.accelerator.synchronize()`` before writing the CPU
-shards, as with torch's FSDP2.
+a forward without backward, call ``torch.accelerator.synchronize()`` before writing the
+CPU shards, as with torch's FSDP2.
 
 [Note: FSDP x TP]
 A parameter that is already a ``DTensor`` (``parallelize_module`` over a ``tp`` mesh)
