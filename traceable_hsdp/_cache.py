@@ -128,9 +128,8 @@ def stable_mesh_key_installed() -> bool:
 
 
 def env_switch(name: str, environ: Mapping[str, str] | None, what: str) -> bool:
-    """Whether the environment switch ``name`` is on (this module's two, and
-    ``_compile.py``'s): off for ``0``/``false``/``off``/``no``, on
-    when unset or ``1``/``true``/``on``/``yes``/empty.
+    """Whether the environment switch ``name`` is on: off for
+    ``0``/``false``/``off``/``no``, on when unset or ``1``/``true``/``on``/``yes``/empty.
 
     Raises:
         ValueError: any other value.

@@ -62,17 +62,13 @@ def all_gather_start(shard: torch.Tensor, world_size: int, group_name: str) -> t
 
 def _comm_debug_mode() -> bool:
     """Whether torch's ``CommDebugMode`` is counting: it does not know the ``_out``
-    all-gather, so under it an eager all-gather is issued as the allocating op and
-    waited for at once (as while tracing), which it counts. Debugging only: no
-    all-gather stays in flight then."""
+    all-gather, so the allocating op is issued and waited for at once instead."""
     return any(isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack())
 
 
 def _has_device_backend(group_name: str, device: torch.device) -> bool:
-    """Whether the group has a backend registered for ``device``'s type, which the
-    ``_out`` collectives need. torch's threaded test process group
-    (``MultiThreadedTestCase``) has none; the allocating op works there, and is
-    waited for at once, as while tracing. See [Note: In-flight all-gathers on gloo]."""
+    """Whether the group has a backend for ``device``'s type, which the ``_out``
+    collectives need (torch's threaded test group has none)."""
     return group_backend(group_name, device) is not None
 
 
@@ -88,11 +84,8 @@ def reduce_scatter(
     full: torch.Tensor, op: str, world_size: int, group_name: str
 ) -> torch.Tensor:
     """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
-    rank's 1/world_size of dim 0. Eagerly, over two gloo ranks, it is one exchange
-    and one addition, the same numbers for less traffic (see [Note: gloo
-    reduce-scatters as an exchange] in ``passes/gloo/exchange.py``; the
-    compiled graphs get the same from that pass), unless the pass configuration
-    turns ``reduce_scatter_by_exchange`` off."""
+    rank's 1/world_size of dim 0; over two gloo ranks, as an exchange ([Note: gloo
+    reduce-scatters as an exchange] in ``passes/gloo/exchange.py``)."""
     if world_size == 1:
         return full
     full = full.contiguous()
@@ -142,8 +135,6 @@ def copy_out(
 
 
 def chunk_cat(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor) -> None:
-    """Writes row ``r`` of ``out`` (``world_size`` rows, 2D) as the concatenation of
-    every tensor's ``r``-th dim-0 chunk (``ceil(size(0) / world_size)`` rows, the last
-    ones zero-padded: the ``torch.chunk`` layout of the shards), in one op. See
-    [Note: Flat buffers]."""
+    """Writes row ``r`` of ``out`` (2D) as the concatenation of every tensor's
+    zero-padded ``r``-th dim-0 chunk, in one op. See [Note: Flat buffers]."""
     torch._chunk_cat(tensors, 0, world_size, out=out)

@@ -32,9 +32,8 @@ class ShardedState(Enum):
     """Only the sharded DTensor has data; the unsharded placeholder's storage is 0 bytes
     and the module holds the sharded parameter."""
     SHARDED_POST_FORWARD = auto()
-    """After forward with an int ``reshard_after_forward=k``: the placeholder's storage
-    is 0 bytes and each rank keeps 1/k of the (padded) gathered parameter, to be
-    re-gathered over a group of k ranks for backward; the module holds the sharded
+    """After forward with an int ``reshard_after_forward=k``: each rank keeps 1/k of
+    the gathered parameter, the placeholder is 0 bytes, the module holds the sharded
     parameter."""
     UNSHARDED = auto()
     """The placeholder's storage is full and holds the gathered parameter; the module
@@ -161,11 +160,9 @@ def unit_forwards_in_frame() -> int:
 
 
 def refusal(message: str) -> Callable[..., NoReturn]:
-    """A function that raises ``RuntimeError(message)`` (the details it is given
-    appended), disabled for dynamo: reached while tracing it is a graph break whose
-    reason is ``message`` (under ``fullgraph=True``, the error the user sees), run
-    eagerly it raises. For what a compiled step cannot do right: refused loudly,
-    never silently wrong."""
+    """A dynamo-disabled function raising ``RuntimeError(message)``: while tracing, a
+    graph break with that reason (the error under ``fullgraph=True``). For what a
+    compiled step cannot do right: refused loudly, never silently wrong."""
 
     @torch._dynamo.disable(reason=message)
     def refuse(*details: str) -> NoReturn:

@@ -184,12 +184,10 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 # [Note: Devices and process groups]
-# ``device="cuda"`` is one rank per GPU on NCCL, the setup FSDP is made for: spawned
-# ranks take ``cuda:RANK`` (at most ``torch.cuda.device_count()`` of them), torchrun's
-# take ``cuda:LOCAL_RANK``. ``device="cpu"`` is gloo ranks on the CPU (what the tests
-# run). ``"auto"`` picks ``"cuda"`` when torch sees a GPU and NCCL, else ``"cpu"``; it
-# is resolved once, in the launching process (:func:`resolve_device`), and a rank never
-# falls back silently: ``"cuda"`` without a GPU is an error that says so.
+# ``device="cuda"`` is one rank per GPU on NCCL (``cuda:RANK`` spawned,
+# ``cuda:LOCAL_RANK`` under torchrun); ``"cpu"`` is gloo ranks. ``"auto"`` is resolved
+# once, in the launching process (:func:`resolve_device`), and never falls back
+# silently: ``"cuda"`` without a GPU is an error.
 
 
 def resolve_device(requested: str) -> Literal["cpu", "cuda"]:
@@ -389,9 +387,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     )
     model = _build_sharded(cfg, model_cfg, mesh, device, rank)
     n_params = sum(p.numel() for p in model.parameters())
-    # torch.optim.AdamW's numbers and state, stepped on the local shards; see
-    # [Note: Optimizer steps on local shards] (optim.py). Fused, as torchtitan and HF
-    # Trainer step by default (docs/api.md, "Optimizers on local shards").
+    # See [Note: Optimizer steps on local shards] (optim.py); fused, as torchtitan.
     from ..optim import AdamW
 
     optim = AdamW(model.parameters(), lr=cfg.lr, fused=True)
