@@ -111,9 +111,7 @@ def _candidates(
     graph: fx.Graph, target: torch._ops.OpOverload
 ) -> Iterator[tuple[fx.Node, dict[str, Any], torch.Tensor, str]]:
     """Each ``target`` collective of CPU tensors over a group of two ranks, with its
-    bound arguments, its input's fake value and its group's name. Whether the group
-    is gloo's and the collective has one wait is asked last (:func:`_one_wait`), after
-    each pass's own checks."""
+    bound arguments, input fake value and group name."""
     for node in list(graph.find_nodes(op="call_function", target=target)):
         args = bound_args(node)
         val, name = tensor_val(args.get("input")), args.get("group_name")
@@ -137,10 +135,8 @@ def _one_wait(node: fx.Node, name: str, pass_name: str) -> fx.Node | None:
 
 
 def _all_to_all(pooled: bool) -> torch._ops.OpOverload:
-    """The all-to-all an exchange issues: ours, its output from the pool, where asked
-    and Inductor can lower it; else torch's. Asked once a candidate is found, so a
-    graph with none never registers the lowering. See [Note: Exchange outputs from a
-    pool] in ``_pool.py``."""
+    """The all-to-all an exchange issues: the pooled one where asked, else torch's.
+    See [Note: Exchange outputs from a pool] in ``_pool.py``."""
     return POOLED_ALL_TO_ALL if pooled and pooled_all_to_all_lowering() else ALL_TO_ALL
 
 
@@ -148,11 +144,9 @@ def _exchange(
     graph: fx.Graph, node: fx.Node, wait: fx.Node, inp: fx.Node, k: int, name: str,
     family: str, finish: Callable[[fx.Node], fx.Node], op: torch._ops.OpOverload,
 ) -> None:
-    """Puts ``op(inp, [k, k], [k, k], name)`` (an ``all_to_all_single``) where
-    ``node`` was and its wait where ``wait`` was; ``finish(got)``, inserted right
-    after that wait, builds what the old wait's readers read. The exchange keeps
-    ``node``'s meta (its annotation and stack trace) and is marked as ``family``;
-    both old nodes go."""
+    """Puts ``op(inp, [k, k], [k, k], name)`` where ``node`` was and its wait where
+    ``wait`` was; ``finish(got)`` builds what the old wait's readers read. The
+    exchange keeps ``node``'s meta and is marked as ``family``."""
     with graph.inserting_before(node):
         ex = graph.call_function(op, (inp, [k, k], [k, k], name))
     with graph.inserting_after(wait):
@@ -247,9 +241,8 @@ def all_gather_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
 
 
 def _flat_pieces(graph: fx.Graph, inp: fx.Node, like: fx.Node) -> list[fx.Node]:
-    """What the all-gather's input is made of, each flat: a bucket's 1-D ``cat`` read
-    only by the all-gather gives its pieces (so the doubled input is one ``cat`` of
-    them, written once); anything else is one piece, flattened."""
+    """The all-gather input's flat pieces: a bucket's ``cat`` read only by it gives
+    its pieces (the doubled input is then one ``cat``); anything else is one piece."""
     if (
         inp.target is _aten.cat.default
         and len(inp.users) == 1
