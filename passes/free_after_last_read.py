@@ -5,7 +5,7 @@ A unit's backward frees its placeholders in the post-accumulate-grad hook that
 finishes it. Compiled autograd moves every ``AccumulateGrad`` and its hooks as early
 as it can, and in the inlined graph a linear's two gradients are two matmuls: when the
 weight's gradient comes first, the free lands before the input gradient's read of the
-weight (seen with ``nn.MultiheadAttention``'s ``in_proj_weight`` under Inductor).
+weight (``nn.MultiheadAttention``'s ``in_proj_weight`` under Inductor).
 
 So this pass, the first on every post-grad graph, moves each free of a placeholder to
 just after the last node that reads it (or a view of it) before its next grow or the

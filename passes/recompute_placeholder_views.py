@@ -4,9 +4,9 @@
 AOTAutograd's partitioner may compute a saved view of a placeholder at the end of the
 forward, after the placeholder was freed (aot_eager fails the bounds check; compiled
 code is right only by aliasing). ``recompute_views`` ([Note: Saved views of the
-placeholder] in ``_install.py``) covers views whose base is saved, not others. Seen
-with HF Mixtral's ``torch._grouped_mm`` in bf16, where ``transpose(transpose(w))`` was
-saved instead of ``w``::
+placeholder] in ``_install.py``) covers views whose base is saved, not others: with
+HF Mixtral's ``torch._grouped_mm`` in bf16 the partitioner saves
+``transpose(transpose(w))`` instead of ``w``::
 
     transpose_5  = transpose(primals_22, -2, -1)      # the forward's use
     ...

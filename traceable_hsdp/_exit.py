@@ -8,8 +8,8 @@ finalizes, CPython ends the thread and its unwind meets a ``noexcept`` C++ destr
 the process aborts (exit status -6) after all the script's work is done.
 ``destroy_process_group()`` does not join the workers; the group's destructor does,
 and the group lives as long as a ``DeviceMesh`` refers to it (DTensor's
-sharding-propagation caches and a compiled step's guards hold meshes), so it used to
-die only during finalization, where the race is.
+sharding-propagation caches and a compiled step's guards hold meshes), so left alone
+it dies only during finalization, where the race is.
 
 :func:`install_exit_hook` (``fully_shard`` calls it) registers
 :func:`release_process_groups` with ``atexit``. Once every group is destroyed, it clears
