@@ -3,49 +3,23 @@
 Each pass is a plain function over a post-grad ``torch.fx.GraphModule`` that changes
 it in place and does nothing when nothing matches:
 
-- :func:`remove_resize_copy`: the uses of an unsharded placeholder read the gathered
-  tensor; its grow/``fsdp.copy_``/free nodes go.
+- :func:`remove_resize_copy`: uses of a placeholder read the gathered tensor; its
+  grow/``fsdp.copy_``/free nodes go.
 - :func:`bucket_all_gathers` / :func:`bucket_reduce_scatters`: one collective per
-  fully_shard unit, adjacent small units merged up to a size cap
-  (``DEFAULT_BUCKET_CAP_MB``, 4 MiB, by default).
-- :func:`overlap`: each all-gather is issued one unit early (before the previous
-  unit's compute), each reduce-scatter waited for just before the next one.
-- :func:`reduce_scatter_by_exchange`: a reduce-scatter over two gloo ranks is
-  issued as an all-to-all and an addition (gloo's own is an all-reduce).
-- :func:`all_gather_by_exchange`: an all-gather over two gloo ranks is issued as an
-  all-to-all of the shard sent to both ranks (gloo's own copies the result once
-  more).
+  unit, small adjacent units merged up to ``DEFAULT_BUCKET_CAP_MB``.
+- :func:`overlap`: all-gathers issued one unit early, reduce-scatters waited late.
+- :func:`reduce_scatter_by_exchange` / :func:`all_gather_by_exchange`: over two gloo
+  ranks, issued as all-to-alls, with outputs from a pool ([Note: Exchange outputs
+  from a pool] in ``gloo/_pool.py``).
 
-Both exchanges take their outputs from a pool of buffers kept across steps
-(``PassConfig.pool_exchange_outputs``; :func:`exchange_pool_bytes` says what it
-holds, :func:`release_exchange_buffers` drops what nothing reads; see [Note: Exchange
-outputs from a pool] in ``gloo/_pool.py``).
+Not switchable, on every post-grad graph: :func:`free_after_last_read` first and
+:func:`gather_into_buffers` last; on AOTAutograd joint graphs:
+:func:`save_checkpoint_outputs` and :func:`recompute_placeholder_views`.
 
-and, on every post-grad graph and not switchable, one before them and one after:
-
-- :func:`free_after_last_read`: each free of a placeholder moves after the graph's
-  last read of it (compiled autograd can put a weight's gradient, and so the hook
-  that frees it, before the weight's last read);
-- :func:`gather_into_buffers`: each all-gather of CPU tensors is issued into a
-  buffer allocated beforehand (``all_gather_into_tensor_out``), which gloo needs
-  when another collective is in flight.
-
-and two passes over AOTAutograd joint graphs (any backend), not switchable:
-
-- :func:`save_checkpoint_outputs`: what leaves an activation-checkpoint region is
-  saved for backward, not recomputed before the unit's re-gather;
-- :func:`recompute_placeholder_views`: a view of an unsharded placeholder is
-  recomputed in the backward, never computed after the placeholder is freed.
-
-:func:`install` (called by ``fully_shard``; :func:`uninstall` undoes it) runs them
-on every graph Inductor compiles, configured by ``traceable_hsdp.passes.config`` (a :class:`PassConfig`, from
-the environment variables ``TRACEABLE_HSDP_PASSES`` and
-``TRACEABLE_HSDP_BUCKET_CAP_MB``; see [Note: Pass configuration] in ``_install.py``).
-What each of them matches (an all-gather, a wait, an ``fsdp.copy_``, a resize, a
-unit's annotation) is the graph vocabulary of ``_graph.py``, which the dump tool, the
-benchmarks and the tests use as well. The package imports only torch.
-``docs/passes.md`` describes all ten, their order, switches and memory cost, and
-what :func:`install` changes in torch's configuration.
+:func:`install` (called by ``fully_shard``) runs them on every graph Inductor compiles,
+configured by :class:`PassConfig` ([Note: Pass configuration] in ``_install.py``). Node
+predicates live in ``_graph.py``. The package imports only torch. ``docs/passes.md``
+describes all ten, their order, switches and memory cost.
 """
 
 from __future__ import annotations

@@ -1,63 +1,37 @@
 """The graph vocabulary: what a node of a traceable_hsdp graph is, written once.
 
-Every reader of traced graphs uses this module and matches no op name by itself: the
-passes, ``traceable_hsdp.dump_graphs``, the benchmarks and the tests. It owns
-
-- the predicates: is this node a collective (and which), a wait, an ``fsdp.copy_``,
-  a storage resize, a view; its arguments by schema name;
-- the collective annotations' keys, and reading, merging and copying them
-  (see [Note: Collective annotations]).
-- resolving a collective's process group by name, and its backend for a device
-  (:func:`resolve_group`, :func:`group_backend`).
-
-It imports only torch.
+Every reader of traced graphs (the passes, ``dump_graphs``, the benchmarks and the
+tests) uses this module and matches no op name by itself. It owns the predicates
+(collective, wait, ``fsdp.copy_``, resize, view; arguments by schema name), the
+collective annotations ([Note: Collective annotations]), and resolving a collective's
+process group (:func:`resolve_group`, :func:`group_backend`). It imports only torch.
 
 [Note: Two op forms]
-A graph calls an ATen-style op in one of two forms. Post-grad and AOTAutograd graphs
-call the ``OpOverload`` (``torch.ops._c10d_functional.all_gather_into_tensor.default``);
-the graph dynamo hands a ``torch.compile`` backend calls the ``OpOverloadPacket``
-(``torch.ops._c10d_functional.all_gather_into_tensor``), sometimes with keyword
-arguments. Every predicate here compares the op's qualified name (namespace and
-name), so it accepts both forms; :func:`bound_args` binds either form's arguments to
-the op schema's names. Functional collectives live in ``_c10d_functional`` (and the
-older ``c10d_functional``); ``wait_tensor`` is the wait, everything else there
-communicates.
+Post-grad and AOTAutograd graphs call the ``OpOverload`` (``...all_gather_into_tensor
+.default``); the graph dynamo hands a backend calls the ``OpOverloadPacket``, sometimes
+with keyword arguments. Every predicate compares the qualified name, so it accepts
+both; :func:`bound_args` binds either form to the schema's names.
 
 [Note: Collective annotations]
-The runtime issues each parameter's all-gather and reduce-scatter (and, for HSDP, its
-all-reduce) inside ``traceable_hsdp._annotate.collective_annotation``, which is
-``torch.fx.traceback.annotate`` with one key, :data:`ANNOTATION_KEY`. Every FX node
-traced inside it gets::
+The runtime issues each parameter's collectives inside
+``traceable_hsdp._annotate.collective_annotation`` (``torch.fx.traceback.annotate``
+with :data:`ANNOTATION_KEY`), so every node traced inside gets::
 
     node.meta["custom"]["traceable_hsdp"] = {"unit": "layers.0", "params": ("attn.wq.weight",)}
 
-``unit`` is the unit's label and ``params`` the parameter FQNs relative to the unit's
-module. A unit that carries its own pass options (``hsdp(comm_fusion=...,
-bucket_size=...)``, see :class:`UnitPassOptions`) adds ``"bucket"`` (bool) and
-``"bucket_cap_mb"`` (MiB or ``None``); the bucketing passes read them (see [Note:
-Per-unit pass options] in ``bucket_collectives.py``). Passes that merge collectives
-give the merged node the concatenation (:func:`merge_annotations`), so after
-bucketing one collective lists every parameter it serves.
+``params`` are FQNs relative to the unit's module. A unit with its own pass options
+adds ``"bucket"`` and ``"bucket_cap_mb"`` ([Note: Per-unit pass options] in
+``bucket_collectives.py``). Merging passes give the merged node the concatenation
+(:func:`merge_annotations`).
 
-Where it survives, on torch 2.13 (checked with the demo Llama, 2 ranks):
+It survives in dynamo's graphs (forward and compiled-autograd backward) and
+AOTAutograd's and Inductor's forward graphs, but NOT in AOTAutograd's graph of a
+compiled-autograd backward, which AOTAutograd re-traces from a wrapper without node
+meta. ``dump_graphs`` copies the annotations back from dynamo's graph
+(:func:`copy_annotations`); the passes cannot, so there the ``PassConfig`` decides.
 
-- dynamo's graphs (what a ``torch.compile`` backend receives): forward, and the
-  graph compiled autograd hands to dynamo for the backward (the annotation is
-  entered inside the backward hooks, which dynamo inlines);
-- AOTAutograd's forward graph and so Inductor's post-grad forward graph;
-- NOT AOTAutograd's graph of a compiled-autograd backward, nor its post-grad graph:
-  that graph takes a boxed list input, so dynamo hands AOTAutograd a wrapper module
-  instead of the ``GraphModule``, and AOTAutograd re-traces it without preserving
-  node meta (every node's meta is lost, ``stack_trace`` included).
-  ``traceable_hsdp.dump_graphs`` copies the annotations over from dynamo's graph of
-  the same compile (:func:`copy_annotations`); the passes cannot (no public Inductor
-  hook shows them dynamo's graph), so in those graphs the process-wide
-  ``PassConfig`` decides what a unit's own options would have.
-
-The annotation is metadata only: the graph, its code and the FX graph cache key are
-the same with and without it (see [Note: Per-unit options and the FX graph cache] in
-``_install.py``).
-
+The annotation is metadata only: graph, code and cache key are the same without it
+([Note: Per-unit options and the FX graph cache] in ``_install.py``).
 """
 
 from __future__ import annotations
@@ -136,21 +110,15 @@ _RESIZE_NAME = ("inductor", "resize_storage_bytes_")
 _POOLED_NAME = ("traceable_hsdp", "all_to_all_single")
 _VERSION_COUNTER_NAMES = (("prims", "_tensor_version"), ("prims", "_unsafe_set_version_counter"))
 
-# The meta key that marks an ``all_to_all_single`` node as a reduce-scatter or an
-# all-gather issued as an exchange (see [Note: gloo reduce-scatters as an exchange]
-# and [Note: gloo all-gathers as an exchange] in ``gloo/exchange.py``).
-# Its value is the family the node counts in; :func:`graph_counts` counts it under
-# :data:`EXCHANGE_COUNT` or :data:`AG_EXCHANGE_COUNT`.
+# Marks an ``all_to_all_single`` issued as an exchange ([Note: gloo reduce-scatters as
+# an exchange]); the value is the family it counts in.
 EXCHANGED = "traceable_hsdp_exchange"
 EXCHANGE_COUNT = "reduce_scatter_by_exchange"
 AG_EXCHANGE_COUNT = "all_gather_by_exchange"
 _EXCHANGE_COUNTS = {"reduce_scatter": EXCHANGE_COUNT, "all_gather": AG_EXCHANGE_COUNT}
 
 Family = Literal["all_gather", "reduce_scatter", "all_reduce"]
-# Op-name prefix of each collective family: the plain op and its variants
-# (``_out``, ``_coalesced``, the in-place ``all_reduce_``) count alike, and so does
-# a reduce-scatter or an all-gather issued as an exchange (:data:`EXCHANGE_COUNT`,
-# :data:`AG_EXCHANGE_COUNT`).
+# Op-name prefix of each collective family; variants and exchanges count alike.
 _FAMILIES: tuple[tuple[str, Family], ...] = (
     ("all_gather_into_tensor", "all_gather"),
     (AG_EXCHANGE_COUNT, "all_gather"),
@@ -217,9 +185,7 @@ def is_collective(node: fx.Node) -> bool:
 
 def collective_family(node: fx.Node) -> Family | None:
     """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"`` for a collective of
-    that family, its variants included (``all_gather_into_tensor_out``, the
-    ``_coalesced`` ops, the in-place ``all_reduce_``, a reduce-scatter issued as an
-    exchange: an ``all_to_all_single`` marked :data:`EXCHANGED`); else ``None``."""
+    that family (variants and exchanges included); else ``None``."""
     if not is_collective(node):
         return None
     family = node.meta.get(EXCHANGED)
@@ -250,9 +216,8 @@ def is_placeholder_op(node: fx.Node) -> bool:
 
 
 def is_version_counter_op(node: fx.Node) -> bool:
-    """``prims._tensor_version`` or ``prims._unsafe_set_version_counter``: dynamo's
-    record of ``torch.autograd._unsafe_preserve_version_counter``, which AOTAutograd
-    runs on its fake tensors and leaves out of the graphs it hands on."""
+    """Dynamo's record of ``_unsafe_preserve_version_counter`` ([Note: Version
+    counters in a traced step])."""
     return op_name(node) in _VERSION_COUNTER_NAMES
 
 
@@ -292,10 +257,8 @@ def _schema(node: fx.Node) -> torch._C.FunctionSchema | None:
 
 
 def bound_args(node: fx.Node) -> dict[str, Any]:
-    """The node's arguments by the op schema's names (either form; positional or
-    keyword; defaults filled in), from torch's ``fx.Node.normalized_arguments``;
-    ``{}`` for a node that calls no op. torch names a schema's ``self`` argument
-    ``input``."""
+    """The node's arguments by the op schema's names (either form, defaults filled
+    in); ``{}`` for a node that calls no op. ``self`` is named ``input``."""
     if op_name(node) is None:
         return {}
     try:
@@ -303,15 +266,11 @@ def bound_args(node: fx.Node) -> dict[str, Any]:
             node.graph.owning_module, normalize_to_only_use_kwargs=True
         )
     except RuntimeError:
-        # torch raises when an OpOverloadPacket's call binds to several overloads
-        # and no argument types are given to choose (e.g. ``aten.add`` with two
-        # nodes); bind to the packet's default overload below instead.
+        # Ambiguous overloads: bind to the packet's default overload below.
         pair = None
     if pair is not None:
         return dict(pair.kwargs)
-    # torch's helper could not bind (it returns None when no overload's schema
-    # accepts the node's arguments, e.g. a hand-built node missing an argument):
-    # take what the node has, by the schema's names, without defaults.
+    # torch's helper could not bind: take what the node has, without defaults.
     return _bind_by_schema(node)
 
 
@@ -415,10 +374,8 @@ def _nbytes(value: Any) -> int | None:
 
 
 def resolve_group(name: str | None) -> Any | None:
-    """The live process group named ``name``, or ``None``: no name, no initialized
-    default group, or a name this process does not know (a graph from another
-    process, a group destroyed since). Not cached: a name may be given to another
-    group after its group is destroyed."""
+    """The live process group named ``name``, or ``None`` where this process knows
+    none. Not cached: names are reused after a group is destroyed."""
     import torch.distributed as dist
 
     if name is None or not (dist.is_available() and dist.is_initialized()):
@@ -432,10 +389,8 @@ def resolve_group(name: str | None) -> Any | None:
 
 
 def group_backend(name: str | None, device: torch.device) -> Any | None:
-    """The backend that the process group named ``name`` uses for ``device``'s type
-    (a ``ProcessGroupGloo``, ``ProcessGroupNCCL``, ...), or ``None`` where there is no
-    such group (:func:`resolve_group`) or it has no backend for that device type
-    (torch's threaded test group has none)."""
+    """The backend the process group named ``name`` uses for ``device``'s type, or
+    ``None`` (no such group, or no backend for that type)."""
     group = resolve_group(name)
     if group is None:
         return None
@@ -550,9 +505,8 @@ def unit_pass_options(node: fx.Node) -> UnitPassOptions | None:
 
 
 def merge_annotations(nodes: Iterable[fx.Node]) -> dict[str, Any] | None:
-    """The annotation of one collective that replaces ``nodes``: the distinct units
-    (joined by ``", "``, in order) and all their parameters, in order; the pass
-    options when every node carries the same. ``None`` when no node is annotated."""
+    """The annotation of one collective replacing ``nodes``: their units and
+    parameters, in order, and the pass options they share. ``None`` if none has one."""
     units: list[str] = []
     params: list[str] = []
     options: list[UnitPassOptions | None] = []

@@ -2,137 +2,82 @@
 traceable_hsdp makes to torch's compile configuration.
 
 [Note: Installing the passes]
-:func:`install` sets ``torch._inductor.config.post_grad_custom_pre_pass`` to a
-:class:`TraceableHSDPPass`, which runs on every post-grad graph (the forward graph
-and the compiled-autograd backward graph) before Inductor's own post-grad passes and
-its collective bucketing. ``fully_shard`` calls it, so a compiled fully_shard model
-gets the passes without any user code.
+:func:`install` (called by ``fully_shard``) sets
+``torch._inductor.config.post_grad_custom_pre_pass`` to a :class:`TraceableHSDPPass`,
+which runs on every post-grad graph (forward and compiled-autograd backward) before
+Inductor's own post-grad passes. Around the switched passes (:func:`run_passes`), and
+whatever :class:`PassConfig` says, :func:`free_after_last_read` runs first ([Note:
+Frees after the last read]) and :func:`gather_into_buffers` after ([Note: CPU
+all-gathers into buffers]); last, a graph the C++ wrapper cannot call is refused
+([Note: Inductor's C++ wrapper]).
 
-Before our passes (:func:`run_passes`), on every graph and whatever
-:class:`PassConfig` says, :func:`free_after_last_read` moves each placeholder's free
-after its last read (see [Note: Frees after the last read]); after them,
-:func:`gather_into_buffers` issues each CPU all-gather into a buffer allocated
-beforehand (a gloo fix; see [Note: CPU all-gathers into buffers]); last, a graph that
-Inductor's C++ wrapper, when it is on, cannot call is refused (see [Note: Inductor's
-C++ wrapper]).
-
-- Composes: a pass the user already set there is kept and run after ours (a
-  ``CustomGraphPass``, a plain callable, or a list of them). The FX graph cache key
-  then hashes both: ours by source and configuration, theirs by its ``uuid()``; a
-  user pass with no ``uuid()`` (a plain callable) bypasses the cache, as it would
-  without us.
-- Idempotent: installing again changes nothing. A user pass set *after* install
-  replaces ours; the next ``install()`` (the next ``fully_shard``) wraps it again.
-- Cache-safe: ``uuid()`` hashes every ``passes/*.py`` source together with the
-  current :class:`PassConfig`, so a changed pass or configuration misses the cache.
+It composes (a user pass already set runs after ours, and the cache key hashes both),
+is idempotent, and is cache-safe (``uuid()`` hashes every ``passes/*.py`` source and
+the current :class:`PassConfig`).
 
 :func:`install` also sets ``torch._functorch.config.joint_custom_pass`` to a
-:class:`TraceableHSDPJointPass`, which runs :func:`save_checkpoint_outputs` and then
-:func:`recompute_placeholder_views` on every AOTAutograd joint graph before it is
-partitioned, for every backend (aot_eager too): they are correctness fixes, not
-optimisations, so :class:`PassConfig` does not switch them (see [Note: Checkpoint
-outputs are saved] and [Note: Views of a placeholder are recomputed]).
-A joint pass already set there runs first, then ours. It changes graphs with a
-``BackwardState`` input only, and those bypass AOTAutograd's cache (whose key
-ignores ``joint_custom_pass``), so no cached graph is ever partitioned without it.
+:class:`TraceableHSDPJointPass` running :func:`save_checkpoint_outputs` and
+:func:`recompute_placeholder_views` on every joint graph before partitioning, for every
+backend: correctness fixes, so :class:`PassConfig` does not switch them ([Note:
+Checkpoint outputs are saved], [Note: Views of a placeholder are recomputed]). A joint
+pass already set runs first. It changes only graphs with a ``BackwardState`` input,
+which bypass AOTAutograd's cache (whose key ignores ``joint_custom_pass``).
 
 [Note: Pass configuration]
-``traceable_hsdp.passes.config`` is the :class:`PassConfig` in effect, read when a
-graph is compiled (so it may change between compiles; the cache key follows). Its
-initial value comes from the environment:
+``traceable_hsdp.passes.config`` is the :class:`PassConfig` in effect, read when a graph
+is compiled (the cache key follows it). Its initial value comes from the environment:
 
 ``TRACEABLE_HSDP_PASSES``
-    Comma-separated pass names to run, the others off: ``remove_resize_copy``,
-    ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``bucket`` (both bucketing
-    passes), ``overlap``, ``reduce_scatter_by_exchange``,
-    ``all_gather_by_exchange``; or ``all`` (every pass,
-    the default when unset or empty) or ``none``. Names are case-insensitive; an unknown one raises ``ValueError``.
-    Example: ``TRACEABLE_HSDP_PASSES=remove_resize_copy,bucket`` (neither
-    ``overlap`` nor the exchanges).
+    Comma-separated pass names to run (``bucket`` for both bucketing passes), ``all``
+    (default) or ``none``; an unknown name raises ``ValueError``.
 ``TRACEABLE_HSDP_BUCKET_CAP_MB``
-    ``bucket_cap_mb``: a number >= 0 (MiB), or ``none`` for one bucket per unit.
-    Unset or empty: ``DEFAULT_BUCKET_CAP_MB`` (4). See [Note: Bucket size cap] and
-    [Note: The default bucket cap] in ``bucket_collectives.py``.
+    MiB >= 0, or ``none`` for one bucket per unit ([Note: Bucket size cap] in
+    ``bucket_collectives.py``).
 
-Change it in code with ``traceable_hsdp.passes.set_config(PassConfig(...))`` or
-``install(config=...)``. A unit's own options (``hsdp(comm_fusion=...)``) never
-change it: they travel in the unit's collective annotations (see [Note: Per-unit
-pass options] in ``bucket_collectives.py``).
+In code: ``set_config(PassConfig(...))`` or ``install(config=...)``. A unit's own
+options (``hsdp(comm_fusion=...)``) travel in its collective annotations instead
+([Note: Per-unit pass options] in ``bucket_collectives.py``).
 
 [Note: Global switches]
 Everything traceable_hsdp changes in torch's process-wide compile configuration is
-changed here, by :func:`install` (which ``fully_shard`` calls), and put back by
-:func:`uninstall`, which restores each value as it was before :func:`install`
-first changed it:
+changed here by :func:`install` and restored by :func:`uninstall` to the value from
+before the first change:
 
-- ``torch._inductor.config.post_grad_custom_pre_pass``: our passes, wrapping what
-  was there ([Note: Installing the passes]);
-- ``torch._functorch.config.joint_custom_pass``: :func:`save_checkpoint_outputs`
-  and :func:`recompute_placeholder_views`, after what was there;
-- ``torch._inductor.config.reorder_for_peak_memory = False`` when
-  ``PassConfig.overlap`` is on: with it on, Inductor's scheduler puts every wait
-  back next to its collective (see [Note: Overlap and Inductor's scheduler] in
-  ``overlap.py``);
-- ``torch._functorch.config.recompute_views = True``: see [Note: Saved views of the
-  placeholder];
-- ``GraphLowering.decide_layout_opt`` (Inductor's choice of channels-last layouts
-  for a graph with convolutions), wrapped to answer ``False`` for a graph that
-  still holds a placeholder's resize or ``fsdp.copy_``: see [Note: Layout
-  optimization and the placeholders].
+- ``torch._inductor.config.post_grad_custom_pre_pass`` ([Note: Installing the passes]);
+- ``torch._functorch.config.joint_custom_pass``;
+- ``torch._inductor.config.reorder_for_peak_memory = False`` when ``overlap`` is on
+  ([Note: Overlap and Inductor's scheduler] in ``overlap.py``);
+- ``torch._functorch.config.recompute_views = True`` ([Note: Saved views of the
+  placeholder]);
+- ``GraphLowering.decide_layout_opt``, wrapped ([Note: Layout optimization and the
+  placeholders]).
 
-Each :func:`install` sets them again (a ``fully_shard`` after the user changed one
-changes it back), but remembers only the values from before the first change. These
-and the runtime's own process-wide changes (the FX graph cache keys, dynamo's
-side-effect messages, compiled autograd's hook ordering, the exit hook, the optimizer
-check) are entries of [Note: Torch internals] (``traceable_hsdp/_torch_internals.py``),
-whose ``install()`` ``fully_shard`` calls and whose ``undo()`` undoes them all.
-Nothing else (not ``hsdp()``, not a unit's options) writes process-wide
-configuration, but for the debugging tool ``dump_graphs``, and only for the length of
-its block: its recorders around our pass (which bypass Inductor's FX graph cache),
-depyf's patches, and dynamo skipping depyf's files, each undone when the block exits
-(``traceable_hsdp/debug/_dump.py``).
+These are entries of [Note: Torch internals]. Nothing else writes process-wide
+configuration, but ``dump_graphs`` for the length of its block.
 
 [Note: Saved views of the placeholder]
-AOTAutograd's partitioner may save a *view* of an unsharded placeholder for backward
-(e.g. the transpose a linear's input-gradient needs) and compute it at the end of
-the forward graph, after the placeholder was resized to 0 bytes. Eagerly executed
-(aot_eager) that view fails its storage-bounds check; compiled, it is only correct
-by accident of aliasing. ``torch._functorch.config.recompute_views = True`` makes
-the partitioner recompute views in the backward from the placeholder itself, after
-the re-gather. It is a global config, read when a graph is partitioned, so
-:func:`install` sets it (for every backend, aot_eager included). It does not cover a
-view whose base the partitioner chose not to save; :func:`recompute_placeholder_views`
-does (see [Note: Views of a placeholder are recomputed]).
+AOTAutograd's partitioner may save a view of a placeholder for backward and compute it
+at the end of the forward, after the placeholder was freed: aot_eager fails its
+bounds check, Inductor is right only by accident. ``recompute_views = True`` makes the
+partitioner recompute views in the backward, after the re-gather. It does not cover a
+view whose base is not saved; :func:`recompute_placeholder_views` does ([Note: Views of
+a placeholder are recomputed]).
 
 [Note: Layout optimization and the placeholders]
-For a graph with a convolution, Inductor lays tensors out channels-last
-(``torch._inductor.config.layout_optimization``, on by default; on the CPU always,
-when mkldnn is available). A convolution weight that is an unsharded placeholder is
-a graph input that the graph resizes and fills (``fsdp.copy_``). Inductor copied
-that input into a channels-last buffer at the top of the graph, reading the
-placeholder's storage while it still had 0 bytes, and resized the copy instead of
-the input: a small CNN (Conv2d and BatchNorm2d in two units and the root), compiled
-whole with Inductor on 1 or 2 CPU ranks, died with a segmentation fault in its
-first forward (``aot_eager`` and eager trained it bitwise equal to torch's
-``fully_shard``). So :func:`install` wraps the static method
-``GraphLowering.decide_layout_opt``: a graph that still holds a resize or an
-``fsdp.copy_`` after our passes gets no layout optimization; any other graph is
-decided by Inductor as before (a plain model's, or ours where the passes removed
-every grow/copy/free region). The decision is a function of the graph, which the
-FX graph cache key hashes (and ``uuid()`` hashes this file), so a cached graph
-never comes from the other decision. Cost: the convolutions of such graphs run in
-the contiguous layout. :func:`uninstall` puts torch's method back.
+For a graph with a convolution Inductor lays tensors out channels-last, copying a
+placeholder input into a channels-last buffer at the top of the graph, while it still
+has 0 bytes, and resizing the copy instead of the input: a segfault in the first
+forward. So :func:`install` wraps ``GraphLowering.decide_layout_opt``: a graph that
+still holds a resize or ``fsdp.copy_`` after our passes gets no layout optimization;
+any other is decided by Inductor. The decision is a function of the hashed graph, so
+the cache stays consistent. Cost: such graphs' convolutions run contiguous.
 
 [Note: Per-unit options and the FX graph cache]
-Inductor's FX graph cache key hashes the graph's code and our pass's ``uuid()``, not
-node metadata, so it does not see the pass options a unit carries in its
-annotations: two graphs that differ only there would share a key. So ``uuid()``
-hashes, next to the sources and the ``PassConfig``, the options of every live unit
-that has its own (:func:`track_unit_options`, called by ``hsdp()``): each unit's
-label (its module path, the same in every process of a job) with its options,
-sorted. A process whose units carry different options, or carry them on different
-units, gets a different key; the same job restarted gets the same key and hits.
-Units that carry no options of their own change nothing.
+The FX graph cache key does not hash node metadata, so it would not see the pass
+options a unit carries in its annotations. So ``uuid()`` also hashes the sorted
+``label=options`` of every live unit with options of its own
+(:func:`track_unit_options`, called by ``hsdp()``); labels are module paths, the same
+in every process of a job, so a restarted job still hits.
 """
 
 from __future__ import annotations
@@ -204,9 +149,8 @@ class PassConfig(_PassSwitches):  # type: ignore[misc, valid-type]
             ``reduce_scatter_by_exchange``, ``all_gather_by_exchange``; docs/passes.md
             says what each does.
         pool_exchange_outputs: the exchanges' outputs come from a pool of buffers
-            kept across steps instead of new memory each time (default ``True``);
-            see [Note: Exchange outputs from a pool] in ``gloo/_pool.py``. Not a pass, so
-            not named in ``TRACEABLE_HSDP_PASSES``.
+            kept across steps (default ``True``); see [Note: Exchange outputs from a
+            pool] in ``gloo/_pool.py``.
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
             (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
             cap]); ``None`` keeps one bucket per unit.
@@ -321,11 +265,9 @@ def set_config(config: PassConfig) -> None:
 
 
 def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str, int]:
-    """Runs the enabled switched passes on ``gm`` in the registry's order:
-    ``remove_resize_copy`` first (see [Note: Removing resize/copy regions]), then the
-    two bucketing passes, then ``overlap`` (it moves whole buckets; see [Note:
-    Overlap]), then the two exchanges (they keep each collective's and each wait's
-    place; see [Note: gloo reduce-scatters as an exchange]).
+    """Runs the enabled switched passes on ``gm`` in the registry's order ([Note:
+    Removing resize/copy regions], bucketing, [Note: Overlap], then [Note: gloo
+    reduce-scatters as an exchange]).
 
     Args:
         gm: a post-grad graph module, changed in place.
@@ -339,10 +281,8 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
 
 
 def _run(gm: fx.GraphModule, cfg: PassConfig, entries: tuple[PassEntry, ...]) -> dict[str, int]:
-    """Runs ``entries`` in order: a pass that cannot be switched off always, a
-    switched one when ``cfg`` has it on, or (``per_unit``) always, reported when on
-    or when it did something (a unit's own options turned it on; see [Note: Per-unit
-    pass options])."""
+    """Runs ``entries`` in order: unswitched ones always, switched ones when on, and
+    ``per_unit`` ones always ([Note: Per-unit pass options])."""
     done: dict[str, int] = {}
     for e in entries:
         on = not e.switch or getattr(cfg, e.name)
@@ -409,18 +349,11 @@ _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of
 
 
 # [Note: Inductor's C++ wrapper]
-# With ``torch._inductor.config.cpp_wrapper`` on, Inductor writes a graph's calls in
-# C++, and torch 2.13 has no C++ call for two ops a fully_shard graph holds:
-# ``inductor.resize_storage_bytes_`` (a placeholder's grow or free: the C++ compile
-# fails on an undeclared ``aoti_torch_cpu_resize_storage_bytes_``) and
-# ``_c10d_functional.all_to_all_single``, which the exchanges put there
-# (``NotImplementedError: arg type Any is not yet supported by custom_op_wrapper``;
-# by default now ``traceable_hsdp::all_to_all_single``, [Note: Exchange outputs from a
-# pool] in ``gloo/_pool.py``, refused as an exchange and not tried under the C++ wrapper).
-# A model whose root keeps torch's default meets the first in both graphs: the root
-# stays gathered from its forward to its backward, so the forward grows its
-# placeholders and the backward frees them. Rather than let Inductor fail on a name the
-# user never wrote, the pass refuses the graph, naming the switch and the fix.
+# Inductor's C++ wrapper (``cpp_wrapper``) has no C++ call for
+# ``inductor.resize_storage_bytes_`` nor for the exchanges' all-to-all ([Note: Exchange
+# outputs from a pool] in ``gloo/_pool.py``), and a default root holds a resize in both
+# graphs. Rather than let Inductor fail on a name the user never wrote, the pass refuses
+# the graph, naming the switch and the fix.
 def _refuse_cpp_wrapper(graph: fx.Graph) -> None:
     """Raises ``RuntimeError`` if Inductor's C++ wrapper is on and ``graph`` holds an
     op that it cannot call. See [Note: Inductor's C++ wrapper]."""
@@ -459,9 +392,7 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
         gm = graph.owning_module
         if isinstance(gm, fx.GraphModule):
             _warn_if_options_lost(graph)
-            # The passes that cannot be switched off run whatever the configuration:
-            # see [Note: Frees after the last read] and [Note: CPU all-gathers into
-            # buffers].
+            # Unswitched passes run whatever the configuration.
             _run(gm, get_config(), _POST_GRAD)
             _refuse_cpp_wrapper(graph)
         else:
@@ -511,9 +442,7 @@ def _is_ours(value: object) -> bool:
     return isinstance(value, (list, tuple)) and any(isinstance(v, TraceableHSDPPass) for v in value)
 
 
-# The flags install() changed, as they were before the first install(); see
-# [Note: Global switches]. Keyed by (config module, attribute name). (The two hooks
-# and the layout decision need no record: ours holds what it wraps.)
+# The flags install() changed, as they were before; see [Note: Global switches].
 _saved: dict[tuple[Any, str], Any] = {}
 
 
@@ -591,11 +520,9 @@ def install(config: PassConfig | None = None) -> None:
 
 
 def uninstall() -> None:
-    """Undoes :func:`install`: the two hooks and ``GraphLowering.decide_layout_opt``
-    get back what ours wraps (where a hook was replaced again after install, it is
-    left as it is now), and every flag of
-    [Note: Global switches] the value it had before :func:`install` changed it. Does
-    nothing where nothing is installed."""
+    """Undoes :func:`install`: the hooks and ``decide_layout_opt`` get back what ours
+    wraps (a hook replaced since is left), and every flag of [Note: Global switches]
+    its value from before. Does nothing where nothing is installed."""
     current = inductor_config.post_grad_custom_pre_pass
     if isinstance(current, TraceableHSDPPass):
         inductor_config.post_grad_custom_pre_pass = current.user_pass

@@ -1,19 +1,14 @@
 """Fuse the all-gathers, and the reduce-scatters, of one fully_shard unit.
 
-The runtime issues one collective per parameter (``_param_group.py``), so that eager
-and compiled runs compute the same numbers; these passes merge them in the compiled
-graph. Both are written here from scratch over plain FX (no private
-``torch._inductor.fx_passes.bucketing`` helper is used: its signatures changed
-between torch releases, and its merge traces helper functions with ``make_fx``).
-Each pass first plans the buckets on the unchanged graph, then rewrites them.
+The traced runtime issues one collective per parameter; these passes merge a unit's
+in the compiled graph. They use plain FX, not Inductor's private ``bucketing`` helpers
+(whose signatures change between releases). Each pass plans the buckets on the
+unchanged graph, then rewrites them.
 
 [Note: All-gather buckets]
-A unit's gathers are the maximal run of all-gathers (same group, group size, dtype
-and device) with no use of any of their results in between: the runtime issues all
-of a unit's gathers, then the copies (or, after ``remove_resize_copy``, the compute)
-that read them, so the first read closes the run. Only pure compute that does not
-read a gathered result (e.g. the padding of the next shard) may sit between two
-gathers of a run; another collective or wait, or a side effect, closes it too.
+A unit's gathers are the maximal run of all-gathers (same group, size, dtype, device)
+with no read of their results in between; only pure compute that reads none of them
+may sit inside the run, and another collective, wait or side effect closes it.
 Before (one unit, two parameters, 2 ranks)::
 
     ag0 = all_gather_into_tensor(w0, 2, "0")         # w0: (4, 8)  -> (8, 8)
@@ -34,15 +29,14 @@ After::
     r1  = view(bs[1], [6])
     ... uses of r0, r1 ...
 
-The bucket goes just before the first use of any of its results; the un-interleave
-(``view(ws, N)`` then a column block per parameter, copied out in one call: see
-[Note: One copy-out per all-gather bucket] in ``_ops.py``) turns the rank-major
-output back into each parameter's own ``cat`` over ranks.
+The bucket goes just before the first use of its results; the column split ([Note:
+One copy-out per all-gather bucket] in ``_ops.py``) turns the rank-major output back
+into each parameter's ``cat`` over ranks.
 
 [Note: Reduce-scatter buckets]
-A unit's reduce-scatters are the run of reduce-scatters (same group, group size,
-reduce op, dtype, device) between two all-gathers: in backward each unit re-gathers,
-then computes its gradients and reduce-scatters each as it is ready. Before::
+A unit's reduce-scatters are the run of reduce-scatters (same group, size, reduce op,
+dtype, device) between two all-gathers (each unit's backward starts with its
+re-gather). Before::
 
     rs0 = reduce_scatter_tensor(g0, "avg", 2, "0")   # g0: (8, 8)  -> (4, 8)
     s0  = wait_tensor(rs0)
@@ -59,22 +53,17 @@ After (at the last reduce-scatter of the bucket)::
     s0  = view(slice(s, 0, 0, 32), [4, 8])
     s1  = view(slice(s, 0, 32, 35), [3])
 
-Reads of a result that sat between the reduce-scatters (HSDP's all-reduce over the
-replicate group, views) move after the bucket; a side-effecting read splits it.
-With ``reshard_after_forward=False`` the backward re-gathers nothing, so nothing
-delimits the units: all of the backward's reduce-scatters form one bucket, issued
-after the last gradient (fewer collectives, but every unsharded gradient stays alive
-until then).
+Reads of a result between the reduce-scatters (HSDP's all-reduce, views) move after
+the bucket; a side-effecting read splits it. With ``reshard_after_forward=False``
+nothing delimits the units, so the whole backward is one bucket (every unsharded
+gradient lives until it is issued).
 
-Both give the merged collective the annotations of the ones it replaces (every
-parameter it serves; see [Note: Collective annotations] in ``_graph.py``), so graph
-dumps still say what it gathers.
+The merged collective carries the annotations of those it replaces ([Note: Collective
+annotations] in ``_graph.py``).
 
-Invariant of both: every replaced wait's value is the same tensor value as before
-(bitwise: the reduction is elementwise over the same ranks), each collective now
-reads its input no earlier than that input is complete and no mutation is crossed,
-and all ranks run the same rewrite, so they issue the same collectives in the same
-order.
+Invariant of both: every replaced wait's value is bitwise the same, no collective reads
+its input before it is complete or crosses a mutation, and all ranks run the same
+rewrite, so they issue the same collectives in the same order.
 
 [Note: Bucket size cap]
 ``bucket_cap_mb=None`` gives one bucket per unit. A number merges adjacent units
@@ -84,45 +73,20 @@ Merging all-gathers issues the later unit's gather early (its inputs are hoisted
 they are pure); merging reduce-scatters delays the earlier unit's.
 
 [Note: The default bucket cap]
-The default is ``DEFAULT_BUCKET_CAP_MB`` = 4 MiB, chosen from the latency/bandwidth
-trade-off of the collectives (``benchmarks/collective_latency.py`` measures it):
-
-- A collective costs a fixed latency plus its bytes over the bandwidth. Below the
-  size where the two terms are equal, merging two collectives saves nearly a whole
-  latency; far above it, merging saves nothing and only gathers earlier.
-- Measured with gloo on 2 CPU ranks, an all-gather takes the same time (the
-  latency, about 0.3-0.4 ms) up to about 2 MiB of output, and twice that at about 4
-  MiB; a reduce-scatter likewise. NCCL's figures (some tens of microseconds, and
-  tens to hundreds of GB/s) put the same crossing at one to a few MiB too.
-- A unit above the cap is never merged, so a model whose blocks are each larger
-  than 4 MiB (any model with a width over about 512 in fp32) compiles exactly as
-  with one bucket per unit. Only small units merge, and those are the ones whose
-  collectives are latency-bound.
-- The memory cost is bounded by the cap: a merged all-gather holds at most 4 MiB of
-  later units' parameters early, and a merged reduce-scatter keeps at most 4 MiB of
-  earlier units' gradients alive until it is issued. A bucket is alive as its
-  collective's input, its output and the parameters copied out of it, with the next
-  one in flight (overlap), so the heap holds a few times the cap at once
-  (``step_time.py --heap``, docs/benchmarks.md).
-
-``benchmarks/step_time.py`` runs the default beside one bucket per unit and larger
-caps (``ours_compiled_per_unit``, ``ours_compiled_cap16mb``); docs/benchmarks.md has
-the figures. ``bucket_cap_mb=None`` (``TRACEABLE_HSDP_BUCKET_CAP_MB=none``) restores
-one bucket per unit.
+``DEFAULT_BUCKET_CAP_MB`` sits near the size where a collective's latency equals its
+bandwidth term: below it merging saves about a whole latency, above it nothing. A unit
+above the cap is never merged, so only small, latency-bound units merge, and the memory
+held early or late is bounded by a few times the cap. Measured in docs/benchmarks.md
+(``benchmarks/collective_latency.py``, ``benchmarks/step_time.py``).
 
 [Note: Per-unit pass options]
-Whether a collective is bucketed, and under which cap, is decided per collective:
-by the :class:`UnitPassOptions` its unit carries in its annotation (``hsdp()``'s
-``comm_fusion`` and ``bucket_size``; see [Note: Collective annotations] in
-``_graph.py``), else by the process-wide ``PassConfig`` (the ``enabled`` and
-``bucket_cap_mb`` arguments here). A collective whose unit says ``bucket=False`` is
-left as it is and closes the run it interrupts; the options are part of the bucket
-key, so units with different options never share a bucket, and a unit's own cap
-applies to merges with its neighbours of the same options. A unit's options thus
-never change another model's graphs. Where the annotations are lost (the
-compiled-autograd backward graphs of torch 2.13), every collective follows the
-``PassConfig``; ``TraceableHSDPPass`` logs a warning, once per process, when that
-happens while a unit with its own options is alive.
+Whether a collective is bucketed, and under which cap, is decided by the
+:class:`UnitPassOptions` its unit carries in its annotation (``hsdp()``'s
+``comm_fusion`` and ``bucket_size``), else by the ``PassConfig`` (the ``enabled`` and
+``bucket_cap_mb`` arguments). The options are part of the bucket key, so units with
+different options never share a bucket and never change another model's graphs.
+Where annotations are lost (compiled-autograd backward graphs), the ``PassConfig``
+applies and ``TraceableHSDPPass`` warns once.
 """
 
 from __future__ import annotations
@@ -362,8 +326,7 @@ def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
         set_annotation(ag, merge_annotations(gathers))
         out = insert_call(graph, WAIT, (ag,), like=first)
         grid = insert_call(graph, _aten.view.default, (out, [size, total]), like=first)
-        # One copy-out for the whole bucket: see [Note: One copy-out per all-gather
-        # bucket] in _ops.py.
+        # See [Note: One copy-out per all-gather bucket] in _ops.py.
         blocks = insert_call(
             graph, SPLIT_COLUMNS, (grid, [m.numel for m in members]), like=first
         )
@@ -500,9 +463,8 @@ def _reduce_scatter_layout(
             results.add(node)
             moved.append(node)
         node = node.next
-    # The last member's input too: a reduce-scatter that reads (through moved
-    # nodes) an earlier member's result, as tensor parallelism's sequence-parallel
-    # reduce-scatters do in the forward, cannot join that member's bucket.
+    # A reduce-scatter reading an earlier member's result (sequence parallelism)
+    # cannot join its bucket.
     if any(i in results for i in last.all_input_nodes):
         return None
     for s in scatters:

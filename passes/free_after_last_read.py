@@ -1,31 +1,18 @@
 """Move each free of an unsharded placeholder after the graph's last read of it.
 
 [Note: Frees after the last read]
-A unit's backward frees its placeholders (``resize_storage_bytes_(p, 0)``) in the
-post-accumulate-grad hook that finishes it, traced into the compiled-autograd
-graph. Compiled autograd inlines the forward graph's AOTAutograd backward into that
-graph and then moves every ``AccumulateGrad`` and its hooks as early as it can, to
-mimic eager (``reorder_accumulate_grad_nodes`` and
-``reorder_post_acc_grad_hook_nodes`` in ``torch/_dynamo/compiled_autograd.py``).
-Eagerly, a linear's two gradients come from one autograd node, so a weight's
-gradient is never accumulated before its last read. In the inlined graph they are
-two matmuls, and when the weight's gradient comes first the free lands between
-them: a ``nn.TransformerEncoderLayer`` unit (``nn.MultiheadAttention``'s packed
-``in_proj_weight``) compiled with Inductor read its freed placeholder in the
-matmul of its input's gradient and failed ("The tensor has a non-zero number of
-elements, but its data is not allocated yet"). With aot_eager the decomposition
-emits the other order.
+A unit's backward frees its placeholders in the post-accumulate-grad hook that
+finishes it. Compiled autograd moves every ``AccumulateGrad`` and its hooks as early
+as it can, and in the inlined graph a linear's two gradients are two matmuls: when the
+weight's gradient comes first, the free lands before the input gradient's read of the
+weight (``nn.MultiheadAttention``'s ``in_proj_weight`` under Inductor).
 
-So this pass, the first on every post-grad graph, moves each free of a placeholder
-to just after the last node that reads it, or a view of it, before its next grow
-(a resize to a non-zero size) or the end of the graph. A read after the free can
-only be of the values the fill wrote (nothing else writes the placeholder between
-the free and its next grow), so the move changes no value; it frees the memory a
-little later. The graph's ``output`` node is not a read: the forward returns freed
-placeholders that its backward fills again. It is a correctness fix, not an
-optimisation, so :class:`PassConfig` does not switch it. A graph compiled with
-``aot_eager`` runs no post-grad pass; there the order is torch's (see
-docs/passes.md).
+So this pass, the first on every post-grad graph, moves each free of a placeholder to
+just after the last node that reads it (or a view of it) before its next grow or the
+end of the graph. Nothing writes the placeholder between free and grow, so no value
+changes; the memory is freed a little later. The ``output`` node is not a read. A
+correctness fix, so :class:`PassConfig` does not switch it. ``aot_eager`` runs no
+post-grad pass (docs/passes.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Overlap communication with compute: prefetch all-gathers, wait late for reductions.
 
 [Note: Overlap]
-The runtime, while tracing, waits for every collective right where it issues it
-(see [Note: In-flight all-gathers on gloo] in ``traceable_hsdp/_collectives.py``),
-and bucketing puts each unit's all-gather just before the unit's first read of it.
-So nothing overlaps: the compute of a unit waits for its all-gather, and the next
-unit's all-gather waits for that compute. This pass moves two kinds of nodes.
+The traced runtime waits for every collective where it issues it ([Note: In-flight
+all-gathers on gloo] in ``traceable_hsdp/_collectives.py``), so nothing overlaps. This
+pass moves two kinds of nodes.
 
-**Prefetch.** The all-gathers of the graph, in order, form one chain (over every
-group). Each all-gather but the first, with the nodes that compute its input from
-graph inputs alone (the bucket's copy-in ``reshape``/``cat``, padding, a
-mixed-precision cast of the sharded parameters), is issued right after the
-*previous* all-gather's wait, i.e. before the previous unit's compute; its own wait
-stays where it was, just before its first use.
-Forward (after bucketing), before::
+**Prefetch.** The graph's all-gathers form one chain. Each but the first, with the
+nodes computing its input from graph inputs alone (copy-in, padding, casts), is issued
+right after the previous all-gather's wait, before the previous unit's compute; its
+own wait stays before its first use. Forward (after bucketing), before::
 
     ag1  = all_gather_into_tensor(buf1, 2, "0")
     r1   = wait_tensor(ag1)
@@ -37,45 +32,27 @@ After::
     p2   = ...r2...
     y2   = mm(y1, p2)
 
-The backward (compiled autograd) is the same chain: unit k-1's re-gather is issued
-right after unit k's re-gather is waited for, before unit k's gradient compute.
+The backward is the same chain: unit k-1's re-gather is issued right after unit k's is
+waited for.
 
-**The first all-gather stays.** In a backward it is the last unit's re-gather, which
-bucketing puts after the head's gradient compute (the loss's, the output
-projection's, the final norm's), and is not issued earlier: on gloo each rank's
-threads already keep its core busy, so nothing is free to hide the re-gather behind,
-and it would hold a unit's gathered parameters through the head's backward (with a
-large vocabulary, the step's memory peak).
+**The first all-gather stays.** In a backward it is the last unit's re-gather; issued
+earlier it would hold that unit's parameters through the head's backward (often the
+memory peak) with no idle core to hide it behind on gloo.
 
-An all-gather is issued no earlier than the previous one's wait, so at most one
-all-gather is ever in flight (gloo needs that: see the Note cited above), and all-gather
-waits never move. Its new place is pushed later, past any node it must follow:
+At most one all-gather is in flight (gloo needs it), and all-gather waits never move.
+The new place is pushed later, past any node it must follow: a node computing its input
+that is not pure copy-in work (a side effect, or compute on activations); a write to a
+tensor it or a moved node reads (``writes_between`` in ``_rewrite.py``); any collective
+but a reduce-scatter or all-reduce.
 
-- a node computing its input that is not copy-in work (a pure function of graph
-  inputs): a side effect (the nodes after it that read its result may move up to it),
-  or compute that reads a collective's result, i.e. activations (an all-gather of
-  activations stays after the compute it gathers: a unit's compute never moves);
-- a node that writes to (or resizes) a tensor that the all-gather or a moved node reads,
-  or a view of it (``writes_between`` in ``_rewrite.py``): the read would see the
-  value before the write;
-- any collective other than a reduce-scatter or an all-reduce (and, by construction,
-  never another all-gather).
-
-**Collective order.** All-gathers keep their order among themselves. A prefetched
-all-gather may be issued before reduce-scatters (and HSDP's all-reduces) that precede
-it in the graph, which it does not read: in the backward, unit k's reduce-scatter is
-issued after unit k's compute, so a re-gather issued before that compute must pass it.
-Every rank compiles the same graph and this pass is a deterministic function of its
-structure (ops, edges, order, and which collectives share a group: the same on every
-rank even where a group name or an offset differs by rank, as with an int
-``reshard_after_forward``), so every rank issues the same collectives in the same
-(new) order, which is what matching collectives need.
+**Collective order.** All-gathers keep their order. A prefetched all-gather may pass
+reduce-scatters it does not read. The pass is a deterministic function of the graph's
+structure, the same on every rank, so every rank issues the same collectives in the
+same new order.
 
 **Late waits.** The wait of each reduce-scatter and all-reduce, with the views of its
-result (the bucket's ``slice``/``view`` into per-parameter gradients), moves down to
-just before the first of: the next reduce-scatter or all-reduce (or any collective but
-an all-gather) on the same group, the first other use of the result (the graph output,
-HSDP's all-reduce, an accumulation), a node that writes to the collective's input.
+result, moves down to just before the first of: the next collective (but an
+all-gather) on the same group, another use of the result, a write to its input.
 Before::
 
     rs1 = reduce_scatter_tensor(g1, "avg", 2, "0")
@@ -92,45 +69,25 @@ After::
     o1  = view(slice(s1, 0, 0, 32), [4, 8])
     rs0 = reduce_scatter_tensor(g0, "avg", 2, "0")
 
-Runs after ``remove_resize_copy`` and the bucketing passes (on per-parameter
-collectives it works too, one parameter ahead).
+Runs after ``remove_resize_copy`` and the bucketing passes.
 
 [Note: Overlap memory bound]
-Relative to the graph before the pass, the extra memory alive at any point is at most:
-
-- one all-gather bucket's output (a unit's unsharded parameters; with
-  ``bucket_cap_mb``, the merged units) plus its input (the sharded parameters; once
-  ``all_gather_by_exchange`` rewrites it, this rank's shard written twice, the
-  output's size): an all-gather's output is now allocated from the previous
-  all-gather's wait instead of from its old place, and these windows do not overlap
-  (each ends before the next one starts), so at most two units' gathered parameters
-  are alive where the graph before had one;
-- per group, one reduce-scatter bucket's input (a unit's unsharded gradients, and
-  once ``reduce_scatter_by_exchange`` rewrites it, its output of the same size), kept
-  alive until the wait: a wait moves at most to the next reduce-scatter on its group,
-  so at most one is in flight per group (and an all-reduce's input, a sharded
-  gradient, for HSDP).
-
-``benchmarks/step_time.py --heap`` and ``benchmarks/ac_cost.py`` measure what it adds
-to a step's heap peak (docs/benchmarks.md).
+Relative to the graph before the pass, the extra memory alive at any point is at most
+one all-gather bucket's output and input (two units' gathered parameters where there
+was one: the prefetch windows do not overlap), and, per group, one reduce-scatter
+bucket's input kept until its wait (at most one in flight per group). Measured in
+docs/benchmarks.md.
 
 Invariant: every node computes the same value as before (only the order changes;
 no read moves across a write to what it reads), every node still follows its inputs,
 and the all-gathers keep their order. Checked bitwise in ``tests/test_passes_unit.py``.
 
 [Note: Overlap and Inductor's scheduler]
-This pass orders the post-grad FX graph; Inductor's scheduler then orders the kernels
-it generates, and only data dependencies bind it. With
-``torch._inductor.config.reorder_for_peak_memory`` on (the default), it tries a few
-topological orders and keeps the one of least estimated peak memory: on torch 2.13
-that puts every wait back right after its issue, in the forward and the backward, so
-the generated code overlaps nothing. With it off, the generated code keeps this
-pass's order (``tests/test_passes_e2e.py`` checks the wrapper code). torchtitan's
-SimpleFSDP turns it off for the same reason. This module does not change Inductor's
-configuration; :func:`traceable_hsdp.passes.install` (called by ``fully_shard``)
-sets ``torch._inductor.config.reorder_for_peak_memory = False`` when the overlap
-pass is on (the bound in [Note: Overlap memory bound] is then the cost over this
-graph's order).
+Inductor's scheduler then orders the kernels, bound only by data dependencies. With
+``reorder_for_peak_memory`` on (the default) it puts every wait back right after its
+issue, so nothing overlaps; with it off the generated code keeps this pass's order
+(``tests/test_passes_e2e.py`` checks the wrapper code), as torchtitan's SimpleFSDP
+does. :func:`traceable_hsdp.passes.install` turns it off when the overlap pass is on.
 """
 
 from __future__ import annotations
@@ -260,10 +217,8 @@ def plan_prefetches(graph: fx.Graph) -> list[Prefetch]:
 
 
 def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
-    """The graph inputs and constants, and the pure nodes computed from them (or from
-    what an in-place op left in a buffer) and not from any collective's result: the
-    copy-in work a prefetch may take along. Compute on activations reads, somewhere
-    up its inputs, a gathered parameter (a wait)."""
+    """Graph inputs, constants and the pure nodes computed from them and from no
+    collective's result: the copy-in work a prefetch may take along."""
     found: set[fx.Node] = set()
 
     def source(i: fx.Node) -> bool:
@@ -286,8 +241,7 @@ def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
 def _plan_prefetch(
     gather: fx.Node, anchor: fx.Node, order: dict[fx.Node, int], from_inputs: set[fx.Node]
 ) -> Prefetch | None:
-    """``gather`` issued as early after ``anchor`` as allowed: each node that must
-    precede it (a barrier) moves the anchor down to that node, until none is left."""
+    """``gather`` issued as early after ``anchor`` as its barriers allow."""
     while True:
         hoist = _producers_after(gather, anchor, order)
         barrier = _last_barrier(gather, hoist, anchor, order, from_inputs)

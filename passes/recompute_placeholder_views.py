@@ -1,22 +1,12 @@
 """Never save a view of an unsharded placeholder: recompute it in the backward.
 
 [Note: Views of a placeholder are recomputed]
-The forward graph gathers each unit into its placeholders (``resize_storage_bytes_``
-to full, ``fsdp.copy_``) and frees them after the unit (``resize_storage_bytes_`` to
-0). A value the backward needs is computed in the forward and saved. When that value
-is a *view* of a placeholder, AOTAutograd's partitioner places the op that makes it
-wherever it likes in the forward graph, often at its end, after the placeholder was
-freed. Views saved that way are unsafe: on aot_eager the view fails its storage
-bounds check (``setStorage: ... out of bounds for storage of size 0``); in compiled
-code it reads the re-gathered storage only by accident of aliasing.
-
-``torch._functorch.config.recompute_views`` (which :func:`install` sets; see
-[Note: Saved views of the placeholder] in ``_install.py``) covers the common case: a
-view whose base is saved anyway is recomputed from it. It does not cover a view
-whose base the partitioner chose not to save. Seen with HF Mixtral in bf16: the
-experts' native ``torch._grouped_mm`` reads ``w.transpose(-2, -1)`` and its backward
-transposes that back; the min-cut partitioner saved ``transpose(transpose(w))`` (not
-``w``), computed after ``w``'s storage was freed::
+AOTAutograd's partitioner may compute a saved view of a placeholder at the end of the
+forward, after the placeholder was freed (aot_eager fails the bounds check; compiled
+code is right only by aliasing). ``recompute_views`` ([Note: Saved views of the
+placeholder] in ``_install.py``) covers views whose base is saved, not others: with
+HF Mixtral's ``torch._grouped_mm`` in bf16 the partitioner saves
+``transpose(transpose(w))`` instead of ``w``::
 
     transpose_5  = transpose(primals_22, -2, -1)      # the forward's use
     ...
@@ -25,17 +15,11 @@ transposes that back; the min-cut partitioner saved ``transpose(transpose(w))`` 
     transpose_26 = transpose(transpose_5, -2, -1)     # saved for backward: fails
     return (..., transpose_26, ...)
 
-This pass marks every forward view whose chain of view bases ends at a placeholder
-``MUST_RECOMPUTE``. The partitioner then saves the placeholder itself (a graph input,
-so saving it costs nothing), and recomputes the views in the backward, where they are
-first read by ops that consume the unit's output gradient, so after the hook that
-re-gathers the placeholder. Views stay views: no copy, no extra memory.
-
-A placeholder is recognised structurally: a graph input that the graph resizes or
-fills with ``fsdp.copy_``. Views already tagged (by a checkpoint region or by
-:func:`save_checkpoint_outputs`) keep their tags. Joint graphs without
-compiled-autograd hooks (no ``BackwardState`` input) are left alone, as in
-``save_checkpoint_outputs.py``.
+This pass marks ``MUST_RECOMPUTE`` every forward view whose chain of bases ends at a
+placeholder (a graph input the graph resizes or fills with ``fsdp.copy_``). The
+partitioner then saves the placeholder (free: a graph input) and recomputes the views
+in the backward, after the re-gather. Views stay views. Tagged views keep their tags;
+joint graphs without a ``BackwardState`` input are left alone.
 """
 
 from __future__ import annotations

@@ -23,38 +23,19 @@ nodes are gone::
     t    = permute(full, [1, 0])
     mm   = mm(x, t)
 
-Invariant: every value computed from ``p`` inside a grow -> copy -> free region is
-the same before and after, and at the end of the graph ``p``'s storage is in the
-same state (0 bytes) as before. The only data dependency the region had on ``p``
-was the copy, so afterwards nothing ties the uses to the placeholder's storage:
-later reordering and bucketing passes see plain data edges (the reason this pass
-runs first; with the side effects in place, torch's bucketing put a copy after its
-user, see shared/FINDINGS.md).
+Invariant: every value computed from ``p`` inside a grow -> copy -> free region is the
+same before and after, and ``p``'s storage ends in the same state (0 bytes). The uses
+then hang on plain data edges, which is why this pass runs before the reordering and
+bucketing passes.
 
-A placeholder may hold several regions (the forward's, then the backward's re-gather
-into the same input); each is rewritten. A placeholder is left alone, with the reason
-logged, when any of these holds:
-
-- a region is incomplete: no grow before the copy, a copy without a free after it,
-  a grow to a size other than ``numel * itemsize``, a second copy in one region;
-- ``p`` (or a view of it) is used outside a region: before the copy (it would read
-  uninitialized memory), or after a free (it would read nothing now and the
-  gathered data after the rewrite);
-- anything other than the pattern's ``fsdp.copy_`` writes to ``p`` or a view of it,
-  or the copy's source is written to in the region;
-- the source's dtype, device or number of elements differs from ``p``'s, ``p`` is not
-  contiguous, or a fake value is missing;
-- a view of ``p`` is a graph output (returning it would change what the output
-  aliases);
-- another graph input shares ``p``'s storage: its reads see the grow and the copy,
-  which the rewrite removes. Compiled autograd gives the backward graph of an eager
-  forward the placeholder that autograd saved for a matmul as an input of its own,
-  beside the placeholder the re-gather hook fills (a 2-block Llama run eagerly with
-  compiled autograd on crashed in Inductor's graph: "data is not allocated yet").
-
-``p`` itself among the graph outputs is allowed when every region is closed by a
-free: that is how AOTAutograd saves the placeholder for the backward graph, which
-re-gathers before reading it. Its storage is 0 bytes at the output before and after.
+Every region of a placeholder is rewritten (forward and backward re-gather). A
+placeholder is left alone, with the reason logged, when a region is incomplete or
+holds two copies; ``p`` or a view is used outside a region; anything else writes ``p``
+or the copy's source in the region; dtype, device or size differ, ``p`` is not
+contiguous or a fake value is missing; a view of ``p`` is a graph output; or another
+graph input shares ``p``'s storage (compiled autograd can pass a saved placeholder
+as an input of its own). ``p`` itself may be a graph output when every region is
+closed by a free: AOTAutograd saves it that way for the backward.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Save what leaves an activation-checkpoint region, in graphs whose backward runs hooks.
 
 [Note: Checkpoint outputs are saved]
-Compiled, ``torch.utils.checkpoint`` (and ``checkpoint_wrapper``, and selective
-checkpointing) is traced by dynamo as the ``tag_activation_checkpoint`` higher-order
-op: every op inside the region carries ``meta["recompute"]`` (``PREFER_RECOMPUTE``
-unless a policy says otherwise) and AOTAutograd's partitioner recomputes those ops in
-the backward graph instead of saving them. It recomputes the region's *output* too:
-a ``*_RECOMPUTE`` node is never saved (``solve_min_cut`` in
-``torch/_functorch/partitioners.py`` ties it to the backward side). Eager
-checkpointing differs: the region's output is an ordinary tensor, saved by whatever
-op outside the region needs it.
-
-With fully_shard that difference is fatal. A unit whose forward is checkpointed
-(``fully_shard(checkpoint_wrapper(block))``) returns the region's output ``y``, and
-the unit's re-gather is a hook on ``y``'s gradient. When an op after the unit needs
-``y`` for its own backward (the final norm after the last block), the partitioner
-schedules the region's recompute for that op, which runs *before* ``y``'s gradient
-exists, so before the hook that re-gathers the unit's parameters: the recompute reads
-placeholders whose storage is 0 bytes (aot_eager: SIGSEGV; seen with HF Llama and
-with ``traceable_hsdp.demo.models.Llama``). Before the pass, backward graph order (the
-hook and its re-gather inlined by compiled autograd)::
+Compiled, a checkpoint region is the ``tag_activation_checkpoint`` higher-order op and
+AOTAutograd's partitioner recomputes its ops in the backward, its output included
+(a ``*_RECOMPUTE`` node is never saved). Eagerly the output is an ordinary saved tensor.
+With fully_shard that difference is fatal: when an op after a checkpointed unit needs
+the unit's output ``y`` for its backward (the final norm after the last block), the
+recompute is scheduled before ``y``'s gradient exists, so before the hook that
+re-gathers the unit, and reads 0-byte placeholders. Before the pass, backward order::
 
     out_norm_bwd needs y
     mm  = mm(x, permute(wq, [1, 0]))          # recompute of the region: wq is 0 bytes
@@ -27,30 +15,21 @@ hook and its re-gather inlined by compiled autograd)::
     y_grad = norm_backward(...)
     call_hook(y_grad)                         # all_gather, resize wq, fsdp.copy_(wq, ..)
 
-After: ``y`` is saved by the forward, the norm's backward reads it, and the region's
-recompute is needed only by the region's own backward, which consumes the hook's
-output, so it comes after the re-gather::
+After: ``y`` is saved by the forward, and the recompute is needed only by the region's
+own backward, after the re-gather::
 
     y_grad = norm_backward(y, ...)
     call_hook(y_grad)                         # re-gather fills wq
     mm  = mm(x, permute(wq, [1, 0]))          # recompute reads the gathered wq
 
-torch knows this cycle: ``cleanup_recompute_tags`` marks a region output
-``MUST_SAVE`` when dynamo set ``meta["has_backward_hook"]`` on it. On torch 2.13
-dynamo sets that on the ``getitem`` of the higher-order op's result, which produces
-no ATen node, so the mark never reaches the joint graph. This pass does the same
-thing structurally: in a joint graph whose backward runs compiled-autograd hooks (a
-``BackwardState`` input), every forward node of a checkpoint region with a forward
-user outside its region (another region, a plain op, or the graph output) becomes
-``MUST_SAVE``. That is eager checkpointing's contract (what leaves a region is kept
-if needed; what stays inside is recomputed); region boundaries between two regions
-were already kept by torch's ``cleanup_recompute_tags``. A region output that no
-backward needs is still not saved (``MUST_SAVE`` forbids recomputing, it does not
-add outputs). Graphs without compiled-autograd hooks are left alone.
+torch's ``cleanup_recompute_tags`` means to do this (``meta["has_backward_hook"]``), but
+dynamo sets the flag on a ``getitem`` that produces no ATen node. So in a joint graph
+with a ``BackwardState`` input, every forward node of a checkpoint region with a forward
+user outside its region becomes ``MUST_SAVE``: eager checkpointing's contract.
+``MUST_SAVE`` forbids recomputing; it adds no outputs. Other graphs are left alone.
 
-It is a joint-graph pass, run on every AOTAutograd partition whatever the backend
-(aot_eager too), through ``torch._functorch.config.joint_custom_pass``; see
-[Note: Installing the passes] in ``_install.py``.
+A joint-graph pass, run for every backend through ``joint_custom_pass`` ([Note:
+Installing the passes] in ``_install.py``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The runtime's side of the collective annotations: entering them around each
 collective it issues.
 
-What the annotation holds, where it survives and who reads it is the graph
-vocabulary's (see [Note: Collective annotations] in ``passes/_graph.py``); this
-module only enters ``torch.fx.traceback.annotate`` with that value, so the runtime
-imports the passes' vocabulary and never the reverse.
-
-``torch.fx.traceback.annotate`` (and dynamo's support for it) exists since torch
-2.10, so on every supported torch; where it is missing, the helpers are no-ops and
-dumps show no unit or parameter (and a unit's pass options are not seen: the
-process-wide ``PassConfig`` decides).
+See [Note: Collective annotations] in ``passes/_graph.py``; this module only enters
+``torch.fx.traceback.annotate`` with that value. Where it is missing, the helpers are
+no-ops and the ``PassConfig`` decides.
 """
 
 from __future__ import annotations

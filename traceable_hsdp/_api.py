@@ -31,11 +31,9 @@ def _check_dtype(name: str, value: object) -> None:
 
 
 # [Note: reduce_dtype follows the installed torch]
-# With ``reduce_dtype=None``, torch 2.13 and 2.14 reduce gradients in ``param_dtype``
-# and torch 2.15 in the parameter's ``grad_dtype`` (its original dtype unless set):
-# fp32 for fp32 parameters under ``param_dtype=torch.bfloat16``. A drop-in computes
-# what the installed torch's fully_shard computes, so the default follows the
-# version; an explicit ``reduce_dtype`` means the same on every version.
+# With ``reduce_dtype=None``, torch 2.13 and 2.14 reduce in ``param_dtype``, torch 2.15
+# in the parameter's ``grad_dtype`` (its original dtype unless set). A drop-in computes
+# what the installed torch computes, so the default follows the version.
 # tests/test_features.py checks the bf16 step against torch's fully_shard bitwise.
 REDUCE_IN_GRAD_DTYPE = TorchVersion(torch.__version__) >= "2.15"
 

@@ -1,77 +1,38 @@
 """Compile caches: a cache key that survives the process, and what the caches did.
 
 [Note: FX graph cache keys across processes]
-A compiled fully_shard step has two graphs that reach Inductor: the forward and the
-backward that compiled autograd captures. On torch 2.13, measured with
-``torch._dynamo.utils.counters`` and the ``torch._inductor.codecache`` debug log
-(``benchmarks/compile_time.py``; docs/compile.md, "Compile time and caches"):
+A compiled fully_shard step has two graphs that reach Inductor, the forward and the
+compiled-autograd backward (measured in docs/compile.md, "Compile time and caches"):
 
-- **Forward: the FX graph cache was bypassed ("Reduce unsupported").** With compiled
-  autograd on, dynamo defers the tensor hook on each unit's output to the backward
-  through a ``BackwardState`` graph input (``torch/_dynamo/variables/tensor.py``,
-  ``_method_register_hook``: ``tx.output.add_backward_state_hook(hook)`` and the
-  ``_register_hook_trampoline`` node). ``torch/_inductor/codecache.py`` refuses that
-  input by type: ``_check_cache_key_object`` raises ``bypass("Reduce unsupported")``
-  for ``torch.fx.experimental._backward_state.BackwardState``, and
-  ``FxGraphCachePickler`` maps the type to ``_reduce_unsupported``. The hook is how
-  the re-gather gets into the backward graph ([Note: Why compiled autograd],
-  ``_compile.py``), so the forward was lowered again by Inductor in every process.
-- **Both graphs: the AOTAutograd cache is bypassed.** Its node allowlist
-  (``torch/_functorch/_aot_autograd/autograd_cache.py``, ``check_node_safe``) refuses
-  ``_register_hook_trampoline`` in the forward and
-  ``torch._dynamo.compiled_autograd.ops.validate_outputs`` in every compiled-autograd
-  backward (the plain model's too).
-- **Backward: the FX graph cache missed in every new process.** Its inputs include
-  the ``DeviceMesh`` of the sharded parameters (an opaque object; the graph builds
-  the sharded gradients with ``DTensor.from_local``), and the cache pickles the real
-  mesh (``FxGraphCachePickler._reduce_fake_script_object``). The mesh's pickled state
-  is its ``__dict__``, which holds ``_hash``: Python's ``hash()`` of a tuple with
-  strings and ``None`` in it, cached on first use (``nn.Parameter(DTensor)`` in
-  ``fully_shard`` hashes it). String hashes are salted per process (PYTHONHASHSEED)
-  and, before Python 3.12, ``hash(None)`` is the address of ``None``; so the key
-  held a number that changes with every process. Nothing else differed (the graph
-  code, our pass's ``uuid()`` and every other component were byte-identical).
-  Across ranks the mesh's ``_rank`` differs too, so each rank has its own entry.
+- **Forward**: the FX graph cache bypasses it: its ``BackwardState`` input (how dynamo
+  defers the output hooks to the backward, [Note: Why compiled autograd] in
+  ``_compile.py``) is a type Inductor refuses to key. See [Note: The forward's
+  BackwardState and the FX graph cache key].
+- **Both**: the AOTAutograd cache bypasses them (its node allowlist refuses
+  ``_register_hook_trampoline`` and compiled autograd's ``validate_outputs``). Left
+  alone: both are decided inside torch by function name.
+- **Backward**: the FX graph cache missed in every new process, because the key
+  pickles the ``DeviceMesh`` input, whose ``__dict__`` holds ``_hash``, a per-process
+  salted ``hash()``.
 
-The backward's miss is fixed here without touching torch: :func:`install_stable_mesh_key`
-registers a reducer for ``DeviceMesh`` in Python's ``copyreg`` registry, which
-pickle (and ``FxGraphCachePickler``, whose ``dispatch_table`` starts as a copy of
-``copyreg.dispatch_table``) consults before the object's own ``__reduce_ex__``. The
-reducer returns the mesh's own reduction with ``_hash`` left out of the state; the
-unpickled mesh recomputes it on first use (``DeviceMesh.__hash__``), as a new mesh
-does. Everything that identifies the mesh (ranks, layout, device type, dimension
-names, process-group names, this rank) stays in the pickle and in the key. It is on
-by default (``fully_shard`` installs it, through [Note: Torch internals] in
-``_torch_internals.py``); ``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` in the
-environment leaves it off, and :func:`uninstall_stable_mesh_key` removes it. A reducer
-for ``DeviceMesh`` that someone else registered is refused (``TorchInternalError``).
-
-Both AOTAutograd bypasses are decided inside torch by function name, and are left
-alone: the forward's ``_register_hook_trampoline`` is a closure over the hook's name,
-which its key would not hold, and the backward's list of compiled-autograd ops would
-differ for each model (docs/compile.md).
+:func:`install_stable_mesh_key` registers a ``copyreg`` reducer for ``DeviceMesh``
+(consulted by ``FxGraphCachePickler``) that drops ``_hash`` from the state; the
+unpickled mesh recomputes it. Everything that identifies the mesh stays in the key. On
+by default (``fully_shard`` installs it, an entry of [Note: Torch internals]);
+``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` leaves it off; a foreign ``DeviceMesh`` reducer is
+refused (``TorchInternalError``).
 
 [Note: The forward's BackwardState and the FX graph cache key]
-Inductor never reads the ``BackwardState`` input: ``GraphLowering.placeholder``
-(``torch/_inductor/graph.py``) returns ``None`` for it ("Ignored arg, must be
-unused"), exactly as for an input whose example value is ``None``, and AOTAutograd's
-runtime, not the compiled graph, hands the state to the backward
-(``ctx._compiled_autograd_backward_state``). So two graphs that differ only in a
-``BackwardState`` where the other has ``None`` compile to the same code, and keying
-the input as ``None`` cannot make a wrong hit. :func:`install_forward_cache_key`
-wraps ``FxGraphCache.prepare_key`` (the one place Inductor's ``compile_fx_inner``
-computes the key, and checks what may be keyed) so that it sees ``None`` in the
-place of each ``BackwardState`` example input; the lookup, the save and the compile
-get the inputs unchanged. Then a restart's forward hits like its backward
-(docs/compile.md, "Compile time and caches"). The rest of the key
-(the graph's code, the other inputs, the configuration and our passes' ``uuid()``)
-is computed by torch as before. torch has no switch for it, so the function is
-replaced (an entry of [Note: Torch internals]). ``fully_shard`` installs it (it needs
-Inductor, which ``import traceable_hsdp`` does not load: [Note: Lazy public names]);
-``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0`` leaves it off, and
-:func:`uninstall_forward_cache_key` puts torch's function back. Where another
-``prepare_key`` replaced ours since, :func:`install_forward_cache_key` leaves it and
-says so, and ``fully_shard`` raises ``TorchInternalError``, naming the switch.
+Inductor never reads the ``BackwardState`` input (``GraphLowering.placeholder`` ignores
+it, as an input whose example value is ``None``; AOTAutograd's runtime hands it to the
+backward), so keying it as ``None`` cannot make a wrong hit.
+:func:`install_forward_cache_key` wraps ``FxGraphCache.prepare_key`` so that it sees
+``None`` in place of each ``BackwardState`` example input; lookup, save and compile get
+the inputs unchanged, and a restart's forward hits like its backward. torch has no
+switch for it, so the function is replaced (an entry of [Note: Torch internals]) when
+``fully_shard`` runs ([Note: Lazy public names]). ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0``
+leaves it off; where another ``prepare_key`` replaced ours, ``fully_shard`` raises
+``TorchInternalError`` naming the switch.
 """
 
 from __future__ import annotations
@@ -167,9 +128,8 @@ def stable_mesh_key_installed() -> bool:
 
 
 def env_switch(name: str, environ: Mapping[str, str] | None, what: str) -> bool:
-    """Whether the environment switch ``name`` is on (this module's two, and
-    ``_compile.py``'s): off for ``0``/``false``/``off``/``no``, on
-    when unset or ``1``/``true``/``on``/``yes``/empty.
+    """Whether the environment switch ``name`` is on: off for
+    ``0``/``false``/``off``/``no``, on when unset or ``1``/``true``/``on``/``yes``/empty.
 
     Raises:
         ValueError: any other value.

@@ -21,41 +21,22 @@ _c10d = torch.ops._c10d_functional
 
 
 # [Note: In-flight all-gathers on gloo]
-# On torch 2.13 with gloo, the allocating functional ``all_gather_into_tensor`` (gloo's
-# ``allgather_into_tensor_coalesced``) corrupts the heap or hangs when another
-# collective is in flight at the same time: another all-gather, an all-reduce or a
-# reduce-scatter (ranks die with SIGSEGV or "malloc(): unaligned tcache chunk
-# detected" within some thousand rounds; bare ops, no traceable_hsdp code). The
-# ``_out`` variant (writing into an output allocated beforehand; gloo's
-# ``_allgather_base``) ran clean in the same tests, with several in flight and next
-# to in-flight reduce-scatters and all-reduces. The measurements are in [Note: CPU
-# all-gathers into buffers] (``passes/gloo/gather_into_buffers.py``). So:
-#
-# - eagerly, all-gathers are issued with ``all_gather_into_tensor_out`` and may stay
-#   in flight (a unit issues all of its gathers, then waits; prefetch issues the next
-#   unit's early);
-# - while tracing, each all-gather is waited for right after it is issued, so a graph
-#   run op by op (``aot_eager``) issues none while another collective is in flight;
-# - Inductor's generated code would call the allocating op, and it overlaps (a
-#   reduce-scatter waited for late is in flight when the next re-gather is issued),
-#   so the last of our post-grad passes issues every CPU all-gather into a buffer
-#   allocated before it (``all_gather_into_tensor_out``).
+# With gloo, the allocating ``all_gather_into_tensor`` corrupts the heap or hangs when
+# another collective is in flight; the ``_out`` variant does not ([Note: CPU
+# all-gathers into buffers] in ``passes/gloo/gather_into_buffers.py``). So eagerly
+# all-gathers use ``all_gather_into_tensor_out`` and may stay in flight; while tracing
+# each is waited for right after it is issued (safe for ``aot_eager``), and the last
+# post-grad pass turns Inductor's CPU all-gathers into ``_out`` ones.
 
 
 # [Note: Groups of one rank]
-# A group of one rank needs no communication: gathering, reducing (sum or average)
-# and scattering over it return the input. Each function below returns its input
-# then and issues nothing, eagerly and in the traced graphs, as torch's FSDP2 issues
-# no collective at world size 1.
+# Over a group of one rank each function below returns its input and issues nothing,
+# as torch's FSDP2 does at world size 1.
 
 
 # [Note: Gathering bytes]
-# gloo has no float8 types ("Invalid scalar type"), and a gather moves bytes without
-# arithmetic, so a float8 shard is gathered as its bytes (a uint8 view of the same
-# storage) and the result viewed back: the same values on every backend. torch's
-# FSDP2 gathers such a parameter in a uint8 flat buffer as well. Reductions are not
-# affected: a float8 parameter cannot be trained (it is frozen, e.g. quantized
-# weights beside trainable ones).
+# gloo has no float8 types, so a float8 shard is gathered as a uint8 view and viewed
+# back, as torch's FSDP2 does. Reductions are unaffected: float8 parameters are frozen.
 _GATHERED_AS_BYTES = frozenset(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -81,17 +62,13 @@ def all_gather_start(shard: torch.Tensor, world_size: int, group_name: str) -> t
 
 def _comm_debug_mode() -> bool:
     """Whether torch's ``CommDebugMode`` is counting: it does not know the ``_out``
-    all-gather, so under it an eager all-gather is issued as the allocating op and
-    waited for at once (as while tracing), which it counts. Debugging only: no
-    all-gather stays in flight then."""
+    all-gather, so the allocating op is issued and waited for at once instead."""
     return any(isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack())
 
 
 def _has_device_backend(group_name: str, device: torch.device) -> bool:
-    """Whether the group has a backend registered for ``device``'s type, which the
-    ``_out`` collectives need. torch's threaded test process group
-    (``MultiThreadedTestCase``) has none; the allocating op works there, and is
-    waited for at once, as while tracing. See [Note: In-flight all-gathers on gloo]."""
+    """Whether the group has a backend for ``device``'s type, which the ``_out``
+    collectives need (torch's threaded test group has none)."""
     return group_backend(group_name, device) is not None
 
 
@@ -107,11 +84,8 @@ def reduce_scatter(
     full: torch.Tensor, op: str, world_size: int, group_name: str
 ) -> torch.Tensor:
     """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
-    rank's 1/world_size of dim 0. Eagerly, over two gloo ranks, it is one exchange
-    and one addition, the same numbers for less traffic (see [Note: gloo
-    reduce-scatters as an exchange] in ``passes/gloo/exchange.py``; the
-    compiled graphs get the same from that pass), unless the pass configuration
-    turns ``reduce_scatter_by_exchange`` off."""
+    rank's 1/world_size of dim 0; over two gloo ranks, as an exchange ([Note: gloo
+    reduce-scatters as an exchange] in ``passes/gloo/exchange.py``)."""
     if world_size == 1:
         return full
     full = full.contiguous()
@@ -148,10 +122,7 @@ def all_reduce(tensor: torch.Tensor, op: str, group_name: str, group_size: int) 
 #   reduce-scatter input (world, sum of n_i) row r: every gradient's r-th padded chunk
 #
 # where n_i is parameter i's padded rows per rank times its other dims (shard dim
-# moved first). Row r of the reduce-scatter input is what rank r gets back, so the
-# output is this rank's padded shards in parameter order, the layout of the
-# all-gather input. Each element meets the same elements of the other ranks as in a
-# per-parameter collective, so a flat reduction gives the same numbers.
+# first). The reduce-scatter output thus has the all-gather input's layout.
 
 
 def copy_out(
@@ -164,8 +135,6 @@ def copy_out(
 
 
 def chunk_cat(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor) -> None:
-    """Writes row ``r`` of ``out`` (``world_size`` rows, 2D) as the concatenation of
-    every tensor's ``r``-th dim-0 chunk (``ceil(size(0) / world_size)`` rows, the last
-    ones zero-padded: the ``torch.chunk`` layout of the shards), in one op. See
-    [Note: Flat buffers]."""
+    """Writes row ``r`` of ``out`` (2D) as the concatenation of every tensor's
+    zero-padded ``r``-th dim-0 chunk, in one op. See [Note: Flat buffers]."""
     torch._chunk_cat(tensors, 0, world_size, out=out)

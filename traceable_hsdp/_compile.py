@@ -1,15 +1,12 @@
 """Compiling a fully_shard model: turning compiled autograd on, and the two things in
-dynamo that fully_shard changes: its side-effect messages (see [Note: Dynamo's
-side-effect messages] below) and one step of compiled autograd's graph ordering (see
-[Note: An output hook that gets no gradient] below).
+dynamo that fully_shard changes ([Note: Dynamo's side-effect messages], [Note: An
+output hook that gets no gradient]).
 
 [Note: Why compiled autograd]
-traceable_hsdp's backward collectives live in hooks (the re-gather in a tensor hook on
-each unit's output, the reduce-scatter in a post-accumulate-grad hook). Only
-compiled autograd traces those hooks into a backward graph, and it must already be
-on when the forward is traced, so that dynamo defers the hooks to the backward
-instead of AOTAutograd tracing them into its own joint graph (where the partitioner
-may move the re-gather into the forward: wrong numbers, no error). Two ways in:
+The backward collectives live in hooks, which only compiled autograd traces into a
+backward graph. It must be on when the forward is traced, so that dynamo defers the
+hooks to the backward ([Note: Hooks and compiled autograd] in ``_state.py``). Two ways
+in:
 
 - compile the whole step with ``torch._dynamo.config.compiled_autograd = True`` set
   before ``torch.compile`` (torch's own entry; forward, loss and backward in one
@@ -81,31 +78,15 @@ def _enable(compiler_fn: Any) -> AbstractContextManager[None]:
 
 
 # [Note: Dynamo's side-effect messages]
-# The runtime's traced Python changes Python state (each parameter's sharded state,
-# its gradients, which tensor a module holds), and dynamo replays every object
-# changed in a graph after the graph runs. With torch 2.13's default
-# ``torch._dynamo.config.side_effect_replay_policy = "info"``, dynamo also records
-# the user stack of every change while it traces, and when it emits a graph it
-# formats a message for each changed object, walking the Python stack above
-# dynamo each time. It does so whether or not anything reads the messages, whose
-# only readers are the ``side_effects`` logging artifact (``TORCH_LOGS=side_effects``)
-# and the structured trace (``TORCH_TRACE``, tlparse). A fully_shard model changes
-# many objects, and the messages are most of the time dynamo spends emitting its
-# side effects (``benchmarks/compile_ab.py --lever side_effects``; docs/compile.md).
-#
-# So ``fully_shard`` sets the policy to ``"silent"`` when it is torch's default and
-# neither reader is on: the policy decides only the messages (the side effects are
-# replayed the same), so no graph and no number changes. It leaves a policy the user
-# chose (``"warn"``, ``"error"``), and leaves ``"info"`` when either reader is on as
-# ``fully_shard`` runs. A reader turned on later (``torch._logging.set_logs(
-# side_effects=True)``) gets no messages until :func:`restore_side_effect_messages`
-# puts ``"info"`` back; ``TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0`` leaves torch's
-# default alone. torch's default trace handler with no directory counts as no reader:
-# it writes only inside Meta's own jobs, whose environment traceable_hsdp does not
-# read. ``dump_graphs(trace=True)``, which adds its structured-trace reader
-# for its block, has ``"info"`` inside the block (:func:`side_effect_messages_on`).
-# Dynamo reads the policy while it compiles, so it is set before compiling starts,
-# never during (fully_shard is not traced).
+# Under the default ``side_effect_replay_policy = "info"`` dynamo formats a message,
+# with the user stack, for every Python object a graph changes, read only by
+# ``TORCH_LOGS=side_effects`` and ``TORCH_TRACE``. A fully_shard model changes many
+# objects, so the messages dominate emitting side effects (docs/compile.md). So
+# ``fully_shard`` sets the policy to ``"silent"`` when it is torch's default and
+# neither reader is on; the side effects are replayed the same, so no graph changes. A
+# policy the user chose stays; :func:`restore_side_effect_messages` puts ``"info"``
+# back; ``TRACEABLE_HSDP_QUIET_SIDE_EFFECTS=0`` leaves it alone; ``dump_graphs(
+# trace=True)`` has ``"info"`` inside its block (:func:`side_effect_messages_on`).
 
 ENV_QUIET_SIDE_EFFECTS = "TRACEABLE_HSDP_QUIET_SIDE_EFFECTS"
 
@@ -114,9 +95,8 @@ _quieted: list[str] = []  # [torch's policy] while "silent" is ours to undo
 
 
 def side_effect_messages_read() -> bool:
-    """Whether anything would read dynamo's side-effect messages now: the
-    ``side_effects`` logging artifact is on, or the structured trace writes somewhere.
-    See [Note: Dynamo's side-effect messages]."""
+    """Whether anything reads dynamo's side-effect messages now. See [Note: Dynamo's
+    side-effect messages]."""
     if resolve("torch._dynamo.side_effects.side_effects_log").isEnabledFor(logging.DEBUG):
         return True
     default_handler = resolve("torch._logging._internal.LazyTraceHandler")
@@ -160,9 +140,8 @@ def restore_side_effect_messages() -> None:
 
 @contextmanager
 def side_effect_messages_on() -> Iterator[None]:
-    """Torch's ``"info"`` policy inside the block if :func:`quiet_side_effect_messages`
-    had set ``"silent"`` (quieted again after): for a reader added for the block, such
-    as the structured trace of ``dump_graphs(trace=True)``."""
+    """Torch's ``"info"`` policy inside the block, for a reader added for it
+    (``dump_graphs(trace=True)``), if :func:`quiet_side_effect_messages` quieted it."""
     ours = bool(_quieted) and resolve(_POLICY) == "silent"
     if ours:
         restore_side_effect_messages()
@@ -185,31 +164,16 @@ def quiet_side_effect_messages_from_env(environ: Mapping[str, str] | None = None
 
 
 # [Note: An output hook that gets no gradient]
-# Each unit hooks every forward output that requires grad, to re-gather before its
-# backward, as torch's fully_shard does. Some of those outputs get no gradient. HF's
-# causal LMs, given labels, return the loss and the logits; the loss is computed
-# from the logits inside the same compiled graph, so the logits' slot of that
-# graph's backward node receives none. Dynamo usually traces the hook into the
-# graph. After a graph break inside the model it cannot: the resumed frame of the
-# root's forward receives the outputs as inputs, and dynamo registers their hooks
-# after the graph runs, as plain tensor hooks. Compiled autograd then records a call
-# of the logits' hook on a gradient of None. torch 2.13's
-# ``AutogradCompilerInstance.reorder_tensor_pre_hook_nodes`` fails on that None
-# before the backward runs (``AttributeError: 'NoneType' object has no attribute
-# 'op'`` in ``is_placeholder``). torch's own fully_shard fails the same way: its
-# hooks are always registered outside the graph. Seen with HF ``LlamaForCausalLM``
-# and ``labels``, with any graph break inside a block. transformers 5.25 adds such a
-# break itself in every checkpointed decoder layer: its attention sets a global
-# (the ``kernels`` package's), which the checkpoint's higher-order op cannot trace.
-# That pass moves each tensor hook next to the node that makes its gradient. It
-# leaves a hook on a graph input (a placeholder) where it is. A hook on no gradient
-# has nothing to follow either. So ``fully_shard`` wraps the pass's
-# ``is_placeholder`` to answer yes for None, and torch's own function answers for
-# every node. The hook then stays where compiled autograd put it and is called with
-# None, which the runtime's hooks pass on unchanged. Nothing else changes.
-# tests/test_reliability.py trains the test Llama under a root that returns the loss
-# and the log-probabilities, with Inductor, against eager.
-# :func:`restore_compiled_autograd_ordering` puts torch's function back.
+# An output hooked for the re-gather may get no gradient (HF causal LMs return the loss
+# and the logits; the loss is computed from the logits in the same graph). After a
+# graph break inside the model, dynamo registers those hooks as plain tensor hooks, and
+# compiled autograd's ``reorder_tensor_pre_hook_nodes`` fails on the None gradient
+# (torch's fully_shard fails the same way). That step moves each hook next to the node
+# making its gradient and leaves hooks on graph inputs alone; a hook on no gradient has
+# nothing to follow either. So ``fully_shard`` wraps ``is_placeholder`` to answer yes
+# for None; the hook is called with None, which the runtime passes on.
+# tests/test_reliability.py trains a root returning the loss and the log-probabilities,
+# with Inductor, against eager. :func:`restore_compiled_autograd_ordering` undoes it.
 
 _IS_PLACEHOLDER = "torch._dynamo.compiled_autograd.AutogradCompilerInstance.is_placeholder"
 _torch_is_placeholder: list[Any] = []  # torch's function, while ours is installed

@@ -38,19 +38,13 @@ _EAGER_HOOKS_SAID = False
 
 
 # [Note: A unit compiled without compiled autograd]
-# ``torch.compile(model)`` with compiled autograd off (torchtitan's plain compile
-# line, HF accelerate's FSDP2 flow with a dynamo backend, ``torch.compile(unit)``
-# below an eager root) cannot trace a unit's backward hooks. Such a unit, the root
-# included, runs its pre-forward and its post-forward eagerly, as functions disabled
-# for dynamo: dynamo breaks the graph around each and compiles the module's own
-# forward between them, as around torch's fully_shard hooks. Its gathers and its
-# reduce-scatters then run eagerly at the unit's boundaries and its backward hooks
-# are registered eagerly, so the step trains with the eager numbers; the process
-# logs once how to get the traced step instead. Under ``fullgraph=True`` there is no
-# graph break to fall back on: the disabled function's reason,
-# ``UNIT_FULLGRAPH_FIX``, is the error the user reads. Traced after such a break, the
-# pre-forward would put the unit's label and its parameter count into the guards,
-# and per-block compiles would recompile for each unit. Tested by
+# With compiled autograd off (torchtitan's plain compile line, accelerate's FSDP2 flow,
+# ``torch.compile(unit)`` below an eager root) a unit's backward hooks cannot be
+# traced. Such a unit runs its pre- and post-forward as dynamo-disabled functions:
+# dynamo breaks the graph around each and compiles the module's forward between them,
+# as around torch's fully_shard hooks, so the step trains with the eager numbers; the
+# process logs once how to get the traced step. Under ``fullgraph=True`` the disabled
+# function's reason, ``UNIT_FULLGRAPH_FIX``, is the error the user reads. Tested by
 # ``test_compiled_without_compiled_autograd`` (test_runtime.py),
 # ``test_units_compiled_without_compiled_autograd_train_correctly``
 # (test_reliability.py) and ``test_compiled_without_compiled_autograd_inductor``
@@ -137,55 +131,30 @@ refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 
 
 # [Note: A checkpoint inside a unit, run eagerly by compiled autograd]
-# ``checkpoint_wrapper(block)`` before ``fully_shard`` (torchtitan's order) puts the
-# checkpoint inside the unit. Compiled, dynamo traces the region as a higher-order
-# op and the backward recomputes it inside the compiled graphs. A graph break
-# inside the region makes dynamo run the checkpoint eagerly instead. transformers
-# 5.25 has one in every decoder layer: its attention sets a global of the
-# ``kernels`` package, a side effect the higher-order op refuses ("Mutating a
-# variable from outside the scope of this HOP"). The recompute then runs eagerly,
-# inside the compiled-autograd backward, and reads the modules' parameters. A
-# compiled backward leaves the sharded ones there ([Note: The module holds the
-# placeholder only in forward] in _param.py), and the region failed on them with
-# DTensor's "got mixed torch.Tensor and DTensor", naming neither cause nor fix.
-# So each unit hooks the forward of the module each of its checkpoint_wrappers
-# wraps, when that module holds parameters of the unit. The hook does nothing
-# while dynamo traces or outside a compiled-autograd backward. There, if those
-# parameters are not gathered in the modules, it raises with the fixes: dynamo's
-# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (transformers' side effect is
-# a global set and restored within one call, which the recompute need not repeat),
-# or no graph break in the region. (A forward run eagerly under compiled autograd
-# meets the same, and is told to compile the forward.) Eagerly the modules hold the
-# gathered parameters for the recompute, and the hook passes.
+# ``checkpoint_wrapper(block)`` before ``fully_shard`` puts the checkpoint inside the
+# unit; compiled, the backward recomputes the region inside the graphs. A graph break
+# inside the region (transformers' attention sets a global) makes dynamo run the
+# checkpoint eagerly inside the compiled-autograd backward, where the modules hold the
+# sharded parameters ([Note: The module holds the placeholder only in forward] in
+# _param.py): DTensor's "mixed torch.Tensor and DTensor" error, naming no cause. So
+# each unit hooks the forward of the modules its checkpoint_wrappers wrap; inside a
+# compiled-autograd backward, with the parameters not gathered, the hook raises with
+# the fixes (``skip_fwd_side_effects_in_bwd_under_checkpoint``, or no graph break in
+# the region). Eagerly, and while tracing, it passes.
 
 # [Note: A checkpoint around a unit's call]
-# Two common ways of checkpointing put the checkpoint around a unit's whole call,
-# hooks included: Hugging Face's ``activation_checkpointing_enable()`` (its layers
-# checkpoint ``type(self).forward``, which for a unit is our forward wrapper, see
-# [Note: Forward wrapper, not module hooks]; the older name,
-# ``gradient_checkpointing_enable()``, deprecated in transformers 5.24, does the
-# same, and both set the ``gradient_checkpointing`` flag that the check reads) and
-# ``checkpoint_wrapper`` applied after ``fully_shard``. Eagerly that trains (the
-# recompute sees the unit in its backward; see [Note: Forward during the unit's
-# backward]). Compiled, it trains only with dynamo's
-# ``skip_fwd_side_effects_in_bwd_under_checkpoint``; without it the step ended in a
-# compiled-autograd ``AttributeError`` that names neither the cause nor the fix, so
-# the root's compiled pre-forward refuses it instead. The flag is the user's to set,
-# not ours: torch documents it as letting compiled code differ from eager for side
-# effects in checkpointed code (eager replays them in the recompute). The units that
-# can be so are found when the tree is wired, into the root's
-# ``checkpoint_suspects``: a module whose class has Hugging Face's
-# ``GradientCheckpointingLayer`` attribute (its flag is read), and every nested
-# unit, with the module that holds it and the name it holds it by (its ``slots``). A
-# unit is checkpointed around if that holder is a ``checkpoint_wrapper``
-# (``checkpoint_wrapper(fully_shard(block))`` before the root's fully_shard) or if a
-# wrapper has since replaced the unit in its holder (torch's
-# ``apply_activation_checkpointing`` called after the root's fully_shard). Without
-# the refusal, plain ``torch.compile`` (no fullgraph) compiles each of the
-# backward's graph breaks in turn, for minutes. Only the compiled
-# pre-forward reads them, with the flag off: eager reads nothing, and in a compiled
-# step dynamo guards on each slot (a few more guards a unit),
-# so a wrapper put there later recompiles and is seen.
+# HF's ``activation_checkpointing_enable()`` (and ``gradient_checkpointing_enable()``)
+# and ``checkpoint_wrapper`` applied after ``fully_shard`` put the checkpoint around a
+# unit's whole call, hooks included ([Note: Forward wrapper, not module hooks]). Eagerly
+# that trains ([Note: Forward during the unit's backward]); compiled, only with dynamo's
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint``, which is the user's to set (it lets
+# compiled code differ from eager). Without it the step fails with an unhelpful
+# ``AttributeError``, so the root's compiled pre-forward refuses it. Candidates are
+# collected when the tree is wired (``checkpoint_suspects``: HF
+# ``GradientCheckpointingLayer`` modules, and every nested unit with its holder
+# ``slots``); a unit is checkpointed around if its holder is a ``checkpoint_wrapper`` or
+# a wrapper replaced it there. Only the compiled pre-forward reads them; dynamo guards
+# on each slot, so a wrapper added later recompiles and is seen.
 
 
 COMPILE_REGION_FIX = (
@@ -204,21 +173,14 @@ COMPILE_REGION_FIX = (
 
 
 # [Note: A compile region inside a unit]
-# ``torch.compiler.nested_compile_region`` is torch's way to compile a repeated block
-# once. Inside our units, torch 2.13's compiled autograd graph-breaks at the region's
-# backward (``invoke_subgraph``) without resuming: the rest of its graph runs eagerly,
-# and each gradient hook it calls is compiled as a frame of its own (one per
-# parameter, until dynamo's recompile limit, then eager). Those hooks reduce each
-# gradient on its own, as traced ones do (see [Note: Eager or traced] in
-# ``_common.py``), and train correctly, but the second compile of a hook frame makes
-# the tensor sizes dynamic, and on 2 or more ranks dynamo then fails to build its
-# guards (an ``IndexError`` naming no cause). So the root's compiled pre-forward
-# refuses the regions unless ``automatic_dynamic_shapes`` is off, which the message
-# offers along with removing them; the message names the marked modules. The
-# regions are found when the tree is wired (a module whose class, or the module
-# itself, has a forward carrying torch's ``__marked_compile_region_fn__``), and the
-# root keeps the refusal that names them; a region marked on a plain function
-# inside a forward is not seen.
+# Inside our units, compiled autograd graph-breaks at a ``nested_compile_region``'s
+# backward without resuming: the rest runs eagerly and each gradient hook compiles as
+# a frame of its own, whose second compile goes dynamic and, on 2 or more ranks, fails
+# building guards (an ``IndexError`` naming no cause). So the root's compiled
+# pre-forward refuses the regions, naming the marked modules (found when the tree is
+# wired, by torch's ``__marked_compile_region_fn__`` on a forward), unless
+# ``automatic_dynamic_shapes`` is off. A region marked on a plain function inside a
+# forward is not seen.
 
 
 def marks_compile_region(module: nn.Module) -> bool:

@@ -19,34 +19,17 @@ __all__ = ["COMPILED_FORWARD", "dispatch_compiled_call"]
 
 
 # [Note: A unit compiled in place]
-# torchtitan compiles each block in place before sharding it (``block.compile(
-# fullgraph=True)``), without compiled autograd; HF accelerate's regional compilation
-# does the same without fullgraph. ``nn.Module.compile`` stores
-# ``torch.compile(module._call_impl)`` as ``module._compiled_call_impl``, and dynamo
-# skips ``_call_impl`` (a torch file) as a top frame: with torch's fully_shard the
-# hooks run eagerly there and only the block's forward is compiled. Ours puts the
-# unit's pre- and post-forward in its forward wrapper, which dynamo then compiles as
-# the top frame, where without compiled autograd the backward hooks cannot be traced.
-# So below its root and with compiled autograd off, a unit compiled in place calls its
-# ``_call_impl`` eagerly: its pre- and post-forward run eagerly and its module's own
-# forward is compiled, with the same ``torch.compile`` settings (the ``OptimizeContext``
-# that nn.Module.compile's function closes over, applied to the class's original
-# forward, one code for every unit of the class). Where that context is not found
-# (another torch), ``TorchInternalError`` says so. A module with a forward of its own on
-# the instance keeps the compiled call and its refusal; one compiled with
-# ``disable=True`` has nothing compiled to route. A root compiled in place, and any unit
-# while compiled autograd is on, keep the compiled call: the whole step traced, as with
-# torch.compile(model).
-#
-# A forward that dynamo skips as a frame (one of torch's own modules: a unit that is
-# an ``nn.Embedding`` or an ``nn.Linear``, as HF accelerate makes of a model's
-# embeddings and head) runs eagerly, as it does under torch's fully_shard: there the
-# compiled ``_call_impl`` is a frame dynamo skips, and so is the module's forward, so
-# nothing of such a unit is compiled. Compiled explicitly, dynamo would wrap each such
-# forward in one shared frame (``external_utils.wrap_inline``) and recompile it for
-# every other module class (accelerate's regional compile of HF Llama: two graphs
-# more than torch's, the embedding's and the head's), each taking one of the shared
-# frame's entries under dynamo's recompile limit (8 by default).
+# ``block.compile()`` (torchtitan, accelerate's regional compilation) compiles
+# ``_call_impl``, a frame dynamo skips, so with torch's fully_shard the hooks run
+# eagerly and only the forward compiles. Ours would compile the unit's forward wrapper
+# as the top frame, where without compiled autograd the backward hooks cannot be
+# traced. So below its root with compiled autograd off, a unit compiled in place calls
+# ``_call_impl`` eagerly and compiles its module's own forward with the same settings
+# (the ``OptimizeContext`` nn.Module.compile closes over; ``TorchInternalError`` where
+# it is not found). A root, and any unit while compiled autograd is on, keep the
+# compiled call: the whole step traced. A forward dynamo skips as a frame (torch's own
+# modules, e.g. an ``nn.Embedding`` unit) runs eagerly, as under torch's fully_shard,
+# rather than recompiling one shared wrapper frame per module class.
 COMPILED_FORWARD = "_traceable_hsdp_compiled_forward"
 
 

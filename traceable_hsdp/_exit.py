@@ -2,53 +2,25 @@
 the interpreter shuts down.
 
 [Note: Exiting with gloo worker threads]
-A gloo process group runs each collective on a worker thread of its own, and the
-worker drops its reference to the collective (and to the collective's tensors) just
-after marking it complete, so ``work.wait()`` in the caller may return first. On
-torch 2.13 a tensor handed to Python holds a strong reference to its Python object
-while C++ also holds it, so the worker's release decrefs a Python object and takes
-the GIL. When that release is still pending as the interpreter finalizes (the
-script's last line was a collective, and the machine is busy), the worker asks for
-the GIL of a finalizing interpreter, CPython ends the thread with ``pthread_exit``,
-its forced unwind meets the C++ ``noexcept`` destructor of the collective, and the
-process aborts: ``terminate called without an active exception``, exit status -6,
-after all of the script's work is done (a core dump of ``examples/dcp_resume.py
---eager`` shows the worker in ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork``
--> ``take_gil`` -> ``PyThread_exit_thread``, the main thread in ``Py_FinalizeEx``).
-
-``destroy_process_group()`` does not stop the workers: it forgets the group, and
-the workers are joined by the group's destructor (which releases the GIL first).
-The group lives on as long as a ``DeviceMesh`` refers to it (its ``_pg_registry``),
-and meshes outlive the model: torch's DTensor sharding-propagation caches are keyed
-by the specs of the ops the model ran, and a compiled step's caches (dynamo's
-guards, AOTAutograd's subclass metadata) hold the meshes too; the same with torch's
-``fully_shard``. So the group was destroyed, and its workers joined, only during
-finalization, where the race is.
+A gloo worker thread releases a finished collective's tensors after marking it
+complete, which takes the GIL. If that release is still pending while the interpreter
+finalizes, CPython ends the thread and its unwind meets a ``noexcept`` C++ destructor:
+the process aborts (exit status -6) after all the script's work is done.
+``destroy_process_group()`` does not join the workers; the group's destructor does,
+and the group lives as long as a ``DeviceMesh`` refers to it (DTensor's
+sharding-propagation caches and a compiled step's guards hold meshes), so left alone
+it dies only during finalization, where the race is.
 
 :func:`install_exit_hook` (``fully_shard`` calls it) registers
-:func:`release_process_groups` with ``atexit``, which runs while the interpreter is
-still whole, after the script has returned. Once every group is destroyed (the
-default group is gone; before that it does nothing), it clears torch's
-sharding-propagation caches, empties the group tables of the meshes our units use
-(the groups in them are destroyed: nothing may use them again) and collects
-garbage, so the groups are destroyed there, while their workers can still take the
-GIL to finish their releases, and are joined. Those meshes are the ones
-:func:`track_meshes` is given where a unit or a post-forward mesh is built, held
-weakly, each with its root mesh (whose table holds a submesh's groups), and every
-copy of them: a compiled step's DTensor guards (dynamo's ``DTENSOR_SPEC_MATCH``)
-deep-copy each spec with its mesh, the copy looks its groups up again by name, and
-the guards live in dynamo's C++ cache entries, which only the garbage collector's
-list of objects reaches (without the copies, a compiled step kept its 3 gloo threads
-to the end). Other meshes are not ours to change. Checked by
-``tests/test_reliability.py`` (thread count at exit, with a control run without the
-hook), eager and torch's AdamW; with a compiled step (aot_eager) the group's
-references fell from 50 to none. Not covered: a script that never calls
-``destroy_process_group()`` keeps its groups and the race (torch issue 190489);
-and importing ``torch._dynamo`` (which ``from traceable_hsdp import fully_shard``
-does) *after* ``init_process_group`` leaves 10 references to the default group
-that no Python object shows (measured with ``sys.getrefcount``), so import at the
-top of the script, as usual.
-:func:`uninstall_exit_hook` undoes the registration.
+:func:`release_process_groups` with ``atexit``. Once every group is destroyed, it clears
+torch's sharding-propagation caches, empties the group tables of the meshes our units
+use (given to :func:`track_meshes`, weakly, with their root meshes and every copy, such
+as those dynamo's DTensor guards deep-copy) and collects garbage, so the groups die and
+their workers are joined while the interpreter is whole. Other meshes are not ours to
+change. Checked by ``tests/test_reliability.py`` (thread count at exit, with a control
+run without the hook). Not covered: a script that never calls
+``destroy_process_group()``, and importing ``torch._dynamo`` after
+``init_process_group`` (import at the top of the script).
 """
 
 from __future__ import annotations
@@ -76,13 +48,9 @@ def track_meshes(*meshes: DeviceMesh) -> None:
 
 
 def release_process_groups() -> None:
-    """Once every process group is destroyed (``destroy_process_group()``), drops the
-    references that keep them alive: torch's DTensor sharding-propagation caches, and
-    the group tables of the meshes our units use, of their root meshes and of copies
-    of either. Then
-    collects garbage, so the groups are destroyed now and their gloo worker threads
-    joined. Does nothing while the default group exists. See [Note: Exiting with gloo
-    worker threads]."""
+    """Once every process group is destroyed, drops the references that keep them
+    alive and collects garbage, so their gloo workers are joined now. Does nothing
+    while the default group exists. See [Note: Exiting with gloo worker threads]."""
     import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():

@@ -22,19 +22,11 @@ __all__ = ["add_fsdp_class"]
 
 # [Note: One FSDP class per module class]
 # As torch's fully_shard, every unit of one module class gets the same FSDP<Class>
-# (cached in _FSDP_CLASSES). Dynamo guards the type of the module whose forward it
-# traces, so with a class per unit each unit's forward frame would recompile: a model
-# compiled per block in place (torchtitan's ``block.compile()``, HF accelerate's
-# regional compilation) would compile its blocks one by one and, past dynamo's
-# recompile_limit (8), run the further blocks eagerly.
-# The exception is a unit whose forward is marked torch.compiler.nested_compile_region
-# (its own or its class's): it keeps a class of its own. With the class shared, the
-# compiled forward of such blocks segfaults inside invoke_subgraph
+# (cached in _FSDP_CLASSES): dynamo guards the module's type, so a class per unit would
+# recompile each block compiled in place. A unit marked nested_compile_region keeps a
+# class of its own: shared, such blocks segfault inside invoke_subgraph
 # (test_hooks_run_eagerly_by_compiled_autograd_reduce_every_gradient in
-# tests/test_reliability.py), most likely because the region, traced once, is reused
-# across units. See
-# [Note: A unit compiled without compiled autograd] in _compile_checks.py for the other per-unit
-# guards such a block met.
+# tests/test_reliability.py).
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -76,23 +68,13 @@ def add_fsdp_class(module: nn.Module) -> None:
 
 
 # [Note: A forward set on the instance]
-# The unit's forward wrapper is a method of its class, and an attribute ``forward``
-# on the instance hides it from ``nn.Module.__call__``. Three common ways put one
-# there before fully_shard: ``torch.compile(module)`` returns an ``OptimizedModule``
-# whose ``forward`` is the compiled call of the module it wraps (torchtitan's
-# per-block compile before fully_shard, in its older form; HF accelerate's FSDP2
-# flow with a dynamo backend, which compiles the whole model and then calls
-# fully_shard on the result); HF accelerate's mixed precision replaces
-# ``model.forward`` with an autocast-wrapped bound method; and user code patches
-# it. torch's fully_shard runs module hooks, which see none of this. Ours then
-# never ran the unit's pre-forward: the modules computed with the sharded DTensors
-# and failed in DTensor's dispatch ("got mixed torch.Tensor and DTensor"). So
-# fully_shard moves such a forward inside the unit's wrapper: the instance gets a
-# bound method that runs the unit's pre-forward, the forward that was there, and
-# its post-forward. For an OptimizedModule that puts the gathers outside the
-# compiled region, as torch's fully_shard has them. A forward assigned after
-# fully_shard replaces the wrapper, unless it calls the one it replaces (HF
-# accelerate's wrapping of ``model.forward.__func__`` does).
+# An instance attribute ``forward`` (an ``OptimizedModule``'s compiled call,
+# accelerate's autocast wrapper, a user patch) hides the class's forward wrapper, so
+# the unit's pre-forward would never run. fully_shard moves such a forward inside the
+# wrapper: the instance gets a bound method running pre-forward, that forward, and
+# post-forward (for an OptimizedModule the gathers stay outside the compiled region,
+# as with torch's fully_shard). A forward assigned after fully_shard replaces the
+# wrapper unless it calls the one it replaces.
 
 
 def _unsupported_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:

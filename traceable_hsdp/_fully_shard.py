@@ -84,29 +84,20 @@ def fully_shard(
             model already distributed by ``parallelize_module`` over
             ``world_mesh["tp"]``, pass ``world_mesh["dp"]`` (see [Note: FSDP x TP]
             in ``_param.py``).
-        reshard_after_forward: ``True`` frees the unsharded parameters after forward
-            and re-gathers them for backward; ``False`` keeps them from forward to
-            backward. ``None`` (the default, as torch 2.13's): ``False`` for the root
-            unit (its backward comes first; after a forward without grad it reshards
-            too), ``True`` for the others. An int k dividing the shard group's size
-            keeps 1/k of each parameter per rank after forward and re-gathers over
-            groups of k ranks for backward.
-        shard_placement_fn: called with each managed parameter; returns the
-            ``Shard(dim)`` to shard it on, or ``None`` for ``Shard(0)`` (default
-            ``None``: every parameter on dim 0), or torch's
-            ``ShardPlacementResult(placement, mesh_info)`` to shard it over another
-            mesh than ``mesh``.
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward;
+            ``False`` keeps them until backward; ``None`` (default): ``False`` for the
+            root (see [Note: The default keeps the root gathered for backward]),
+            ``True`` for the others; an int k keeps 1/k per rank ([Note: Reshard to
+            a smaller world]).
+        shard_placement_fn: called with each managed parameter; returns a
+            ``Shard(dim)``, ``None`` for ``Shard(0)``, or torch's
+            ``ShardPlacementResult`` for another mesh (default ``None``).
         mp_policy: dtypes for the gathered parameters, the gradient reduction and
-            the outputs (default full precision). torch's own policy object is
-            accepted too.
-        offload_policy: ``OffloadPolicy()`` (default, no offload) or
-            ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters and gradients
-            live on the CPU and are copied to the mesh's device for the all-gather.
+            the outputs (default full precision); torch's policy is accepted too.
+        offload_policy: ``OffloadPolicy()`` (default) or ``CPUOffloadPolicy()``.
         ignored_params: parameters left alone (neither sharded nor reduced).
-        dp_mesh_dims: torch 2.13's SPMD-mesh form (``DataParallelMeshDims``:
-            parameters already ``DTensor``s on the full mesh, ``mesh`` that full mesh)
-            is not supported: only ``None`` is accepted. The same layout is
-            expressed with the TP submesh and the DP submesh; see Raises.
+        dp_mesh_dims: only ``None``; torch's SPMD-mesh form is expressed with the TP
+            and DP submeshes instead.
 
     Returns:
         The same module (or list), its class now a subclass of ``FSDPModule``.
@@ -156,10 +147,8 @@ fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
 def shard_unit(module: nn.Module | list[nn.Module], options: UnitOptions) -> Any:
-    """Internal: :func:`fully_shard` with options already checked, for ``hsdp()``
-    (``_hsdp.py``), which builds :class:`~traceable_hsdp._init.UnitOptions` with what
-    fully_shard's arguments cannot say (replicated parameters, kept storage, the
-    unit's pass options). Not public API. See [Note: Unit options] in ``_init.py``.
+    """Internal: :func:`fully_shard` with options already checked, for ``hsdp()``.
+    See [Note: Unit options] in ``_init.py``.
 
     Returns:
         ``module``, as :func:`fully_shard` does.
@@ -181,10 +170,8 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     for m in modules:
         add_fsdp_class(m)
         dispatch_compiled_call(m)  # See [Note: A unit compiled in place] (_compiled_call.py).
-    # Every process-wide change to torch (the passes and the switches of [Note: Global
-    # switches], the FX graph cache keys, dynamo's side-effect messages, compiled
-    # autograd's hook ordering, the exit hook, the optimizer check), each entry
-    # checked first; undone by _torch_internals.undo(). See [Note: Torch internals].
+    # Every process-wide change to torch, each entry checked first. See [Note: Torch
+    # internals].
     _torch_internals.install()
     from .debug._dump_env import start_from_env
 
@@ -269,10 +256,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """torch's: makes several roots (pipeline-parallel model chunks) share their CUDA
-    streams. Ours has no streams to share: every collective runs on the current stream
-    (see [Note: torch's communication tuning methods]), which the roots already
-    share. It checks its argument as torch's does and changes nothing.
+    """torch's: makes several roots share their CUDA streams. Ours run on the current
+    stream already ([Note: torch's communication tuning methods]), so it checks its
+    argument as torch's does and changes nothing.
 
     Raises:
         ValueError: an entry is not a fully_shard module.

@@ -10,24 +10,14 @@ optimizer_level=...)``. Each argument maps onto the same runtime ``fully_shard``
 - ``threshold`` (KiB, default 64, as in those systems): a parameter smaller than this
   stays whole on every rank, its gradient all-reduced DDP-style; ``0`` shards all.
   ``replicate_params`` names parameters to keep whole whatever their size.
-- ``optimizer_level``: ``"level3"`` shards parameters, gradients and optimizer state
-  (``reshard_after_forward=True``); ``"level2"`` keeps parameters whole from forward
-  to backward (``reshard_after_forward=False``); ``"level1"`` keeps them whole across
-  the step as well: the gathered storage is never freed, and each forward refills it
-  from the shards the optimizer just stepped. Gradients are reduce-scattered and the
-  optimizer state is sharded at every level.
+- ``optimizer_level``: ``"level3"`` is ``reshard_after_forward=True``; ``"level2"``
+  ``False``; ``"level1"`` also never frees the gathered storage (each forward refills
+  it). Gradients and optimizer state are sharded at every level.
 - ``reduce_dtype``: ``MixedPrecisionPolicy(reduce_dtype=...)``.
-- ``comm_fusion`` / ``bucket_size``: the collective-fusion passes
-  (``traceable_hsdp.passes``) for this unit only: ``comm_fusion=False`` leaves its
-  collectives one per parameter, ``True`` buckets them, ``bucket_size`` (MiB, ``-1``
-  for one bucket per unit) caps merges with neighbouring units of the same options.
-  The choice travels with the unit, in its collectives' annotations
-  (``UnitPassOptions``; see [Note: Per-unit pass options] in
-  ``passes/bucket_collectives.py``): the process-wide ``PassConfig`` and other
-  models' graphs are left alone. Where a graph lost its annotations (the
-  compiled-autograd backward graphs of torch 2.13), the ``PassConfig`` decides
-  instead; set ``PassConfig(bucket_all_gathers=False, bucket_reduce_scatters=False)``
-  to turn bucketing off in every graph.
+- ``comm_fusion`` / ``bucket_size``: bucketing for this unit only (``bucket_size`` in
+  MiB, ``-1`` for one bucket per unit), carried in its collectives' annotations
+  ([Note: Per-unit pass options] in ``passes/bucket_collectives.py``); where a graph
+  lost its annotations the ``PassConfig`` decides.
 - ``reduce_op`` ``"mean"`` (default) averages gradients over the data-parallel ranks,
   ``"sum"`` sums them; ``gradient_divide_factor`` sums and divides by that number
   instead (``FSDPModule.set_gradient_divide_factor``).

@@ -5,14 +5,9 @@ unit is built from what these return (``_fully_shard.py``).
 
 [Note: Unit options]
 Everything a unit is built from travels as one frozen :class:`UnitOptions`, checked
-once by :func:`unit_options`: the mesh, ``reshard_after_forward``, the placement
-function, the policies, the ignored parameters, and what ``hsdp()`` adds
-(``replicate``, ``keep_storage``, its pass options). ``fully_shard`` builds it from
-its arguments; ``hsdp()`` builds it from its own and hands it to
-``_fully_shard.shard_unit``, the internal seam both entries share. The options a
-user may change later through ``FSDPModule``'s setters (``reshard_after_forward``)
-are copied into the unit's state at construction; the dataclass itself never
-changes.
+once by :func:`unit_options`; ``fully_shard`` and ``hsdp()`` both build one and meet in
+``_fully_shard.shard_unit``. Options a setter may change later are copied into the
+unit's state.
 """
 
 from __future__ import annotations
@@ -149,10 +144,8 @@ def default_mesh(caller: str, shard_size: int | None = None) -> DeviceMesh:
 
 @dataclass
 class CollectedParams:
-    """What a unit manages: its parameters in registration order, each with every
-    place it is registered (``(fqn, ParamModuleInfo)``, the first one naming it), and
-    why parameters were left out (raised at the unit's first forward; see [Note: One
-    unit per parameter])."""
+    """What a unit manages: its parameters with every place each is registered, and
+    why parameters were left out ([Note: One unit per parameter])."""
 
     params: list[nn.Parameter]
     where: dict[nn.Parameter, list[tuple[str, ParamModuleInfo]]]
@@ -216,24 +209,18 @@ def collect_params(modules: list[nn.Module], options: UnitOptions) -> CollectedP
 
 
 def mark_managed(param: nn.Parameter, sharded: nn.Parameter, desc: str, unit: str) -> None:
-    """Records on an original parameter that a unit sharded it (``desc``: "'<fqn>' of
-    the fully_shard unit <Class>"), for the sharing rule (see [Note: One unit per
-    parameter]), and on the sharded one which unit holds it, so that fully_shard on a
-    module inside that unit, applied later, names the order of calls."""
+    """Records on the original and the sharded parameter which unit sharded it, for
+    [Note: One unit per parameter] and the message on a wrong order of calls."""
     setattr(param, _SHARDED_AS_ATTR, desc)
     setattr(sharded, _SHARD_OF_ATTR, unit)
 
 
 # [Note: Post-forward meshes]
-# An int ``reshard_after_forward=k`` re-gathers over groups of k consecutive ranks of
-# each shard group: one DeviceMesh per mesh object and k, built once (building it
-# creates process groups on every rank). The table is keyed by the mesh object, not
-# by its value: a mesh built again after the process group was destroyed and
-# re-created compares equal to the old one, whose cached groups no longer exist. It
-# lives beside the mesh (an entry dies with its mesh), not in the mesh's ``__dict__``:
-# that is the mesh's pickled state, which the FX graph cache key holds (see [Note: FX
-# graph cache keys across processes] in ``_cache.py``), so a unit with an int
-# ``reshard_after_forward`` would change the keys of every graph on that mesh.
+# An int ``reshard_after_forward=k`` needs a mesh of k-rank groups, built once per mesh
+# object and k (it creates process groups). Keyed by identity, since a mesh rebuilt
+# after re-initializing compares equal to one whose groups are gone; kept beside the
+# mesh, not in its ``__dict__``, which the FX graph cache key pickles ([Note: FX graph
+# cache keys across processes] in ``_cache.py``).
 _post_forward_meshes: dict[int, tuple[weakref.ref[DeviceMesh], dict[int, DeviceMesh]]] = {}
 
 
@@ -368,21 +355,13 @@ _SHARD_OF_ATTR = "_traceable_hsdp_shard_of"
 
 
 # [Note: One unit per parameter]
-# A parameter registered on several modules (a tied embedding and output head) is
-# managed once, by the unit whose own modules hold all its registrations: it is
-# gathered once per forward into one placeholder that every one of them holds, and
-# autograd sums the gradients of all uses into that placeholder's gradient before its
-# post-accumulate-grad hook reduces it. A unit gathers only for its own forward, so a
-# parameter cannot be split between units. The two ways to split it are refused
-# (neither fails clearly by itself):
-# - the original parameter is still registered outside an earlier unit: fully_shard
-#   swapped it for a DTensor only on that unit's modules, so a later unit would shard
-#   the original again into an independent copy: silently untied. Refused at the
-#   first forward, as torch's (its message says "already managed by another"): the
-#   later unit leaves the parameter out and records why;
-# - a module inside a nested unit is also reachable from the parent outside it: the
-#   parent's forward would read the nested unit's sharded DTensor ("got mixed
-#   torch.Tensor and DTensor" deep in the forward). Refused when the parent is built.
+# A parameter registered on several modules (tied embedding and head) is managed once,
+# by the unit whose modules hold all its registrations: one placeholder, gradients of
+# all uses summed before the hook reduces them. Splitting it between units is refused:
+# - still registered outside an earlier unit, a later unit would shard an untied copy:
+#   the later unit leaves it out and the first forward refuses it, as torch's does;
+# - a nested unit's module also reachable from the parent outside it would be read
+#   sharded by the parent's forward: refused when the parent is built.
 
 
 def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -397,9 +376,7 @@ def _own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.
 
 def _check_no_torch_units(module: nn.Module) -> None:
     """Refuses ``module`` when it, or a module inside it, was sharded by torch's own
-    ``fully_shard``: the two runtimes do not compose (each would own the other's
-    parameters), and the DTensor parameters torch's leaves behind would otherwise be
-    taken for tensor-parallel ones and refused with a message about meshes."""
+    ``fully_shard``: the two runtimes do not compose."""
     from torch.distributed.fsdp import FSDPModule
 
     for path, sub in _own_modules(module):
@@ -414,11 +391,9 @@ def _check_no_torch_units(module: nn.Module) -> None:
 
 
 def _check_no_forward_writes(module: nn.Module) -> None:
-    """Refuses an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm`` in the
-    unit: it renormalizes its weight in place during forward, which writes the
-    gathered copy, and the reshard drops that (torch's fully_shard drops it too, and
-    a compiled step fails in AOTAutograd). See docs/real_jobs.md, "A parameter
-    written in place during forward"."""
+    """Refuses an ``nn.Embedding``/``EmbeddingBag`` with ``max_norm``: its in-place
+    renormalization writes the gathered copy, which the reshard drops. See
+    docs/real_jobs.md."""
     for path, sub in _own_modules(module):
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
             where = f"{type(module).__name__}.{path}" if path else type(module).__name__
@@ -464,10 +439,8 @@ def check_modules(module: Any) -> list[nn.Module]:
 
 
 def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> bool | int | None:
-    """``True``/``False``/``None``, or an int k dividing the shard group's size (see
-    [Note: Reshard to a smaller world] in ``_param.py``): k equal to that size is
-    ``True``, k = 1 keeps the whole parameter (``False``). ``None`` stays: ``False``
-    while the unit is a root, else ``True`` (decided at each forward), as torch's."""
+    """``True``/``False``/``None``, or an int k dividing the shard group's size ([Note:
+    Reshard to a smaller world]); k equal to that size is ``True``, k = 1 ``False``."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
@@ -533,10 +506,8 @@ def shard_placement(
     fqn: str,
     mesh_info: MeshInfo,
 ) -> tuple[int, MeshInfo]:
-    """The dim ``shard_placement_fn`` picks for ``param`` (0 when it returns None) and
-    the mesh to shard it over: the unit's, unless it returns torch's
-    ``ShardPlacementResult(placement, mesh_info)`` (e.g. experts sharded over a smaller
-    mesh than the rest of their block)."""
+    """The dim ``shard_placement_fn`` picks for ``param`` (0 for None) and the mesh:
+    the unit's, or a ``ShardPlacementResult``'s."""
     if shard_placement_fn is None:
         return 0, mesh_info
     if not callable(shard_placement_fn):

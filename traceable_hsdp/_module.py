@@ -21,30 +21,20 @@ __all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
 
 # [Note: A subclass of torch's FSDPModule]
-# Our mixin subclasses ``torch.distributed.fsdp.FSDPModule``, so code written against
-# torch's FSDP2 recognises our units: ``isinstance(m, FSDPModule)`` in user loops,
-# torchtitan and accelerate, and torch's public helpers that check it, such as
-# ``torch.distributed.fsdp.register_fsdp_forward_method`` (a silent no-op on a module
-# that is not one, which left a method reading sharded parameters). Every public method
-# of torch's class is overridden here (tests/test_module_methods.py checks it), so none of
-# torch's runtime runs on our units. torch's helpers that go further reach the unit's
-# state through the private ``_get_fsdp_state()``; it returns a ``TorchStateView``
-# that offers the two entries torch's ``register_fsdp_forward_method`` calls
-# (``_pre_forward`` and ``_post_forward``, with torch's signatures) and raises an
-# ``AttributeError`` naming the attribute and the way out for any other (torch's
-# ``share_comm_ctx``, ``FSDPMemTracker``).
+# The mixin subclasses ``torch.distributed.fsdp.FSDPModule``, so code written against
+# torch's FSDP2 (``isinstance`` checks in torchtitan, accelerate, and torch's
+# ``register_fsdp_forward_method``, a silent no-op otherwise) recognises our units. Every
+# public method of torch's class is overridden (tests/test_module_methods.py checks it),
+# so none of torch's runtime runs on them. ``_get_fsdp_state()`` returns a
+# ``TorchStateView`` offering only the entries torch's helpers call (``_pre_forward``,
+# ``_post_forward``) and an ``AttributeError`` naming the way out for any other.
 #
-# torch.distributed.pipelining treats a stage whose module is an ``FSDPModule`` as
-# FSDP: it runs every micro-batch's backward with gradient sync and resharding off,
-# then, in its gradient-reduction step, fetches the state with torch's own
-# ``fully_shard.state(module)`` and calls ``post_backward()`` on each parameter group
-# and ``_root_post_backward_final_callback()`` on the root. So the view is also
-# registered where torch's ``fully_shard.state`` looks (``expose_to_torch``), and
-# offers those three entries: a group's ``post_backward`` is the group's own
-# ``end_of_backward`` (it reduces the gradients the micro-batches kept), the root's
-# callback is our root's end-of-backward (which then frees the units, the last
-# backward being flagged).
-# tests/test_pipelining.py checks a 2-stage x 2-way FSDP schedule against one process.
+# torch.distributed.pipelining fetches an FSDP stage's state with torch's
+# ``fully_shard.state(module)`` and calls each group's ``post_backward()`` and the
+# root's ``_root_post_backward_final_callback()`` after the micro-batches. So the view
+# is also registered there (``expose_to_torch``) and maps those to our
+# ``end_of_backward`` and root end-of-backward. tests/test_pipelining.py checks a
+# 2-stage x 2-way FSDP schedule against one process.
 
 
 class FSDPModule(_TorchFSDPModule):
@@ -105,12 +95,9 @@ class FSDPModule(_TorchFSDPModule):
             state.param_group.reshard()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # ``model.to(dtype)``, ``to_empty(device=...)``, ``.double()``: nn.Module's
-        # _apply converts the sharded DTensors; the unit then follows them. See
-        # [Note: Changes after fully_shard] in _param.py.
+        # ``model.to(...)``, ``to_empty(...)``: see [Note: Changes after fully_shard].
         self.reshard()
-        # The original class's _apply, past torch's FSDPModule (whose _apply would
-        # read torch's private state).
+        # Past torch's FSDPModule, whose _apply reads torch's private state.
         out = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
         # Devices are checked at the next forward: in a list unit, the other
         # modules may not be converted yet.
@@ -119,10 +106,8 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether the next backwards reduce gradients. With ``False``, unsharded
-        gradients accumulate on the placeholders across backwards (gradient
-        accumulation without communication); the first backward with ``True``
-        reduces the accumulated sum. For HSDP it covers the reduce-scatter and the
-        all-reduce together.
+        gradients accumulate across backwards; the next backward with ``True``
+        reduces the sum (reduce-scatter and, for HSDP, all-reduce).
 
         Args:
             requires_gradient_sync: reduce gradients (``True``) or accumulate them
@@ -146,9 +131,8 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether backward frees the unsharded parameters when the unit's gradients
-        are done. ``False`` keeps them gathered for the next micro-batch's forward;
-        set it back to ``True`` before the last micro-batch (the optimizer step
-        changes the sharded parameters, and a kept unsharded copy would be stale).
+        are done. ``False`` keeps them for the next micro-batch; set ``True`` again
+        before the last one (a kept copy goes stale at the optimizer step).
 
         Args:
             reshard_after_backward: the new setting.
@@ -159,11 +143,9 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step. On the
-        last backward the root finishes every unit (frees what backward left
-        gathered); with ``False`` it leaves them as they are, for micro-batching.
-        Eager only: a compiled backward finishes each unit when its last gradient is
-        reduced (see docs/compile.md)."""
+        """Whether the next backward is the last before the optimizer step, when the
+        root finishes every unit; ``False`` leaves them gathered for micro-batching.
+        Eager only (docs/compile.md)."""
         _check_bool("is_last_backward", is_last_backward)
         require_state(self).is_last_backward = is_last_backward
 
@@ -210,17 +192,13 @@ class FSDPModule(_TorchFSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Sum in the collectives and divide by the number of data-parallel ranks
-        locally, instead of averaging in the collectives (same result up to
-        rounding). An explicit gradient divide factor takes precedence. This unit
-        only, as torch's (no ``recurse``)."""
+        """Sum in the collectives and divide locally instead of averaging in them. A
+        gradient divide factor takes precedence. This unit only, as torch's."""
         _set_on_groups(self, False, "force_sum", "enable", enable)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: whether backward all-reduces gradients over the replicas. With
-        ``False`` the reduce-scatter still runs and the shard-reduced gradients
-        accumulate locally; the next backward with ``True`` all-reduces the sum.
-        Nothing changes on a 1-D mesh."""
+        """HSDP: whether backward all-reduces gradients over the replicas; with
+        ``False`` they accumulate until the next backward with ``True``."""
         _set_on_groups(self, recurse, "all_reduce_grads", "requires_all_reduce", requires_all_reduce)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -237,14 +215,10 @@ class FSDPModule(_TorchFSDPModule):
         *,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Calls ``hook`` on each of this unit's gradients once it is reduced (the
-        reduce-scatter output for FSDP, the all-reduce output for HSDP), before it is
-        divided by a gradient divide factor and accumulated into the sharded
-        parameter's ``.grad``; the hook may change it in place. Unlike torch, which
-        calls it once per unit on a flat buffer, it is called once per trainable
-        parameter, on that parameter's local shard in ``reduce_dtype``. Eager and
-        compiled (the hook is traced into the backward graph). Applies to this unit
-        only, as torch's. See [Note: The all-reduce hook] in ``_param_group.py``.
+        """Calls ``hook`` on each of this unit's gradients once it is reduced, before
+        division and accumulation; the hook may change it in place. Unlike torch's, it
+        runs once per trainable parameter on its local shard. This unit only. See
+        [Note: The all-reduce hook] in ``_param_group.py``.
 
         Args:
             hook: ``hook(reduced: torch.Tensor) -> None``; ``None`` removes it.
@@ -288,20 +262,13 @@ class FSDPModule(_TorchFSDPModule):
             param_group.all_reduce_hook_stream = stream if hook is not None else None
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Makes the root's next forward wait for ``event`` (recorded after the
-        optimizer step): the current stream waits on it (``event.wait()``) before
-        the root's pre-forward, once; then the event is dropped, so set a new one
-        each iteration. Our all-gathers run on the current stream and so follow the
-        optimizer step anyway; the wait is for an optimizer that ran on another
-        stream. Works with a compiled model too (the wait runs outside the graph).
-        Called on a nested unit, it sets the event of that unit's root. See
-        [Note: The post-optimizer event] in ``_post_optim.py``.
+        """Makes the root's next forward wait for ``event`` (recorded after an optimizer
+        step on another stream), once; set a new one each iteration. Eager and
+        compiled. See [Note: The post-optimizer event] in ``_post_optim.py``.
 
         Args:
-            event: a ``torch.Event`` (or ``torch.cuda.Event``), or ``None``: what
-                ``torch.cpu.current_stream().record_event()`` returns (the CPU has no
-                events; CPU work is ordered already), which clears an event set
-                before and waits for nothing.
+            event: a ``torch.Event`` (or ``torch.cuda.Event``), or ``None`` (what a CPU
+                stream's ``record_event()`` returns), which clears it.
 
         Raises:
             TypeError: ``event`` is neither an event nor ``None``.
@@ -318,15 +285,10 @@ class FSDPModule(_TorchFSDPModule):
             root.post_optim.set(event)
 
     def reset_iter_state(self) -> None:
-        """Recovers from an exception that stopped a forward or backward midway:
-        waits for and drops the all-gathers in flight, reshards every unit (the
-        modules hold their sharded parameters again), drops the gradients the
-        failed iteration left unreduced (unsharded gradients, those kept by
-        ``set_requires_gradient_sync(False)`` or ``set_reduce_scatter_unused_params``,
-        HSDP gradients not yet all-reduced) and sets every unit idle, so the next
-        iteration runs normally. Gradients already reduced into the sharded
-        parameters' ``.grad`` stay: call ``optimizer.zero_grad()`` to drop them. Every
-        rank must raise at the same point and call it (as for any collective).
+        """Recovers from an exception that stopped a forward or backward midway: drops
+        the all-gathers in flight and the unreduced gradients, reshards every unit and
+        sets it idle. Reduced ``.grad`` stays (``optimizer.zero_grad()`` drops it).
+        Every rank must call it at the same point.
 
         Raises:
             RuntimeError: called on a unit that is not the root (the outermost
@@ -336,11 +298,8 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Whether resharding keeps the unsharded parameters' storage (torch 2.15's
-        method). ``True`` keeps each placeholder's full-size storage allocated across
-        reshard and unshard, so its data pointer stays the same (what CUDA graph
-        capture needs), at the cost of holding the unsharded parameters; the next
-        unshard refills it. ``False`` (a unit's default) frees it at every reshard.
-        Eager and compiled alike (a compiled graph that sees the change recompiles).
+        method): ``True`` keeps data pointers stable (for CUDA graphs) at the cost of
+        the memory; ``False`` (default) frees it at every reshard.
 
         Args:
             keep: keep the storage (``True``) or free it (``False``).
@@ -354,11 +313,9 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Whether the caller ends each backward iteration with
-        :meth:`finalize_backward` (torch 2.15's method). When enabled, the end of a
-        backward neither reduces the gradients a unit kept nor reshards what backward
-        left gathered, whatever ``set_is_last_backward`` says; ``finalize_backward``
-        does both. torch.distributed.pipelining (2.15) uses it for its micro-batches.
-        See [Note: Manual backward finalization] in ``_state.py``.
+        :meth:`finalize_backward` (torch 2.15's method), which then reduces the kept
+        gradients and reshards instead of the end of backward. See [Note: Manual
+        backward finalization] in ``_state.py``.
 
         Raises:
             RuntimeError: called on a unit that is not the root, or, to change the
@@ -380,15 +337,12 @@ class FSDPModule(_TorchFSDPModule):
 
     def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
         """Ends the backward iteration under manual finalization (torch 2.15's
-        method): reduces the gradients the units kept and reshards them as
-        ``set_reshard_after_backward`` says. Call it on the root after every
-        backward of the iteration, with gradient sync on again. See [Note: Manual
-        backward finalization] in ``_state.py``.
+        method): reduces the kept gradients and reshards. Call it on the root, with
+        gradient sync on. See [Note: Manual backward finalization] in ``_state.py``.
 
         Args:
-            async_op: return a :class:`GradientReductionHandle` to ``wait()`` on
-                (default ``False`` returns ``None``). The reduction is complete when
-                it returns either way: our collectives run on the current stream.
+            async_op: return a :class:`GradientReductionHandle` (default ``False``
+                returns ``None``); the reduction is complete either way.
 
         Raises:
             RuntimeError: not the root; manual finalization is off; called inside a
@@ -405,13 +359,10 @@ class FSDPModule(_TorchFSDPModule):
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Whether parameters that got no gradient in a backward still join the
-        gradient reduction, with zeros, so ranks that took different branches
-        (mixture of experts, multi-modal models) issue the same collectives. A unit
-        with it on reduces all its trainable parameters together at the end of the
-        backward, in a fixed order; its unsharded gradients are kept until then.
-        Eager backward only: a compiled backward with it on is refused with a
-        ``RuntimeError``. See [Note: Unused parameters] in ``_param_group.py``.
+        """Whether parameters that got no gradient still join the reduction, with
+        zeros, so ranks that took different branches issue the same collectives.
+        Eager backward only (a compiled one raises ``RuntimeError``). See [Note:
+        Unused parameters] in ``_param_group.py``.
 
         Args:
             reduce_scatter_unused_params: the new setting (default of a unit:
@@ -424,15 +375,11 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     # [Note: torch's communication tuning methods]
-    # The methods below tune torch's eager runtime: its communication objects,
-    # staging buffers, streams and process groups. Here every collective is a
-    # functional c10d op on the current stream, traced into the compiled graphs, and
-    # its buffers are the graph's (Inductor plans them) or the eager op's: there is no
-    # Comm object, staging buffer, copy-in buffer or side stream for them to act on.
-    # They exist with torch's signatures and raise NotImplementedError naming what to
-    # use instead; those whose argument asks for what already happens (turning an
-    # option off) return quietly. set_reduce_scatter_max_input_buffers, whose stall
-    # does not arise here, is checked and recorded (its docstring says why).
+    # These tune torch's eager runtime (Comm objects, staging buffers, side streams).
+    # Here every collective is a functional c10d op on the current stream whose buffers
+    # Inductor or the eager op plan, so there is nothing to tune: each raises
+    # NotImplementedError naming what to use instead, or returns quietly when asked for
+    # what already happens.
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Not supported: raises ``NotImplementedError``. See [Note: torch's
@@ -460,9 +407,8 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
-        happens anyway) does nothing. See [Note: torch's communication tuning
-        methods]."""
+        """``True`` raises ``NotImplementedError``; ``False`` does nothing. See
+        [Note: torch's communication tuning methods]."""
         _check_bool("enable", enable)
         if enable:
             _not_supported(
@@ -476,14 +422,9 @@ class FSDPModule(_TorchFSDPModule):
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """torch's cap on reduce-scatter copy-in buffers in flight, a pure scheduling
-        knob (the numbers do not change). Checked and recorded as torch's; here it
-        changes nothing, because what it tunes does not arise: eagerly each unit's
-        reduce-scatter copies into a fresh buffer and is waited for before the next
-        unit's backward, so no copy-in ever waits for a buffer to be recycled (the
-        stall torch's cap removes) and one buffer is in flight at a time; traced,
-        Inductor plans the buffers and the overlap pass sets how many reduce-scatters
-        are in flight (docs/passes.md).
+        """torch's cap on reduce-scatter copy-in buffers in flight. Checked and
+        recorded; it changes nothing here: eagerly one fresh buffer is in flight at a
+        time, and traced, the overlap pass sets that (docs/passes.md).
 
         Args:
             max_input_buffers: a positive int.
@@ -506,9 +447,8 @@ class FSDPModule(_TorchFSDPModule):
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        """Not supported with ``True``: raises ``NotImplementedError``; ``False`` (what
-        happens anyway) does nothing. See [Note: torch's communication tuning
-        methods]."""
+        """``True`` raises ``NotImplementedError``; ``False`` does nothing. See
+        [Note: torch's communication tuning methods]."""
         _check_bool("enable", enable)
         if enable:
             _not_supported(
@@ -531,12 +471,9 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        """torch's private switch that issues the pre-forward and pre-backward
-        all-gathers with ``async_op=True`` so that their buffers are allocated on
-        the current stream. Ours always are (every collective runs on the current
-        stream), and prefetching stays as configured, so both values leave the
-        behaviour as it is; the argument is checked. See [Note: torch's
-        communication tuning methods]."""
+        """torch's private switch to allocate the all-gathers on the current stream,
+        where ours always are: the argument is checked and nothing changes. See
+        [Note: torch's communication tuning methods]."""
         _check_bool("async_op", async_op)
 
 
@@ -605,9 +542,8 @@ _GROUP_FLAGS = frozenset(get_args(_GroupFlag))
 
 
 def _set_on_groups(module: Any, recurse: bool, attr: _GroupFlag, name: str, value: object) -> None:
-    """The boolean setters' one body: checks that ``value`` (the argument ``name``)
-    is a bool, then sets ``attr`` of this unit's parameter group to it, and with
-    ``recurse`` of every unit's inside too."""
+    """The boolean setters' body: checks ``value`` is a bool and sets ``attr`` on this
+    unit's group (and, with ``recurse``, on every unit's inside)."""
     if attr not in _GROUP_FLAGS:
         raise AssertionError(f"_set_on_groups: {attr!r} is not a parameter-group flag")
     _check_bool(name, value)

@@ -2,40 +2,23 @@
 optimizer check.
 
 [Note: An optimizer must hold the model's sharded parameters]
-Between a forward and its backward, a unit that stays gathered (the root, under the
-default ``reshard_after_forward``) has its modules hold its gathered parameters, as
-torch's ``fully_shard`` does ([Note: The module holds the placeholder only in
-forward] in ``_param.py``; torch's own tests check that its modules hold plain
-tensors then). A forward whose backward never runs (a warm-up or validation forward
-without ``torch.no_grad()``) leaves the root in that state, so an optimizer built
-from ``model.parameters()`` after it lists the root's gathered parameters (the
-embedding, the final norm, the head) instead of their sharded ``DTensor``s. It then
-steps copies whose storage the next reshard frees, never the sharded parameters, and
-training goes on with the root's parameters frozen at their initial values and no
-error. torch 2.13's ``fully_shard`` does exactly that.
+Between a forward and its backward, a unit that stays gathered (the root, by default)
+has its modules hold its gathered parameters, as torch's ``fully_shard`` does ([Note:
+The module holds the placeholder only in forward] in ``_param.py``), also after a
+forward whose backward never runs. An optimizer built from ``model.parameters()`` then
+steps copies the next reshard frees: the root's parameters silently never train (so
+with torch's ``fully_shard`` too). Likewise an optimizer built before ``fully_shard``
+holds the replaced parameters, which get no gradients.
 
 :func:`install_optimizer_check` (``fully_shard`` calls it) registers
-:func:`check_optimizer_params` with torch's
-``torch.optim.optimizer.register_optimizer_step_pre_hook``, which runs before every
-optimizer's ``step()``. Each unit registers its placeholders
-(:func:`register_placeholder`), and the hook raises ``RuntimeError`` at the first step
-of an optimizer that holds one, naming the parameter and the fix. It costs a dict
-lookup per parameter per step. It checks nothing while
-dynamo traces (``torch.compile`` of ``optimizer.step``: the hook would be traced into
-the graph with a guard per parameter), so an optimizer whose step is only ever
-compiled is not checked. :func:`uninstall_optimizer_check` removes the hook; it is
-listed with the other process-wide changes in [Note: Global switches]
-(``passes/_install.py``).
-
-The same hook refuses an optimizer built *before* ``fully_shard``: ``fully_shard``
-replaces each parameter on its modules by a new one (the sharded ``DTensor``), so the
-optimizer holds the replaced parameters, which get no gradients: its steps change
-nothing and the model does not train, with no error (torch 2.13's ``fully_shard``
-too; the usual recipe builds the optimizer after ``fully_shard``). Each unit registers the
-parameters it replaced (:func:`register_replaced`), and the sharded parameters that
-an assignment or ``load_state_dict(assign=True)`` replaced after it; the registry
-holds weak references only, so a replaced parameter that nothing else holds goes at
-once.
+:func:`check_optimizer_params` with
+``torch.optim.optimizer.register_optimizer_step_pre_hook``. Units register their
+placeholders (:func:`register_placeholder`) and the parameters they replaced
+(:func:`register_replaced`, weakly), and the hook raises ``RuntimeError`` at the first
+step of an optimizer holding one, naming the parameter and the fix: a dict lookup per
+parameter per step. Nothing is checked while dynamo traces (a guard per parameter), so
+an optimizer whose step is only ever compiled is not checked.
+:func:`uninstall_optimizer_check` removes the hook ([Note: Global switches]).
 """
 
 from __future__ import annotations

@@ -3,290 +3,134 @@
 [Note: Sharded parameter and unsharded placeholder]
 Each managed parameter has two ``nn.Parameter``s:
 
-- ``sharded_param``: a ``DTensor`` sharded on dim 0 over the mesh's shard dim (and
-  replicated over the replicate dim for HSDP). This is what the optimizer steps,
-  what ``state_dict()`` returns and what the module holds between uses. Its local
-  tensor follows ``torch.chunk`` semantics (rank r holds rows
-  ``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / shard_size)``), so uneven first dims
-  work and ``DTensor.full_tensor()`` and DCP see the usual layout. Collectives pad
-  the local rows to ``c``.
+- ``sharded_param``: a ``DTensor`` sharded on dim 0 (``torch.chunk`` layout, replicated
+  over the replicate dim for HSDP): what the optimizer steps, ``state_dict()`` returns
+  and the module holds between uses. Collectives pad the local rows to ``chunk_rows``.
 - ``unsharded_param``: a plain ``nn.Parameter`` of the full shape whose storage is
-  resized to full before use and to 0 bytes after
-  (``untyped_storage().resize_``, traced as ``inductor.resize_storage_bytes_``) and
-  filled with ``torch.ops.fsdp.copy_``. Neither op is functionalized, so both stay in
-  the traced graphs, in program order, for our passes to rewrite. Autograd saves
-  this placeholder (not the gathered buffer) for backward, so resizing it to 0
-  really frees the memory; the backward re-gathers into the same storage.
+  resized to full before use and to 0 bytes after, and filled with
+  ``torch.ops.fsdp.copy_``. Neither op is functionalized, so both stay in the traced
+  graphs, in order, for the passes to rewrite. Autograd saves this placeholder, so
+  resizing it to 0 frees the memory; the backward re-gathers into the same storage.
 
 [Note: The module holds the placeholder only in forward]
-The modules hold the placeholder from a unit's pre-forward to its post-forward,
-between an explicit ``unshard()`` and ``reshard()``, and, eagerly, from the unit's
-pre-backward (its re-gather) until its backward is done and from the end of a forward
-with ``reshard_after_forward=False`` (as torch's: its parameters are the unsharded
-ones then) until its backward is done; at every other time they hold the sharded
-parameter, whether or not the placeholder's storage is full. The eager backward needs it for activation checkpointing: the recompute calls
-the modules' forward again, which must read the gathered parameters (torch's FSDP2
-registers its unsharded parameters there too). A compiled backward does not
-register them: autograd reads saved tensors, a checkpointed region compiled with the
-forward is recomputed inside the compiled graphs from those, and swapping
-``module._parameters`` inside a compiled-autograd graph trips a dynamo bug on torch
-2.13 (the swap is replayed after the graph by indexing the graph's ``inputs`` list,
-which compiled autograd has already emptied: ``IndexError: list index out of
-range``, seen with gradient sync off). Finishing a unit's backward registers the
-sharded parameters again even when it keeps the data gathered
-(``set_reshard_after_backward(False)``), so ``state_dict()``, ``parameters()`` and
-``clip_grad_norm_`` see the sharded parameters between steps. Compiled, a forward
-with ``reshard_after_forward=False`` registers the sharded parameters again at its
-end, so that backward swaps nothing.
+The modules hold the placeholder from a unit's pre-forward to its post-forward, between
+``unshard()`` and ``reshard()``, and, eagerly, from the unit's pre-backward (or the end
+of a forward with ``reshard_after_forward=False``) until its backward is done, for
+activation checkpointing's recompute (as torch's FSDP2). Otherwise they hold the
+sharded parameter, also when the data stays gathered, so ``state_dict()`` and
+``clip_grad_norm_`` see it between steps. A compiled backward registers nothing:
+swapping ``module._parameters`` inside a compiled-autograd graph fails in dynamo.
 
 [Note: Changes after fully_shard]
 What a user does to a parameter after ``fully_shard`` is honoured, as in torch's FSDP2,
-or refused at the next forward; never silently dropped. The unit reads the sharded
-parameter again (``FSDPParam.reset_sharded_param``):
-
-- in ``nn.Module._apply`` (``FSDPModule._apply``): ``model.to(dtype)``, ``.double()``,
-  ``to_empty(device=...)`` after building on the meta device. ``_apply`` swaps the
-  DTensor's data in place; the unit follows the new dtype (a new 0-byte placeholder
-  in the new compute dtype) and device;
-- at each unit's pre-forward, when a cheap check (``user_change``: identity,
-  ``requires_grad``, dtype and device of the sharded parameter, attribute reads that
-  trace to no ops) finds a change: ``p.requires_grad_(False)`` on a sharded
-  parameter freezes it (the placeholder follows, so no gradient is computed or
-  reduced and the optimizer skips it), a DTensor assigned to the module is adopted,
-  a plain tensor assigned is refused (``TypeError``), and a shard left on the meta
-  device or moved off the mesh's device is refused (``ValueError``).
-
-Dynamo cannot trace ``requires_grad_`` (a graph break), so a change is applied by a
-dynamo-disabled function: eagerly at once; while tracing, that is a graph break in
-the step that sees the change (dynamo's guards on the parameters then recompile the
-next step, which sees none). Freezing, the common case, needs no break: while
-tracing, a parameter frozen after ``fully_shard`` keeps a placeholder that requires
-grad, and its post-accumulate-grad hook drops the gradient instead of reducing it
-(the right numbers; the gradient is computed and thrown away until an eager forward
-applies the change). So ``torch.compile(model, fullgraph=True)`` trains on through a
-freeze; unfreezing, a cast or an assigned DTensor under ``fullgraph=True`` raise
-dynamo's graph-break error, whose reason names the change (compile without
-``fullgraph``, or run one step eagerly).
-
-The same path serves ``load_state_dict(assign=True)``.
+or refused at the next forward; never silently dropped. ``reset_sharded_param`` re-reads
+it in ``FSDPModule._apply`` (``model.to``, ``to_empty``), ``load_state_dict(assign=True)``
+and at each pre-forward where ``user_change`` finds a change: a freeze is followed, an
+assigned DTensor adopted, a plain tensor (``TypeError``) or a shard off the mesh's
+device (``ValueError``) refused. Applying a change is dynamo-disabled (a graph break;
+under ``fullgraph=True``, dynamo's error naming the change), but a traced freeze needs
+none: the placeholder keeps requiring grad and its hook drops the gradient.
 
 [Note: Changes while the modules hold the gathered parameter]
-Between a unit's forward and its backward, when it stays gathered (the root, under
-the default ``reshard_after_forward``), the modules hold the gathered parameter
-([Note: The module holds the placeholder only in forward]), and so does whatever the
-user reads from them then: a forward whose backward never ran (a validation pass
-without ``torch.no_grad()``, a warm-up forward) leaves the root in that state until
-the next backward. A change made to the gathered parameter there would be lost when
-the unit registers the sharded one again (torch 2.13's ``fully_shard`` loses it).
-So, at the next pre-forward (``user_change``) and where
-the modules get the sharded parameter back (``register_sharded``):
-
-- a replaced parameter (``module.weight = ...``) raises ``RuntimeError`` naming it and
-  the fix (assign after the backward, after ``reshard()``, or run the forward under
-  ``torch.no_grad()``, which reshards the root);
-- ``requires_grad_`` on the gathered parameter (a change from what it was when the
-  modules got it) is made on the sharded one too, and then followed as any freeze or
-  unfreeze. (Compared with the value at registration, not with the sharded
-  parameter's: a compiled step leaves a frozen parameter's placeholder requiring
-  grad, see above, and that must not unfreeze it. A TP view is not a leaf, so it
-  cannot be frozen.)
-
-With FSDP x TP the modules hold a TP view of the placeholder, made at each gather;
-one made while dynamo traces is not kept (kept on the FSDPParam, it became an extra
-forward output that no gradient reaches, and AOTAutograd's backward failed), so a
-replacement inside a compiled TP step is not checked.
-
-An optimizer built from ``model.parameters()`` in that window lists the gathered
-parameters; ``traceable_hsdp/_optim_check.py`` refuses it at its first step.
+A unit that stays gathered after forward (the root, by default) has its modules hold
+the gathered parameter ([Note: The module holds the placeholder only in forward]); a
+change made there would be lost at the next reshard. So ``user_change`` and
+``register_sharded`` refuse a replacement (``RuntimeError`` naming the fix) and carry a
+``requires_grad_`` over to the sharded parameter (compared with its value at
+registration). A TP view made while tracing is not kept (it would become a forward
+output), so it is not checked.
 
 [Note: Replicated parameters]
-``hsdp(threshold=..., replicate_params=...)`` keeps some parameters whole on every
-rank (small ones, where a collective per parameter costs more than the memory it
-saves). Such a parameter is a ``DTensor`` with ``Replicate()`` on every mesh dim;
-its "gather" is its local tensor (no collective), and its gradient is all-reduced
-(DDP-style) over the shard group and then the replicate group, averaging over every
-data-parallel rank like the sharded ones. It still goes through the placeholder
-(grow, ``fsdp.copy_``, free), so the lifecycle and the graphs keep one shape.
+``hsdp(threshold=..., replicate_params=...)`` keeps small parameters whole on every
+rank as ``DTensor``s replicated on every mesh dim: no gather, and the gradient is
+all-reduced over both groups. They still go through the placeholder, so lifecycle and
+graphs keep one shape.
 
 [Note: Reshard to a smaller world]
-``reshard_after_forward=k`` (an int dividing the shard group's size S) frees the
-placeholder after forward but keeps, on each rank, one block of the gathered rows:
-the shard group's ranks are split into S/k groups of k consecutive ranks, and the
-rank at index j of its group keeps block j of k of the padded gathered tensor (S/k
-original shards). The backward re-gathers over that group of k ranks, whose blocks
-in order are exactly the padded gathered tensor: less memory than keeping it whole
-(``False``), and a gather over k ranks (intra-node, on a GPU cluster) instead of S.
-``k == S`` is ``True``; ``k == 1`` keeps the whole parameter, which is ``False``.
+``reshard_after_forward=k`` (k divides the shard group's size S) frees the placeholder
+after forward but keeps on each rank block j of k of the padded gathered rows, j being
+its index in a group of k consecutive ranks. The backward re-gathers over those k ranks
+(intra-node on a cluster): less memory than ``False``, a smaller gather than ``True``.
+``k == S`` is ``True``; ``k == 1`` is ``False``.
 
 [Note: Shard dim and offload]
-``shard_placement_fn`` may shard a parameter on a dim ``d`` other than 0
-(``Shard(d)``). The sharded DTensor then holds ``torch.chunk(full, ws, d)[rank]``,
-the standard layout, so ``full_tensor()`` and DCP see nothing special. The
-collectives always work on dim 0: the all-gather input is the local shard with
-``d`` moved first (``movedim``, then made contiguous and padded to ``chunk_rows``),
-and the gathered rows are moved back (``movedim(0, d)``, a view) before
-``fsdp.copy_`` fills the placeholder; the gradient goes the same way through the
-reduce-scatter. The numbers are those of a dim-0 shard of the transposed tensor.
+``shard_placement_fn`` may return ``Shard(d)`` with ``d != 0``; the sharded DTensor
+holds ``torch.chunk(full, ws, d)[rank]``, the standard layout. The collectives work on
+dim 0: the all-gather input is the shard with ``d`` moved first, and the gathered rows
+are moved back (a view) before ``fsdp.copy_``; the gradient goes the same way.
 
-``CPUOffloadPolicy`` keeps the sharded parameter (what the optimizer steps) and its
-gradient on the CPU: the all-gather input is copied to the mesh's device first, and
-the reduced gradient shard is copied back. The placeholder lives on the device.
-With ``pin_memory=True`` the CPU shard is pinned when an accelerator is present
-(pinning needs one; on a CPU-only machine it is skipped).
+``CPUOffloadPolicy`` keeps the sharded parameter and its gradient on the CPU: the
+all-gather input is copied to the device first and the reduced gradient back. The
+placeholder lives on the device. ``pin_memory=True`` pins only when an accelerator is
+present.
 
 [Note: Hooks on the sharded parameter]
-A hook registered with ``register_post_accumulate_grad_hook`` on a parameter of a
-sharded module is registered on the sharded ``DTensor``, which autograd never reaches
-(the placeholder takes the gradient). As torch's FSDP2 does (``foreach_reduce``), the
-runtime calls those hooks itself, once the parameter's gradient is fully reduced into
-``sharded_param.grad``: after the reduce-scatter (and the all-reduce over the replicas
-for HSDP), per parameter, in eager and in traced backwards alike. They do not run when
-the reduction is held back (``set_requires_gradient_sync(False)``, or HSDP's
-``set_requires_all_reduce(False)``), as in torch. This is how an optimizer step in
-backward (one optimizer per parameter, stepped in the hook, as torchtitan does) works
-on sharded parameters; without it the step was silently never taken.
-
-Traced (compiled autograd), dynamo answers ``sharded_param._post_accumulate_grad_hooks``
-from the parameter's fake tensor, which has no hooks: it reads None, and the hooks
-would silently not run (torch 2.13). So when a sharded parameter is made or adopted,
-the runtime gives it an empty ``OrderedDict`` there if it has none
-(``register_post_accumulate_grad_hook`` then adds to that same dict) and keeps a
-reference to it; the traced path reads that reference, and dynamo guards on its
-contents, so registering or removing a hook recompiles.
+Post-accumulate-grad hooks on a sharded ``DTensor`` are never reached by autograd, so,
+as torch's ``foreach_reduce`` does, the runtime calls them once the gradient is fully
+reduced (not while reduction is held back): an optimizer step in backward works.
+Traced, dynamo sees the fake tensor's hooks (none), so each sharded parameter gets an
+empty ``OrderedDict`` up front, which the traced path reads and dynamo guards on.
 
 [Note: Offload copies and the CPU]
-A device-to-host copy with ``non_blocking=True`` returns a CPU tensor before the copy
-ran (torch allocates it pinned); reading it on the CPU before the device's stream
-reaches the copy reads stale memory, with no error. So, as torch's FSDP2 does in its
-reduce-scatter epilogue, the reduced gradient is copied back to the CPU
-(``_grad_to_cpu``):
-
-- asynchronously only when nothing on the CPU reads it during the backward: eager,
-  ``pin_memory=True``, no gradient to add it to, and no post-accumulate-grad hook on
-  the sharded parameter (optimizer-in-backward reads ``.grad`` there). Then an event
-  is recorded on the current stream after the copy, and the root's end-of-backward
-  callback waits for it on the CPU (``wait_grad_offload``), before ``backward()``
-  returns and so before the optimizer step; the CPU never reads the gradient
-  earlier. A later read that comes first (a pending event when the gradient is
-  reduced again) waits for it too;
-- blocking otherwise: when accumulating (the CPU add reads the copy at once), with
-  a hook, without pinned memory, and while tracing (a compiled backward has no
-  end-of-backward callback to wait in).
-
-The copy in (``all_gather_input``, host to device, ``non_blocking=True`` as torch's)
-needs no event: its reader is the next op on the same stream, which the stream
-orders after it. Its source, the CPU shard, is written only by the optimizer or the
-user after ``backward()``, and by then the CPU has waited for the stream to pass the
-forward's copies (the blocking gradient copy, or the event above, both come after
-them on the stream). A forward with no backward (evaluation) is followed by no such
-wait: writing the CPU shards right after it, before the device finished the
-forward, needs ``torch.accelerator.synchronize()`` first, as with torch's FSDP2.
+A non-blocking device-to-host copy returns before it runs; a CPU read before then reads
+stale memory silently. So ``_grad_to_cpu`` copies asynchronously only when nothing on
+the CPU reads the gradient during backward (eager, pinned, nothing to add to, no hook),
+recording an event that ``wait_grad_offload`` waits for at the root's end of backward;
+otherwise it blocks. The host-to-device copy needs no event (same-stream reader). After
+a forward without backward, call ``torch.accelerator.synchronize()`` before writing the
+CPU shards, as with torch's FSDP2.
 
 [Note: FSDP x TP]
-A parameter that is already a ``DTensor`` (from ``parallelize_module`` over a tensor-
-parallel mesh ``tp``, or expert parallelism) is sharded over the data-parallel mesh
-``dp`` as torch's FSDP2 shards it, so state dicts, DCP and ``clip_grad_norm_`` see
-torch's layout:
+A parameter that is already a ``DTensor`` (``parallelize_module`` over a ``tp`` mesh)
+is sharded over the ``dp`` mesh as torch's FSDP2 shards it, so state dicts, DCP and
+``clip_grad_norm_`` see torch's layout:
 
-- what FSDP gathers and reduces is the TP-local tensor (``orig_size`` is its shape;
-  ``global_size`` the DTensor's). The collectives run over the dp group only, on
-  TP-local tensors, exactly as for a plain parameter of that shape;
-- the sharded parameter is a DTensor on the concatenation of the two meshes,
-  ``(dp, tp)`` (both must be slices of one ``init_device_mesh`` with dim names),
-  with placements ``(Shard(d), *tp_placements)``, or ``_StridedShard(d,
-  split_factor=k)`` when TP already shards dim ``d`` over ``k`` ranks (FSDP then
-  shards each TP shard, not the whole tensor; ``full_tensor()`` knows the order),
-  after a ``Replicate()`` for an HSDP dp mesh (below);
-- the unsharded placeholder stays a plain tensor (its storage resized and filled by
-  ``fsdp.copy_`` as for any parameter, so the passes and the gradient hooks see no
-  difference). What the modules hold in forward is a DTensor on the TP mesh with the
-  TP placements made from it by ``DTensor.from_local`` (a view; differentiable), so
-  the TP module computes as it would on its own. Its backward redistributes the
-  gradient to the TP placements (a ``Partial`` becomes ``Replicate``) and hands the
-  placeholder a plain TP-local gradient, which is reduce-scattered over dp. torch's
-  FSDP2 instead registers an ``nn.Parameter`` DTensor wrapping the gathered tensor and
-  redistributes its gradient the same way; the numbers are the same. The difference
-  a user can see: during forward ``module.weight`` is a non-leaf DTensor, not an
-  ``nn.Parameter``.
+- FSDP gathers and reduces the TP-local tensor (``orig_size``; ``global_size`` is the
+  DTensor's), over the dp group only;
+- the sharded parameter lives on the concatenated ``(dp, tp)`` mesh (slices of one named
+  ``init_device_mesh``) with placements ``(Shard(d), *tp_placements)``, or
+  ``_StridedShard(d, split_factor=k)`` when TP already shards dim ``d``, after a
+  ``Replicate()`` for an HSDP dp mesh;
+- the placeholder stays a plain tensor; the modules hold a ``DTensor.from_local`` view
+  of it on the TP mesh, whose backward hands the placeholder a TP-local gradient. Unlike
+  torch, ``module.weight`` is a non-leaf DTensor during forward; the numbers are the
+  same (tests/test_tp.py: bitwise equal to torch's fully_shard on a (2, 2, 2) mesh).
 
-With a 2-D ``(replicate, shard)`` dp mesh (HSDP x TP, 3-D in all) nothing changes
-but the leading ``Replicate()`` and the all-reduce over the replicate group after the
-reduce-scatter, as for a plain parameter; the layout is torch's for the same mesh
-(tests/test_tp.py: bitwise equal to torch's fully_shard on a (2, 2, 2) mesh).
-
-Not supported, refused at ``fully_shard``: an int ``reshard_after_forward`` (other
-than the shard-group size or 1) with a DTensor parameter (torch refuses it too), TP
-placements ``Partial`` or ``_StridedShard``, a DTensor on more than two mesh dims,
-and a TP parameter that ``hsdp()`` would keep whole (replicated over dp).
+Refused at ``fully_shard``: an int ``reshard_after_forward`` with a DTensor parameter
+(torch refuses it too), ``Partial`` or ``_StridedShard`` TP placements, more than two
+mesh dims, and a TP parameter that ``hsdp()`` would replicate.
 
 [Note: The forward reads the local shard, not the DTensor]
-The all-gather input is read from the sharded parameter's ``_local_tensor`` (a plain
-tensor that does not require grad and shares the DTensor's storage, so optimizer
-steps and in-place loads are seen), not through ``to_local()``. Through the DTensor,
-the sharded parameter, a leaf that requires grad, becomes an input of the compiled
-forward: AOTAutograd's autograd node gets an edge to its AccumulateGrad, and compiled
-autograd lifts the DTensor as an input of the backward graph. Lifting fakeifies it
-(``DTensor.__tensor_unflatten__``, from ``begin_capture`` -> ``wrap_fake`` in
-``torch/_dynamo/compiled_autograd.py``) in Python while the whole step's
-``torch.compile`` is active, so dynamo compiles that frame on its own and
-graph-breaks on ``DTensor(local, spec, requires_grad)`` ("Failed to convert
-args/kwargs to proxy", twice per step compiled whole). Through ``_local_tensor`` the
-forward graph has no DTensor input and no gradient edge to the sharded parameter
-(none is needed: the post-accumulate-grad hook sets its gradient). torch's FSDP2
-gathers from the local tensor too.
+The all-gather input is read from ``sharded_param._local_tensor``, not ``to_local()``,
+as torch's FSDP2 does: through the DTensor, the leaf would get a gradient edge into the
+compiled forward, and compiled autograd would graph-break fakeifying it. The hook sets
+the gradient, so no edge is needed.
 
 [Note: A lean traced path]
-Dynamo traces the runtime's Python once per parameter, in the forward and again in
-the compiled-autograd backward, and every op it meets costs a fake-tensor dispatch
-and a node. So the traced path reads what is constant for the parameter from plain
+Dynamo traces the runtime once per parameter in forward and again in backward, and each
+op costs a fake-tensor dispatch. So the traced path reads per-parameter constants from
 attributes set at init (``_shard_size``, ``_shard_group_name``, ``_replicate_*``,
-``_sharded_stride``) instead of recomputing them (but see [Note: Ints read while
-tracing]):
-``MeshInfo.shard_group_name`` goes through ``DeviceMesh.get_group`` (traced each
-time), and ``sp.stride()`` on the sharded DTensor for ``DTensor.from_local`` was
-the costliest single call of the backward (dynamo dispatches it through DTensor).
-Casts and narrows that do nothing are skipped by a test on the tensor's dtype or
-size, which is static while tracing (no node, no guard beyond the tensor's own);
-eagerly ``.to`` of the same dtype and a full ``narrow`` return the input, so the
-numbers are the same. ``_sharded_stride`` follows the sharded parameter
-(``reset_sharded_param``); the group names cannot change (the mesh is fixed at
-``fully_shard``). The graphs keep the same collectives, ``fsdp.copy_`` and resizes in
-the same order, with fewer nodes to trace.
+``_sharded_stride``; see also [Note: Ints read while tracing]) instead of going through
+``DeviceMesh.get_group`` or DTensor's ``stride()``, and skips no-op casts and narrows by
+a test on static dtype or size. ``_sharded_stride`` follows ``reset_sharded_param``; the
+group names cannot change.
 
 [Note: Ints read while tracing]
-A plain int attribute that dynamo reads in our runtime is a constant of the graph
-only as long as its frame compiles once. With ``torch.compile(model, fullgraph=True)``
-it does: the whole model is one frame. A graph break inside a unit's forward (torch's
-default is ``fullgraph=False``, and a ``print`` or an ``.item()`` in a user's forward
-breaks) makes dynamo compile the frames on the stack on their own, among them
-``FSDPState.forward``, whose code every unit shares. Its second compile (the block,
-after the root) finds ints of the same source with new values, and dynamo's
-automatic dynamic shapes make them symbolic (the source is a local plain object, so
-none of its rules to specialize ints applies). Inductor lowers symbolic sizes in
-views, narrows and collectives, but not a storage resize: ``resize_storage_bytes_``
-asserts an int ("TODO: dynamic shapes"; torch 2.13), so the grow in
-``fill_unsharded`` cannot take an int stored at init. It takes the placeholder's own
-size (``unsharded_nbytes``): the placeholder is an
-``nn.Parameter``, whose shapes dynamo keeps static
-(``force_parameter_static_shapes``), so the product is an int in every compile;
-eagerly it is the same number. (The free is a resize to 0.)
-``tests/test_reliability.py`` trains a unit that breaks the graph, under Inductor.
+A plain int attribute read while tracing is a graph constant only while its frame
+compiles once. A graph break in a unit's forward makes dynamo compile
+``FSDPState.forward`` per unit; the second compile sees new values and automatic dynamic
+shapes make them symbolic. Inductor cannot lower a storage resize to a symbolic size, so
+the grow in ``fill_unsharded`` uses the placeholder's own size (``unsharded_nbytes``),
+which stays static (``force_parameter_static_shapes``). Tested by
+``tests/test_reliability.py`` (a unit that breaks the graph, under Inductor).
 
 [Note: Version counters in a traced step]
-Eagerly, the placeholder's grow and fill (``fill_unsharded``) and its free
-(``reshard``) run inside ``torch.autograd._unsafe_preserve_version_counter``:
-autograd saved the placeholder for backward (a linear saves its weight), and the
-re-gather before that backward must not look like an in-place change of a saved
-tensor. While dynamo traces, they run without it (``_hide_version_change``). Dynamo
-records the context as ``prims._tensor_version`` (an unbacked SymInt each) and
-``prims._unsafe_set_version_counter``, two nodes per fill and per free. AOTAutograd
-runs them on its fake tensors as it traces and leaves them out of the graphs it hands
-the backend (torch's ``torch._dynamo.tensor_version_op``: a version means nothing on a
-functional tensor), so no compiled step ever ran them; they cost only tracing. Every
-compiled test trains as before without them (the aot_eager runs bitwise equal to
-eager), and the conformance test counts none in the graphs dynamo captures. Leaving
-them out saves dynamo's tracing of two nodes per fill and free
-(``benchmarks/compile_ab.py --lever version_counters``).
+Eagerly, the placeholder's fill and free run under
+``torch.autograd._unsafe_preserve_version_counter``, so the re-gather before backward
+does not look like an in-place change of a saved tensor. While tracing they run without
+it (``_hide_version_change``): AOTAutograd drops those version ops from the graphs it
+hands the backend, so they would only cost tracing. The conformance test counts none in
+the captured graphs.
 """
 
 from __future__ import annotations
@@ -318,11 +162,9 @@ class UserChange(Enum):
     NONE = auto()
     """Nothing changed since the unit last read the sharded parameter."""
     FROZEN = auto()
-    """Only ``requires_grad`` went to ``False``: the one change a compiled step follows
-    without applying it (the placeholder still requires grad; its gradient is dropped
-    instead of reduced)."""
+    """Only ``requires_grad`` went to ``False``, which a compiled step follows unapplied."""
     OTHER = auto()
-    """Replaced on a module, unfrozen, cast, or moved (left on meta): re-read it."""
+    """Replaced, unfrozen, cast, or moved: re-read it."""
 
 
 @dataclass(frozen=True)
@@ -342,9 +184,7 @@ def _hide_version_change(p: torch.Tensor) -> contextlib.AbstractContextManager[N
 
 
 def _set_param(info: ParamModuleInfo, param: nn.Parameter) -> None:
-    # Plain dict assignment: traces under dynamo as a side effect on the module, and
-    # skips nn.Module.__setattr__'s checks, which would reject swapping a parameter
-    # for a different tensor type.
+    # Skips nn.Module.__setattr__, which rejects swapping in another tensor type.
     info.module._parameters[info.param_name] = param
 
 
@@ -356,10 +196,9 @@ class FSDPParam:
         fqn: its fully qualified name, for messages.
         module_infos: every (module, name) the parameter is registered under.
         mesh_info: the unit's mesh.
-        mp_policy: the unit's mixed precision: the placeholder (and so the forward and
-            backward compute and the all-gather) is in ``param_dtype``, gradients are
-            reduced in ``reduce_dtype``, and the sharded gradient is in the original
-            dtype, as the optimizer expects.
+        mp_policy: the unit's mixed precision: the placeholder and all-gather in
+            ``param_dtype``, reduction in ``reduce_dtype``, sharded gradient in the
+            original dtype.
     """
 
     def __init__(
@@ -393,8 +232,7 @@ class FSDPParam:
                 "tensor with numel equal to 1, or keep it out with ignored_params={...}."
             )
         if not data.is_contiguous():
-            # torch's fully_shard refuses these too: the shards, the gathered
-            # parameter and the flat collectives assume the contiguous layout.
+            # As torch's fully_shard: shards and collectives assume contiguity.
             raise NotImplementedError(
                 f"FSDP does not support non-contiguous parameters yet (torch's "
                 f"fully_shard neither): {fqn!r} has "
@@ -423,8 +261,7 @@ class FSDPParam:
         start = min(rank * self.chunk_rows, n)
         with torch.no_grad():
             local = data.detach().narrow(shard_dim, start, self.local_rows).clone()
-            # A meta parameter stays on meta until module.to_empty(); see [Note:
-            # Changes after fully_shard].
+            # A meta parameter stays on meta until module.to_empty().
             if offload is not None and not local.is_meta:
                 local = local.cpu()
                 if offload.pin_memory and torch.accelerator.is_available():
@@ -450,18 +287,13 @@ class FSDPParam:
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         self._track_grad_hooks()
-        # An optimizer built before fully_shard holds ``param``: see [Note: An optimizer
-        # must hold the model's sharded parameters] (_optim_check.py).
+        # See [Note: An optimizer must hold the model's sharded parameters].
         register_replaced(param, fqn)
-        # The sharded gradient's global stride (see [Note: A lean traced path]).
-        self._sharded_stride = self.sharded_param.stride()
-        # The placeholder starts with 0 bytes of storage. See
-        # [Note: Sharded parameter and unsharded placeholder].
+        self._sharded_stride = self.sharded_param.stride()  # See [Note: A lean traced path].
+        # 0 bytes of storage: [Note: Sharded parameter and unsharded placeholder].
         self.unsharded_param = nn.Parameter(
             self._empty_placeholder(), requires_grad=param.requires_grad
         )
-        # No optimizer may hold it: see [Note: An optimizer must hold the model's sharded
-        # parameters] (_optim_check.py).
         register_placeholder(self.unsharded_param, self.fqn)
         self.sharded_state = ShardedState.SHARDED
         self.module_holds_unsharded = False
@@ -469,21 +301,17 @@ class FSDPParam:
         # None for a TP view made while tracing), and its requires_grad then.
         self._held: torch.Tensor | None = self.unsharded_param
         self._held_requires_grad = self.unsharded_param.requires_grad
-        # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage (the
-        # parameter stays whole in memory across steps; the next unshard refills it).
+        # hsdp(optimizer_level="level1"): reshard keeps the placeholder's storage.
         self.keep_storage = keep_storage
         # After an int reshard_after_forward: this rank's block of the padded gathered
         # rows (ND, dim 0 = shard dim), or None. See [Note: Reshard to a smaller world].
         self.post_forward_shard: torch.Tensor | None = None
         self.post_forward = post_forward
-        # HSDP: the sharded grad holds shard-reduced gradients not yet all-reduced
-        # over the replicas (set_requires_all_reduce(False)).
+        # HSDP: the sharded grad awaits the all-reduce over the replicas.
         self.replicas_pending = False
-        # An asynchronous copy of the reduced gradient to the CPU not yet waited for.
-        # See [Note: Offload copies and the CPU].
+        # Pending copy of the gradient to the CPU: [Note: Offload copies and the CPU].
         self.grad_offload_event: torch.Event | None = None
-        # Unsharded gradient summed over backwards without gradient sync, in
-        # reduce_dtype (ND, full shape), or None.
+        # Gradient summed over backwards without sync, in reduce_dtype (ND), or None.
         self.accumulated_grad: torch.Tensor | None = None
         for info in module_infos:
             _set_param(info, self.sharded_param)
@@ -501,10 +329,7 @@ class FSDPParam:
 
     def _empty_placeholder(self) -> torch.Tensor:
         """A tensor of the full shape in ``dtype`` on the compute device, with 0 bytes of
-        storage. Its full-size storage is allocated, never written, and released at
-        once (torch has no way to make a tensor of that size without a storage to
-        match); a CPU allocator leaves the pages untouched, and a caching GPU
-        allocator gets the block back for the next one."""
+        storage (allocated full, never written, released at once)."""
         t = torch.empty(self.orig_size, dtype=self.dtype, device=self.device)
         t.untyped_storage().resize_(0)
         return t
@@ -536,9 +361,8 @@ class FSDPParam:
         return torch.cat([local, zeros], dim=0)
 
     def all_gather_start(self) -> torch.Tensor:
-        """Issues this parameter's all-gather; the result (``shard_size * chunk_rows``
-        rows) is ready after :meth:`wait_gathered`. A replicated parameter needs no
-        collective: its local tensor is the result."""
+        """Issues this parameter's all-gather (none for a replicated parameter); the
+        result is ready after :meth:`wait_gathered`."""
         if self.replicate:
             return self.all_gather_input()
         if self.post_forward_shard is not None:
@@ -568,9 +392,8 @@ class FSDPParam:
         return (mi.shard_group_name, mi.shard_size) if mi.shard_size > 1 else None
 
     def flat_gather_source(self) -> tuple[torch.Tensor, int]:
-        """What this rank puts into the all-gather, with the shard dim first, not yet
-        padded or cast to ``dtype`` (ND), and the rows every rank's part has once
-        padded. The flat buffer's copy pads and casts as :meth:`all_gather_input`."""
+        """This rank's all-gather input, shard dim first, not yet padded or cast (ND),
+        and the padded rows of every rank's part."""
         if self.post_forward_shard is not None:
             return self.post_forward_shard, self.post_forward_shard.size(0)
         # See [Note: The forward reads the local shard, not the DTensor].
@@ -582,10 +405,8 @@ class FSDPParam:
         return local, self.chunk_rows
 
     def flat_gather_target(self, world_size: int, numel: int) -> torch.Tensor:
-        """Where the flat all-gather's ``(world_size, numel)`` part for this parameter
-        is copied: the placeholder itself (grown to full) when its rows are exactly
-        the gathered rows (dim-0 shard, no padding), else a new buffer that
-        :meth:`flat_gather_done` copies from."""
+        """Where the flat all-gather's ``(world_size, numel)`` part is copied: the
+        grown placeholder when :meth:`_gathers_in_place`, else a new buffer."""
         if self.sharded_state is ShardedState.UNSHARDED:
             raise AssertionError(
                 f"{self.fqn}: flat_gather_target needs a sharded state, found {self.sharded_state}"
@@ -598,8 +419,7 @@ class FSDPParam:
         return torch.empty((world_size, numel), dtype=self.dtype, device=self.device)
 
     def flat_gather_done(self, target: torch.Tensor) -> None:
-        """Finishes the unshard from the ``target`` of :meth:`flat_gather_target`,
-        filled."""
+        """Finishes the unshard from the filled :meth:`flat_gather_target`."""
         if self._gathers_in_place():
             self.post_forward_shard = None
             self.sharded_state = ShardedState.UNSHARDED
@@ -645,9 +465,7 @@ class FSDPParam:
             held = self.unsharded_param if self.tp_spec is None else self._tp_view()
             for info in self.module_infos:
                 _set_param(info, held)
-            # A TP view made while dynamo traces is not kept: stored on this object it
-            # would become an extra output of the forward graph (one the backward never
-            # gets a gradient for). Its changes are then not checked.
+            # See [Note: Changes while the modules hold the gathered parameter].
             keep = self.tp_spec is None or not compiling()
             self._held = held if keep else None
             self._held_requires_grad = held.requires_grad
@@ -658,9 +476,7 @@ class FSDPParam:
         the TP modules compute with. See [Note: FSDP x TP]."""
         spec = self.tp_spec
         assert spec is not None
-        # Recorded with grad on also inside an eager backward (the modules are
-        # re-registered for activation checkpointing's recompute), so that the
-        # recompute sees the same graph as the forward.
+        # Grad on inside an eager backward too, so a checkpoint recompute matches.
         with torch.enable_grad():
             return DTensor.from_local(
                 self.unsharded_param,
@@ -733,14 +549,10 @@ class FSDPParam:
         result, in the original dtype, into ``sharded_param.grad``.
 
         ``divide_factor=None`` averages over all data-parallel ranks; a number sums
-        and divides by it instead. ``all_reduce_replicas=False`` (HSDP,
-        ``set_requires_all_reduce(False)``) skips the all-reduce: the shard-reduced
-        gradient accumulates locally, and the next backward that all-reduces
-        all-reduces the accumulated sum with it. ``reduced_hook`` is called with the
-        fully reduced local gradient (this rank's shard in ``reduce_dtype``, before
-        the division by ``divide_factor``) and may change it in place; it is not
-        called when the all-reduce is skipped. See [Note: The all-reduce hook] in
-        ``_param_group.py``.
+        and divides by it. ``all_reduce_replicas=False`` skips the all-reduce and keeps
+        the shard-reduced sum for the next one. ``reduced_hook`` gets the fully reduced
+        local gradient before division, to change in place. See [Note: The all-reduce
+        hook] in ``_param_group.py``.
         """
         # Group names and sizes read at init: see [Note: A lean traced path].
         ws = self._shard_size
@@ -781,9 +593,8 @@ class FSDPParam:
             local = all_reduce(local, op, replicate_group, self._replicate_size)
         self._finish_reduced(local, divide_factor, reduced_hook)
 
-    # The flat eager reduction: see [Note: One collective per unit, eagerly]
-    # (_param_group.py) and [Note: Flat buffers] (_collectives.py). Each step does
-    # what ``reduce_grad`` does to one parameter, on its part of the unit's buffer.
+    # The flat eager reduction, ``reduce_grad`` per part of the unit's buffer: see
+    # [Note: One collective per unit, eagerly] and [Note: Flat buffers].
     def flat_reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` (in ``reduce_dtype``, full shape) with the shard dim first (ND)."""
         return grad if self.shard_dim == 0 else grad.movedim(self.shard_dim, 0)
@@ -796,8 +607,7 @@ class FSDPParam:
 
     def flat_reduced_local(self, part: torch.Tensor) -> torch.Tensor:
         """This rank's gradient shard in the sharded layout, as a view of ``part``
-        (this parameter's ``flat_numel`` elements of the reduce-scatter output, 1D);
-        not contiguous for a shard dim other than 0."""
+        (its ``flat_numel`` elements of the reduce-scatter output, 1D)."""
         local = part.view(self.chunk_rows, *self._moved_rest())
         if self.local_rows != self.chunk_rows:
             local = local.narrow(0, 0, self.local_rows)
@@ -806,9 +616,8 @@ class FSDPParam:
         return local
 
     def fold_replicas_pending(self, local: torch.Tensor) -> None:
-        """HSDP: adds into ``local`` (the view of :meth:`flat_reduced_local`, before
-        the all-reduce over the replicas) what earlier backwards reduced without it,
-        as ``reduce_grad`` does."""
+        """HSDP: adds into ``local`` what earlier backwards reduced without the
+        all-reduce, as ``reduce_grad`` does."""
         if not self.replicas_pending:
             return
         self.wait_grad_offload()  # see [Note: Offload copies and the CPU]
@@ -849,21 +658,18 @@ class FSDPParam:
         self._run_sharded_grad_hooks()
 
     def _run_sharded_grad_hooks(self) -> None:
-        """The post-accumulate-grad hooks registered on the sharded parameter (an
-        optimizer step in backward), once its gradient is reduced. See [Note: Hooks on
-        the sharded parameter]."""
+        """Runs the sharded parameter's post-accumulate-grad hooks. See [Note: Hooks
+        on the sharded parameter]."""
         sp = self.sharded_param
-        # Traced, dynamo reads the attribute from the fake tensor (None): the dict
-        # tracked at adoption is the same object, and dynamo guards on its contents.
+        # Traced, read the tracked dict: the fake tensor's attribute is None.
         hooks = self._grad_hooks if compiling() else sp._post_accumulate_grad_hooks
         if hooks:
             for hook in tuple(hooks.values()):
                 hook(sp)
 
     def _track_grad_hooks(self) -> None:
-        """Gives the sharded parameter its hook dict now, so that later registrations
-        land in a dict the traced path holds. See [Note: Hooks on the sharded
-        parameter]."""
+        """Gives the sharded parameter its hook dict now. See [Note: Hooks on the
+        sharded parameter]."""
         sp = self.sharded_param
         if sp._post_accumulate_grad_hooks is None:
             sp._post_accumulate_grad_hooks = OrderedDict()
@@ -877,9 +683,8 @@ class FSDPParam:
         self.accumulate_sharded_grad(local)
 
     def _grad_to_cpu(self, local: torch.Tensor) -> torch.Tensor:
-        """The reduced gradient shard copied to the CPU, asynchronously only when no
-        CPU read comes before :meth:`wait_grad_offload`. See [Note: Offload copies
-        and the CPU]."""
+        """The reduced gradient shard copied to the CPU. See [Note: Offload copies and
+        the CPU]."""
         if local.device.type == "cpu":
             return local
         self.wait_grad_offload()  # the gradient read below must be complete
@@ -906,8 +711,8 @@ class FSDPParam:
     def accumulate_sharded_grad(self, local: torch.Tensor) -> None:
         sp = self.sharded_param
         if sp.grad is not None:
-            # Out of place: dynamo mis-orders an in-place add through the DTensor's
-            # ``_local_tensor`` inside a compiled-autograd graph (torch 2.13).
+            # Out of place: dynamo mis-orders an in-place add through ``_local_tensor``
+            # in a compiled-autograd graph.
             local = sp.grad.to_local() + local
         sp.grad = DTensor.from_local(
             local,
@@ -919,10 +724,8 @@ class FSDPParam:
         )
 
     def user_change(self) -> UserChange:
-        """What the user changed in the sharded parameter since the unit last read it:
-        replaced it on a module, flipped its ``requires_grad``, cast it, or left it on
-        the meta device. Only attribute reads (traced without ops). See
-        [Note: Changes after fully_shard]."""
+        """What the user changed in the sharded parameter since the unit last read it,
+        by attribute reads only. See [Note: Changes after fully_shard]."""
         if self.module_holds_unsharded:
             # See [Note: Changes while the modules hold the gathered parameter].
             held = self._held
@@ -946,14 +749,11 @@ class FSDPParam:
 
     def reset_sharded_param(self, check_device: bool = True, unit: str = "") -> None:
         """Re-reads the sharded parameter after the user changed it, as torch's FSDP2
-        does: adopts a DTensor assigned to the module (``load_state_dict(assign=True)``
-        or ``module.weight = ...``), follows a cast (``model.to(torch.float64)``) and
-        ``requires_grad``. See [Note: Changes after fully_shard].
+        does. See [Note: Changes after fully_shard].
 
         Args:
             check_device: raise when the shard is not on the mesh's device (default
-                ``True``; ``nn.Module._apply`` and the load post-hook pass ``False``,
-                since a list unit's other modules may not be moved or loaded yet).
+                ``True``; ``_apply`` and the load post-hook pass ``False``).
             unit: the unit's label, for the message ("layers.0" under a root).
 
         Raises:
@@ -1001,9 +801,7 @@ class FSDPParam:
             self.unsharded_param.requires_grad_(sp.requires_grad)
 
     def _follow_gathered_changes(self) -> None:
-        """While the modules hold the gathered parameter: refuses a replacement of it,
-        and makes the sharded parameter follow a freeze or unfreeze of it. See
-        [Note: Changes while the modules hold the gathered parameter]."""
+        """See [Note: Changes while the modules hold the gathered parameter]."""
         held = self._held
         if held is None:
             return
@@ -1054,20 +852,12 @@ class FSDPParam:
 
 
 # [Note: All-gather extensions are refused]
-# torch's FSDP2 lets a parameter's local tensor define ``fsdp_pre_all_gather`` and
-# ``fsdp_post_all_gather`` (a tensor subclass such as torchao's float8 training
-# weights, or methods set on the tensor): FSDP then gathers what the first returns,
-# in its dtype and layout, and builds the unsharded parameter with the second. This
-# runtime gathers the local tensor as it is and never calls them, so such a
-# parameter would be gathered in the wrong dtype or layout with no error (seen: a
-# bf16-quantizing pair ignored, the forward then 7.8e-4 off torch's). It is refused
-# where the local tensor is first read or replaced: ``fully_shard``, and
-# ``reset_sharded_param`` (``to_empty``, ``model.to(...)``, an assigned parameter,
-# ``load_state_dict(assign=True)``); and, eagerly, at each unit's pre-forward (with
-# the check for other changes, ``FSDPState._sync_user_changes``), which catches
-# methods set on a tensor after those (they are instance attributes that nothing
-# else reads). A compiled forward does not re-check, since a traced
-# ``hasattr`` on each local tensor would add a guard per parameter to every step.
+# torch's FSDP2 calls a local tensor's ``fsdp_pre_all_gather``/``fsdp_post_all_gather``
+# (torchao float8); this runtime does not, so such a parameter would be gathered in the
+# wrong dtype or layout silently. It is refused where the local tensor is first read or
+# replaced (``fully_shard``, ``reset_sharded_param``) and, eagerly, at each pre-forward
+# (``FSDPState._sync_user_changes``). A compiled forward does not re-check: a traced
+# ``hasattr`` would add a guard per parameter.
 
 
 def refuse_all_gather_extension(fqn: str, local: torch.Tensor) -> None:

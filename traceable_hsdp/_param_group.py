@@ -32,173 +32,73 @@ from ._param import FSDPParam
 
 # [Note: When a unit's backward is done]
 # A unit may free its parameters once no backward op still needs them. A trainable
-# parameter W is safe once its post-accumulate-grad hook ran: every op that read W
-# also produces a gradient for W, and accumulation waits for all of them. A frozen
-# parameter is not: an op that reads it only to produce its input's gradient (the
-# ``dx = dy @ W`` of a frozen linear) is ordered before no accumulation at all, and
-# freeing W under it is a use-after-free (seen: SIGSEGV). Every such op ends in a
-# gradient of the unit's forward inputs, so a unit that holds a frozen parameter is
-# done when all trainable gradients AND the gradients of all forward inputs that
-# require grad are complete; the unit counts both kinds down.
+# parameter W is safe once its post-accumulate-grad hook ran: every op that read W also
+# produces a gradient for W. A frozen one is not: ``dx = dy @ W`` reads it and feeds no
+# accumulation, and freeing W under it is a use-after-free. Such ops end in gradients of
+# the unit's forward inputs, so a unit with a frozen parameter is done when all
+# trainable gradients AND all input gradients are complete; it counts both down.
 #
-# Eagerly, every unit's pre-forward passes the inputs that require grad through
-# torch's own ``RegisterPostBackwardFunction`` (one identity node per forward, as
-# torch's FSDP2 does), whose backward runs once all their gradients are complete.
-# A unit with a frozen parameter counts that; a unit whose parameters all train
-# does not need it, but has the node anyway, for two reasons. (1) The autograd
-# graph is then torch's: a tensor several units read (T5's encoder output, read by
-# every decoder block) gets each unit's gradient through a node of its own, in
-# torch's order, so its summed gradient is bitwise torch's (without the node, the
-# same values summed in another order: T5's parameters were 3e-6 from torch's
-# after 3 AdamW steps; with it, equal). (2) Tooling that counts that node's calls
-# to check that units finish inside the backward (torch's own tests) sees ours.
-# The class is private to torch 2.13's FSDP2 (``_fsdp_param_group``), which is the
-# torch this project supports; if it moves, the import fails loudly.
-#
-# Compiled, an ``autograd.Function`` trigger fails under compiled autograd, so a
-# unit with a frozen parameter gives the forward a fresh alias of each such input
-# (``view_as``) and registers a tensor hook on the alias (returning the gradient it
-# gets, as compiled autograd requires), one count per input; a unit whose
-# parameters all train adds nothing. Either way the trigger is made in this
-# forward, never on the caller's tensor: a tensor that lives across steps (a
-# learnable prefix that is a leaf, a parameter of the parent unit, an input reused
-# with ``requires_grad=True``) would collect one more hook each step, and in step k
-# its k hooks would count the unit down k times and free the frozen weights before
-# the ops that read them (seen: prefix tuning failed in its second backward,
-# eagerly with ``setStorage ... storage of size 0``, compiled on a freed buffer).
-# The count of a unit whose parameters all train is then the same in every
-# backward, however many forwards ran before it.
-#
-# That matters compiled. The input count is a Python int that the traced
-# pre-forward reads, so dynamo guards on its value; it sums every forward since the
-# last pre-backward, and a pipeline schedule runs several micro-batch forwards
-# before their backwards (GPipe: all of them), so each micro-batch's forward would
-# be a new graph, until dynamo's recompile limit sends the rest to eager. With only
-# trainable parameters there is nothing to read (tests/test_pipelining.py counts
-# the graphs of a compiled GPipe stage: none new after the second step). A unit with
-# frozen parameters under a compiled pipeline schedule still compiles one forward
-# per micro-batch count (docs/api.md says so).
-#
-# A unit whose forward runs several times before one backward (weight reuse, a block
-# applied twice) marks its inputs in every call; the count sums them, and the
-# pre-backward takes it (and starts the next count from 0). The first use's backward
-# to run re-gathers; the unit stays gathered until the last use's backward is done,
-# because the parameters' gradients are complete only after every use (one
-# AccumulateGrad per parameter). torch's FSDP2 instead reshards after each use's
-# backward and re-gathers for the next: less memory between uses, one more
-# all-gather per extra use. Inputs marked in a forward whose output never reaches a
-# backward keep the unit from finishing by the count; the end of the backward
-# finishes it (see [Note: Hooks and compiled autograd] in ``_state.py``).
+# Eagerly, every pre-forward passes the inputs that require grad through torch's
+# ``RegisterPostBackwardFunction``, as torch's FSDP2 does, so a tensor several units
+# read sums its gradient in torch's order (bitwise parity). Compiled, where that
+# trigger fails, a unit with a frozen parameter hooks a fresh alias (``view_as``) of
+# each input, made in this forward (a tensor living across steps would collect a hook
+# per step). A unit whose parameters all train reads no count, so pipeline micro-batch
+# forwards share one graph (tests/test_pipelining.py). A forward run several times
+# before one backward sums its counts; the unit stays gathered until the last use's
+# backward is done.
 
 
 # [Note: The all-reduce hook]
-# ``set_all_reduce_hook(hook)`` calls ``hook`` on each gradient once it is fully
-# reduced: the reduce-scatter output for FSDP, the all-reduce output for HSDP (for a
-# replicated parameter of ``hsdp()``, its all-reduce output), in ``reduce_dtype``,
-# before the division by a gradient divide factor and before it is accumulated into
-# the sharded parameter's ``.grad``; the hook may change it in place (its return
-# value is ignored), as torch's does. torch calls the hook once on the unit's flat
-# buffer; ours runs once per trainable parameter, on that parameter's local shard
-# (its sharded shape), eagerly (where the unit is reduced in one flat buffer too,
-# see [Note: One collective per unit, eagerly]) as traced (one reduction per
-# parameter). It runs inside the post-accumulate-grad hook, so compiled autograd
-# traces it into the backward graph like everything else there.
-#
-# ``stream=`` runs the hook on another stream (FSDP only, eager only): the stream
-# waits for the current one, the hook runs under it, and the current stream waits
-# for it before the gradient is used. Streams are eager-only here (see STYLE: one
-# branch, ``_call_on_stream``); a traced backward refuses a hook stream instead of
-# dropping it.
+# ``set_all_reduce_hook(hook)`` calls ``hook`` on each gradient once fully reduced (the
+# reduce-scatter output for FSDP, the all-reduce output for HSDP), in ``reduce_dtype``,
+# before division and accumulation; it may change it in place, as torch's does. torch
+# calls it once on the unit's flat buffer; ours runs once per trainable parameter on its
+# local shard, eager and traced alike, inside the post-accumulate-grad hook so compiled
+# autograd traces it. ``stream=`` (FSDP, eager only) runs it on another stream joined
+# both ways; a traced backward refuses a hook stream instead of dropping it.
 
 
 # [Note: Unused parameters]
-# A traced backward reduces each parameter's gradient when its post-accumulate-grad
-# hook fires, in autograd's order; an eager one reduces a unit when its last
-# trainable gradient is complete, or at the end of the backward when some got none
-# (see [Note: One collective per unit, eagerly]). When ranks take different
-# branches, a parameter one rank used and another did not would be reduced on the
-# first rank only (traced), or in a flat reduction of different parameters or at
-# another time (eager), and the collectives would no longer pair up across ranks (a
-# hang, or wrong data). With
-# ``set_reduce_scatter_unused_params(True)`` a unit instead keeps each gradient
-# (summed in ``reduce_dtype``, where gradient accumulation keeps it) and reduces all
-# of its trainable parameters together at the end of the backward, in registration
-# order, a zero gradient for each that got none: every rank issues the same
-# collectives in the same order, as torch's reduction of a whole unit does. The root
-# runs it from its end-of-backward callback, for the units in module order, every
-# unit with the option on (one whose forward did not run gets zero gradients, as in
-# torch once the unit has been gathered). The branches must be inside units: a
-# unit's forward still has to run on every rank, its all-gather being a collective.
-# Cost: the unit's unsharded gradients live until the end of the backward (its
-# parameters are still freed when their gradients are complete). Without the option
-# the test's run (tests/test_module_methods.py) aborts a rank with SIGABRT (gloo,
-# mismatched collectives). A compiled backward has no end-of-backward callback (see
-# [Note: Hooks and compiled autograd] in ``_state.py``), so the option is refused
-# when the backward is compiled.
+# When ranks take different branches, a parameter used on one rank and not another
+# would be reduced on one rank only (traced) or in different flat reductions (eager):
+# the collectives no longer pair up (a hang or wrong data). With
+# ``set_reduce_scatter_unused_params(True)`` a unit keeps each gradient and reduces all
+# its trainable parameters together at the end of the backward, in registration order,
+# with zeros for those that got none, so every rank issues the same collectives, as
+# torch's whole-unit reduction does. The root runs it from its end-of-backward callback
+# for every unit with the option on. The branches must be inside units (a unit's forward
+# still runs an all-gather). Cost: the unit's unsharded gradients live until the end of
+# the backward. Tested in tests/test_module_methods.py. A compiled backward has no
+# end-of-backward callback ([Note: Hooks and compiled autograd]), so the option is
+# refused there.
 
 
 # [Note: Held gradients of unused parameters]
-# With gradient sync off (``set_requires_gradient_sync(False)``) each gradient is kept
-# unreduced and the syncing backward adds it to the new one before reducing. A
-# parameter used in the no-sync micro-batches but not in the syncing one (a mixture of
-# experts' expert that got no token) has no post-accumulate-grad hook call in that
-# backward; its kept gradient would stay unreduced and be added to a later step's,
-# after the optimizer stepped without it. Eagerly the root's final callback reduces
-# such gradients (``reduce_held_grads``), as torch's FSDP2 reduces a unit's
-# accumulated gradients in its post-backward (also for a unit whose forward did not
-# run in the syncing step). A compiled backward has no final callback; the root's
-# next pre-forward finds the kept gradients of a unit whose backward ran
-# (``held_after_sync``) and raises: too late to reduce. Known gap: a unit whose
-# forward did not run at all in a compiled syncing step is not checked (checking
-# every unit adds guards that change between micro-batches: recompiles).
+# With gradient sync off each gradient is kept unreduced and added to the syncing
+# backward's. A parameter unused in the syncing backward (an expert that got no token)
+# would keep its gradient past the optimizer step. Eagerly the root's final callback
+# reduces it (``reduce_held_grads``), as torch's post-backward does. A compiled backward
+# has no final callback; the next pre-forward finds such gradients (``held_after_sync``)
+# and raises. Known gap: a unit whose forward did not run in a compiled syncing step is
+# not checked (checking every unit would add guards that recompile).
 
 
 # [Note: One collective per unit, eagerly]
-# Eagerly a unit issues one all-gather per process group and dtype (one in the
-# common case) and, once all its trainable gradients are complete, one
-# reduce-scatter (and, for HSDP, one all-reduce over the replicas), as torch's FSDP2
-# does: gloo, NCCL and friends charge a latency per call, and a unit has many small
-# parameters. The buffers are laid out as in [Note: Flat buffers] (``_collectives.py``):
+# Eagerly a unit issues one all-gather per process group and dtype and, once all its
+# trainable gradients are complete, one reduce-scatter (and for HSDP one all-reduce), as
+# torch's FSDP2 does: backends charge latency per call. Buffers are laid out as in
+# [Note: Flat buffers] (``_collectives.py``): one flat input per group and dtype
+# (``_foreach_copy_`` in, ``split_with_sizes_copy``
+# out) for the all-gather; the gradients kept on ``accumulated_grad`` until the last
+# one, then one ``_chunk_cat`` and reduce-scatter, then per parameter what
+# ``FSDPParam.reduce_grad`` does. Replicated parameters and one-rank groups take the
+# per-parameter path. The numbers are the per-parameter ones (bitwise on two ranks)
+# and torch's; tests/test_eager_flat.py counts the collectives and checks parity.
 #
-# - all-gather: every parameter's local shard (shard dim first, cast to
-#   ``param_dtype``, zero-padded to ``chunk_rows``) copied into one flat input with
-#   one ``_foreach_copy_``; after the wait, one ``split_with_sizes_copy`` copies each
-#   parameter's rows straight into its placeholder (a dim-0 shard without padding)
-#   or into a buffer that ``fill_unsharded`` narrows, moves back and copies as the
-#   per-parameter path does. Parameters gathered over another group (after an int
-#   ``reshard_after_forward``, their post-forward blocks over the smaller group) or
-#   in another dtype form their own flat all-gather. Replicated parameters of
-#   ``hsdp()`` and groups of one rank issue no collective and take the
-#   per-parameter path.
-# - reduction: each post-accumulate-grad hook keeps its gradient (in
-#   ``reduce_dtype``, held gradients added, as before) on ``accumulated_grad``; the
-#   hook that completes the unit's trainable gradients reduces them all: one
-#   ``_chunk_cat`` into the flat input, one reduce-scatter, (HSDP) the held
-#   shard-reduced gradients folded in and one all-reduce, then per parameter the
-#   all-reduce hook, the division and the accumulation into ``.grad`` exactly as
-#   ``FSDPParam.reduce_grad`` does them. Replicated parameters go into one flat
-#   all-reduce per group. A unit some of whose trainable parameters got no
-#   gradient is reduced by the root's end-of-backward callback (with the held
-#   gradients of [Note: Held gradients of unused parameters]), as torch reduces
-#   such a unit in its final callback. Cost, as in torch: a unit's unsharded
-#   gradients live until its last one is complete.
-#
-# Sums and averages are elementwise and each element meets the same elements of the
-# other ranks as in a per-parameter collective, and every per-parameter step (hook,
-# division, casts) is the same op on the same values, so the flat path gives the
-# numbers of the per-parameter one, bitwise, on two ranks per group (an addition
-# of two values is commutative). Over more ranks a backend may sum in an order
-# that depends on the element's offset in the buffer; the flat layout is torch's,
-# so the numbers are torch's fully_shard's there too. tests/test_eager_flat.py counts
-# the collectives per unit and checks parity with torch's fully_shard (1-D, HSDP 2x2, 4
-# ranks with an int ``reshard_after_forward``, ``hsdp()`` with replicated parameters).
-#
-# A traced unit keeps one collective per parameter ([Note: Eager or traced]):
-# the graph passes bucket those, and the traced graphs are unchanged. What stays
-# per parameter eagerly: the all-reduce hook is called once per parameter on its
-# shard (see [Note: The all-reduce hook]), and an eager all-gather that a traced
-# forward waits for (``unshard(async_op=True)`` before a compiled forward) is waited
-# for by a dynamo-disabled function (a graph break there, not a wrong graph).
+# A traced unit keeps one collective per parameter ([Note: Eager or traced]) for the
+# passes to bucket. An eager all-gather waited for by a traced forward
+# (``unshard(async_op=True)``) is waited for by a dynamo-disabled function.
 
 
 @dataclass
@@ -224,13 +124,10 @@ class _EagerUnshard:
 class FSDPParamGroup:
     """All managed parameters of one fully_shard call.
 
-    The group is the unit of the lifecycle verbs: ``unshard`` (= ``issue_unshard``,
-    which starts the all-gathers, then ``wait_for_unshard``, which waits and fills the
-    placeholders), ``reshard`` (free every placeholder) and the post-backward
-    reduction. Traced, each parameter keeps its own collective and the fusion pass
-    (``traceable_hsdp.passes``) merges a group's collectives in the compiled graph;
-    eagerly the group issues one flat collective of each kind, with the same numbers
-    (see [Note: One collective per unit, eagerly]).
+    The group is the unit of the lifecycle verbs: ``unshard`` (``issue_unshard`` then
+    ``wait_for_unshard``), ``reshard`` and the post-backward reduction. Traced, each
+    parameter keeps its own collective for the passes to bucket; eagerly the group
+    issues one flat collective of each kind ([Note: One collective per unit, eagerly]).
     """
 
     def __init__(
@@ -242,20 +139,17 @@ class FSDPParamGroup:
     ):
         self.fsdp_params = fsdp_params
         self.mesh_info = mesh_info
-        # The unit's module class name; its path under the root once it has one
-        # (FSDPState.adopt_nested), for messages, dumps and annotations.
+        # Class name, then the path under the root (FSDPState.adopt_nested).
         self.label = label
-        # The label traced when the frame holds k unit forwards is frame_labels[k - 1]
-        # (the path beyond them): the class name, and for a nested unit the path below
-        # each enclosing unit, set by adopt_nested. See traced_label.
+        # frame_labels[k - 1] is traced when the frame holds k unit forwards; see
+        # traced_label.
         self.frame_labels: tuple[str, ...] = (label,)
-        # The group's gradient work is in flight: from pre_backward to finish_backward.
-        # Not a copy of the unit's TrainingState; see [Note: A unit's state and its
+        # From pre_backward to finish_backward; see [Note: A unit's state and its
         # group's backward] (_state.py).
         self.in_backward = False
         self.sharded_state = ShardedState.SHARDED
-        # All-gathers issued but not yet waited for, or None: traced, one output per
-        # parameter (1D list of ND tensors); eagerly, an _EagerUnshard.
+        # All-gathers in flight: traced, one output per parameter; eagerly, one
+        # _EagerUnshard.
         self._pending: list[torch.Tensor] | _EagerUnshard | None = None
         self._grads_pending = 0  # placeholder grads not yet handled this backward
         # Eager: trainable gradients kept for the unit's flat reduction since the
@@ -270,8 +164,7 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         # See [Note: The all-reduce hook].
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        # The unit's own pass options (hsdp()), carried in its collectives'
-        # annotations; see [Note: Per-unit pass options] (passes).
+        # See [Note: Per-unit pass options] (passes).
         self.pass_options = pass_options
         self.all_reduce_hook_stream: torch.Stream | None = None
         # See [Note: Unused parameters].
@@ -284,11 +177,9 @@ class FSDPParamGroup:
         self.backward_syncs = False
         self.trainable: list[FSDPParam] = []
         self.refresh_trainable()
-        # Forward inputs given a gradient hook since the last pre-backward, summed over
-        # every call of the unit's forward. See [Note: When a unit's backward is done].
+        # See [Note: When a unit's backward is done].
         self.input_grad_hooks = 0
-        # The flags of the forward calls whose output hooks opened this backward, set
-        # when it finishes. See [Note: Output hooks after the unit's backward] (_state.py).
+        # See [Note: Output hooks after the unit's backward] (_state.py).
         self.open_calls: list[list[bool]] = []
         # Eager: what the last finished backward used, for running its graph again.
         # See [Note: A second backward through a retained graph].
@@ -297,11 +188,8 @@ class FSDPParamGroup:
 
     @property
     def traced_label(self) -> str:
-        """The label traced into the unit's collective annotations: its path, or, when
-        the frame being traced starts below the root, its path below the frame's
-        outermost unit, named by that unit's class ("Block.ffn"; "Block" for the block
-        itself), so that one frame serves every unit of the class. See [Note: One graph
-        for every unit of a class] (_common.py)."""
+        """The label traced into the unit's collective annotations. See [Note: One
+        graph for every unit of a class] (_common.py)."""
         k = unit_forwards_in_frame()
         return self.frame_labels[k - 1] if 0 < k <= len(self.frame_labels) else self.label
 
@@ -451,26 +339,16 @@ class FSDPParamGroup:
         self.input_grad_hooks = 0
 
     # [Note: A second backward through a retained graph]
-    # ``loss.backward(retain_graph=True)`` and then another backward through the same
-    # graph (two losses sharing a trunk, a GAN's discriminator pass) run the units'
-    # backward twice. torch's fully_shard re-gathers for the second: its pre-backward
-    # is a multi-grad hook that fires once per backward. Ours is a flag per forward
-    # call, raised when the unit's backward finishes so that an output reached later
-    # in the same backward (one the unit passes through unchanged; [Note: Output hooks
-    # after the unit's backward] in _state.py) gathers nothing. A second backward
-    # found the flags raised and its parameters freed: the eager backward failed in
-    # autograd (``setStorage: ... out of bounds for storage of size 0``). So, eagerly,
-    # a finished backward records its graph task (autograd's id of one backward()
-    # call), the calls it closed and the input-gradient hooks it counted; an output
-    # hook that finds its flag raised in another graph task lowers those flags and
-    # counts those hooks again (the ``RegisterPostBackwardFunction`` nodes run again),
-    # and the unit's backward runs as the first did: gradients accumulate into the
-    # sharded ones, as torch's do (bitwise equal to torch's in
-    # tests/test_module_methods.py). Only the last finished backward's graph can run
-    # again; an older one is refused.
-    # A compiled backward records nothing (compiled autograd traces these hooks, and
-    # a graph task id read there would be a new guard every step); there the second
-    # backward fails in torch's compiled-autograd runtime (docs/api.md).
+    # A second backward through a graph kept with ``retain_graph=True`` runs the units'
+    # backward again. torch re-gathers (its pre-backward fires once per backward); ours
+    # is a flag per forward call, raised when the unit's backward finishes ([Note:
+    # Output hooks after the unit's backward] in _state.py), so the second backward
+    # would find it raised and the parameters freed. Eagerly, a finished backward
+    # records its graph task id, the calls it closed and the input hooks it counted; an
+    # output hook that finds its flag raised in another graph task re-arms them, and the
+    # backward runs as the first did (bitwise torch's in tests/test_module_methods.py).
+    # Only the last finished backward's graph can run again. A compiled backward records
+    # nothing (the task id would be a new guard every step; docs/api.md).
     def rearm_if_retained(self, call: list[bool]) -> bool:
         """Eager, for an output hook whose forward call's flag is raised: ``True``
         after re-arming this unit's backward when the hook runs in a later backward
@@ -502,16 +380,12 @@ class FSDPParamGroup:
         return True
 
     def post_accumulate_grad(self, fsdp_param: FSDPParam) -> None:
-        """Runs when ``fsdp_param``'s placeholder gradient is complete for this
-        backward: reduces it into the sharded gradient (unless gradient sync is off,
-        when it stays on the placeholder and accumulates over micro-batches)."""
+        """Runs when ``fsdp_param``'s placeholder gradient is complete: reduces it, or
+        keeps it while gradient sync is off."""
         p = fsdp_param.unsharded_param
         if not fsdp_param.sharded_param.requires_grad or not p.requires_grad:
-            # Frozen after fully_shard, seen while tracing: see [Note: Changes after
-            # fully_shard] (_param.py). Or the gathered parameter was frozen after its
-            # forward: autograd runs this hook but accumulates no gradient, and the
-            # sharded one follows when the unit registers it again (see [Note: Changes
-            # while the modules hold the gathered parameter]).
+            # Frozen since: see [Note: Changes after fully_shard] and [Note: Changes
+            # while the modules hold the gathered parameter].
             p.grad = None
             self._count_down()
             return
@@ -519,8 +393,7 @@ class FSDPParamGroup:
         if grad.dtype != fsdp_param.reduce_dtype:  # static while tracing
             grad = grad.to(fsdp_param.reduce_dtype)
         p.grad = None
-        # Gradients held back by set_requires_gradient_sync(False) accumulate here,
-        # in reduce_dtype (fp32 under bf16 mixed precision, as torch's FSDP2 does).
+        # Gradients held back by set_requires_gradient_sync(False), in reduce_dtype.
         if fsdp_param.accumulated_grad is not None:
             grad = fsdp_param.accumulated_grad + grad
             fsdp_param.accumulated_grad = None
@@ -528,27 +401,20 @@ class FSDPParamGroup:
             if compiled_backward():  # see [Note: Eager or traced] (_common.py)
                 self._reduce(fsdp_param, grad)
             else:
-                # Kept until the unit's last trainable gradient: see [Note: One
-                # collective per unit, eagerly].
+                # See [Note: One collective per unit, eagerly].
                 fsdp_param.accumulated_grad = grad
                 self._grads_ready += 1
                 if self._grads_ready >= len(self.trainable):
                     self.reduce_held_grads()
         else:
-            # Kept for a later backward, or for the end of this one: see
-            # [Note: Unused parameters].
+            # See [Note: Unused parameters].
             fsdp_param.accumulated_grad = grad
         self._count_down()
 
     def reduce_held_grads(self) -> None:
-        """At the end of a backward with gradient sync on (eager: the root's final
-        callback), reduces the gradients still kept, in registration order: with
-        ``reduce_scatter_unused_params`` every trainable parameter's, a zero gradient
-        for one that got none (see [Note: Unused parameters]); without it, those
-        kept by earlier no-sync backwards for a parameter that got no gradient in this
-        one (see [Note: Held gradients of unused parameters]) and, eagerly, those of
-        this backward not yet reduced (see [Note: One collective per unit,
-        eagerly]; the unit's last trainable gradient also calls this)."""
+        """Reduces the gradients still kept, in registration order, at the end of a
+        syncing backward. See [Note: Unused parameters], [Note: Held gradients of
+        unused parameters] and [Note: One collective per unit, eagerly]."""
         if not self.reduce_grads:
             return
         held = []
@@ -571,10 +437,8 @@ class FSDPParamGroup:
             self._reduce_flat(held)
 
     def held_after_sync(self) -> list[str]:
-        """FQNs of the gradients a finished syncing backward left unreduced: kept by
-        earlier no-sync backwards, their parameter got no gradient in it, and no final
-        callback reduced them (a compiled backward). See [Note: Held gradients of
-        unused parameters]."""
+        """FQNs of the gradients a finished syncing backward left unreduced. See
+        [Note: Held gradients of unused parameters]."""
         held = [fp.fqn for fp in self.trainable if fp.accumulated_grad is not None]
         # backward_syncs is read only when something is held: a compiled pre-forward
         # then guards on it only in that case (it changes every step; no recompiles).
@@ -661,9 +525,8 @@ class FSDPParamGroup:
         divide_factor: float | None,
         hook: Callable[[torch.Tensor], None] | None,
     ) -> None:
-        """Replicated parameters (see [Note: Replicated parameters] in ``_param.py``):
-        one all-reduce over the shard group and one over the replicate group, then
-        each parameter's end as in ``FSDPParam.reduce_grad``."""
+        """Replicated parameters: one all-reduce per group, then each parameter's end
+        as in ``FSDPParam.reduce_grad``."""
         params = [fp for fp, _ in bucket]
         flat = torch.cat([grad.reshape(-1) for _, grad in bucket])
         bucket.clear()  # the unsharded gradients can go (the caller's list is this one)
@@ -689,11 +552,9 @@ class FSDPParamGroup:
         return self.gradient_divide_factor
 
     def end_of_backward(self) -> None:
-        """What every group does when the whole backward is over (eagerly, the
-        root's final callback; pipelining, after its micro-batches): reduces the
-        gradients still kept (:meth:`reduce_held_grads`) and waits for the offload
-        copies before ``backward()`` returns (see [Note: Offload copies and the CPU]
-        in ``_param.py``)."""
+        """When the whole backward is over (root's final callback, or after a pipeline's
+        micro-batches): reduces the gradients still kept and waits for the offload
+        copies ([Note: Offload copies and the CPU])."""
         self.reduce_held_grads()
         self.wait_grad_offload()
 
@@ -729,9 +590,7 @@ class FSDPParamGroup:
 
     def _record_finish(self) -> None:
         """Eager: records what this backward closed, for a later backward through
-        the same graph. A second finish in one backward (the root's final callback
-        finishing every unit, or a call first reached after the unit's backward) adds
-        to the first. See [Note: A second backward through a retained graph]."""
+        the same graph. See [Note: A second backward through a retained graph]."""
         task = torch._C._current_graph_task_id()
         used, self._input_hooks_used = self._input_hooks_used, 0
         if task < 0:  # outside a backward (reset_iter_state): nothing to run again
@@ -746,11 +605,8 @@ class FSDPParamGroup:
 
     def reset(self) -> None:
         """Back to the state before any forward, after an exception stopped one (see
-        ``FSDPModule.reset_iter_state``): waits for and drops in-flight all-gathers,
-        frees every placeholder, and drops the gradients this iteration left
-        unreduced (placeholder gradients, those kept by gradient accumulation, and
-        HSDP shard-reduced gradients not yet all-reduced). Sharded gradients already
-        reduced stay."""
+        ``FSDPModule.reset_iter_state``): drops in-flight all-gathers, frees every
+        placeholder, and drops the gradients not yet reduced."""
         self.reshard()
         self.wait_grad_offload()
         for fp in self.fsdp_params:
@@ -797,8 +653,8 @@ def _call_on_stream(
     reason="traceable_hsdp: an all-gather issued eagerly, waited for in a traced forward"
 )
 def _finish_eager_unshard(pending: _EagerUnshard) -> None:
-    """Waits for an eager unshard and fills the placeholders: one copy-out per flat
-    all-gather. Dynamo-disabled: see [Note: One collective per unit, eagerly]."""
+    """Waits for an eager unshard and fills the placeholders. See [Note: One
+    collective per unit, eagerly]."""
     for fp, gathered in pending.single:
         fp.fill_unsharded(fp.wait_gathered(gathered))
     for fg in pending.flat:

@@ -13,24 +13,14 @@ __all__ = ["PostOptimEvent"]
 
 
 # [Note: The post-optimizer event]
-# torch's FSDP all-gathers on its own streams and, by default, makes them wait for the
-# current stream at the root's pre-forward, so that they follow the optimizer step;
-# ``set_post_optim_event(event)`` replaces that wait by a wait on ``event``. Our
-# collectives run on the current stream, so they follow the optimizer step already;
-# the event is still honoured: before the root's next forward the current stream
-# waits on it (``event.wait()``), once, and it is dropped. The wait is eager-only
-# (events do not belong in a traced graph, and a new event each step would recompile
-# it), in ``PostOptimEvent.wait`` (dynamo-disabled), reached two ways, whichever
-# comes first:
-# - a forward pre-hook on the root's module(s), registered when the event is set and
-#   removed once it fired: eagerly and under ``torch.compile(model)``, which runs the
-#   top module's hooks outside dynamo (see [Note: Forward wrapper, not module hooks]),
-#   so the forward graph never sees the event;
-# - the root's pre-forward, when ``post_optim.pending`` (a bool, the one thing dynamo
-#   guards on) is still set: for a step compiled whole, where dynamo inlines the
-#   model's call and ignores hooks added after it compiled
-#   (``skip_nnmodule_hook_guards``). That step graph-breaks there, in the steps that
-#   have an event only (one more graph variant, not a recompile per event).
+# Our collectives run on the current stream, so they follow the optimizer step
+# already; ``set_post_optim_event(event)`` is still honoured: the current stream waits
+# on it once before the root's next forward. The wait is eager-only
+# (``PostOptimEvent.wait``, dynamo-disabled: a new event each step would recompile),
+# reached by whichever comes first: a forward pre-hook on the root's modules (run
+# outside dynamo under ``torch.compile(model)``, [Note: Forward wrapper, not module
+# hooks]), or, for a step compiled whole, which ignores hooks added later, the root's
+# pre-forward when ``post_optim.pending`` is set (a graph break in those steps only).
 
 
 class PostOptimEvent:

@@ -3,30 +3,23 @@
 [Note: Hooks and compiled autograd]
 The same hooks run eagerly and under ``torch.compile``:
 
-- pre-forward: all-gather the unit's parameters into the
-  placeholders and register the placeholders on the module;
-- post-forward: reshard when ``reshard_after_forward``, and
-  register a tensor hook on every output that requires grad. The hook re-gathers the
-  unit before its backward and returns the gradient it was given (a hook that
-  returns ``None`` breaks compiled autograd, and an ``autograd.Function`` trigger
-  fails under it);
-- post-accumulate-grad hook on each placeholder: reduce-scatter the gradient into
-  the sharded parameter's ``.grad``, drop the placeholder's gradient, free it;
-- finishing: a group finishes (frees whatever is still gathered, goes idle) when its
-  last gradient is reduced. Eagerly, the root also queues a callback on the autograd
-  engine that finishes every unit, for units some of whose parameters got no
-  gradient. Compiled autograd accepts ``queue_callback`` only when the backward is
-  compiled with ``fullgraph=True``, which torch's recommended entry
-  (``compiled_autograd = True`` around a default ``torch.compile``) is not, so in a
-  compiled backward the root's next pre-forward finishes such units instead.
+- pre-forward: all-gather the unit's parameters and register the placeholders;
+- post-forward: reshard when ``reshard_after_forward``, and hook every output that
+  requires grad; the hook re-gathers before the unit's backward and returns its
+  gradient (compiled autograd breaks on ``None``, and on an ``autograd.Function``
+  trigger);
+- post-accumulate-grad hook on each placeholder: reduce the gradient into the sharded
+  ``.grad`` and free the placeholder's;
+- finishing: a group finishes when its last gradient is reduced. Eagerly the root also
+  queues an engine callback that finishes units some of whose parameters got no
+  gradient. Compiled autograd accepts ``queue_callback`` only under ``fullgraph=True``,
+  which torch's recommended entry is not, so compiled, the next pre-forward finishes
+  such units.
 
-Compiled, the forward's hooks trace into the forward graph; the backward's hooks are
-traced by compiled autograd into the backward graph. That needs compiled autograd to
-be on when the forward is traced, so that dynamo defers the output hooks to the
-backward (through a ``BackwardState``). Without it, AOTAutograd traces the hook into
-its own joint graph and its partitioner may move the re-gather into the forward: the
-numbers come out wrong with no error. So a forward compiled while compiled autograd
-is off never traces a hook: each unit's pre- and post-forward run eagerly around the
+Compiled autograd must be on when the forward is traced, so that dynamo defers the
+output hooks to the backward (``BackwardState``). Otherwise AOTAutograd's partitioner
+may move the re-gather into the forward: wrong numbers, no error. So a forward compiled
+without compiled autograd runs each unit's pre- and post-forward eagerly around the
 compiled compute ([Note: A unit compiled without compiled autograd] in
 ``_compile_checks.py``).
 """
@@ -73,10 +66,8 @@ if TYPE_CHECKING:
 
 
 class _InputGradsDone:
-    """What torch's ``RegisterPostBackwardFunction`` calls (``post_backward``) when
-    the gradients of one forward's inputs are complete; it counts them down when
-    that forward counted them. See [Note: When a unit's backward is done]
-    (_param_group.py)."""
+    """Called by torch's ``RegisterPostBackwardFunction`` when one forward's input
+    gradients are complete. See [Note: When a unit's backward is done]."""
 
     def __init__(self, state: FSDPState, counted: bool) -> None:
         self.state = state
@@ -101,44 +92,27 @@ def _queue_final_callback(callback: Callable[[], None]) -> None:
 
 
 # [Note: Forward during the unit's backward]
-# Activation checkpointing runs a module's forward again inside the backward (the
-# recompute). When that module is a unit (``checkpoint_wrapper`` applied after
-# fully_shard), its forward runs while the unit is in its backward: it was
-# re-gathered by its pre-backward, and its modules hold the placeholders (see
-# [Note: The module holds the placeholder only in forward] in ``_param.py``). The
-# pre- and post-forward then only make sure of that (gathering again if something
-# resharded the unit since) and cast inputs and outputs as the first forward did,
-# so the recompute computes what the forward computed; no reshard (which would free
-# what the recompute's own backward reads), no hooks on the recomputed tensors.
-# torch's FSDP2 does the same, for the same reasons. "During the unit's backward" is
-# its PRE_BACKWARD state while the autograd engine runs a backward: a unit left in
-# PRE_BACKWARD after a backward ended (a compiled backward, or
-# ``set_is_last_backward(False)``) is finished by the next forward as usual. While
-# dynamo traces a forward no recompute runs (a checkpointed region compiled with the
-# forward is recomputed inside the compiled graphs).
+# Activation checkpointing reruns a unit's forward inside its backward (the unit is in
+# PRE_BACKWARD while the engine runs). The pre- and post-forward then only make sure the
+# unit is gathered and cast inputs and outputs as the first forward did: no reshard
+# (the recompute's backward reads the parameters) and no hooks, as torch's FSDP2. A unit
+# left in PRE_BACKWARD after a backward ended is finished by the next forward as usual.
 
 
 # [Note: A unit's state and its group's backward]
-# The unit's ``TrainingState`` lives on the ``FSDPState`` alone. Its parameter group
-# keeps one different fact, ``in_backward``: its gradient work is in flight, from
-# ``pre_backward`` (which re-gathers) until ``finish_backward`` (every gradient it
-# waits for was handled). The two part where it matters: a group with nothing to wait
-# for (every parameter frozen, no input needing grad) finishes inside
-# ``pre_backward``, while its unit stays ``PRE_BACKWARD`` until its backward is over,
-# so that the unit's other outputs' hooks do not re-gather it again, and a recompute
-# of its forward (activation checkpointing) is still seen as part of its backward (see
-# [Note: Forward during the unit's backward]). The unit goes ``IDLE`` when its group
-# stops being in backward (``_idle_if_group_done``), when its root finishes it, or at
-# its next post-forward; a post-forward also ends the group's backward, as the unit's
-# forward starts a new iteration for both.
+# The unit's ``TrainingState`` lives on the ``FSDPState``; its group keeps
+# ``in_backward`` (gradient work in flight, ``pre_backward`` to ``finish_backward``).
+# They differ for a group with nothing to wait for, which finishes inside
+# ``pre_backward`` while its unit stays ``PRE_BACKWARD`` until the backward is over, so
+# other output hooks do not re-gather it and a recompute is still seen as backward. The
+# unit goes ``IDLE`` when its group finishes (``_idle_if_group_done``), when its root
+# finishes it, or at its next post-forward.
 
 
 # [Note: Forward wrapper, not module hooks]
-# Pre- and post-forward run inside the ``forward`` of the generated ``FSDP<Class>``
-# rather than as module hooks. ``torch.compile(module)`` calls the top module's hooks
-# outside dynamo and only picks up frames inside them, so hooks on the root would
-# compile as two extra graphs (root gathers, root reshard) around the forward graph;
-# inside ``forward`` they trace into one graph with everything else.
+# Pre- and post-forward run inside the generated ``FSDP<Class>.forward``, not as module
+# hooks: ``torch.compile(module)`` runs the top module's hooks outside dynamo, which
+# would make two extra graphs around the forward graph.
 
 
 # The attribute of a module's ``__dict__`` that holds its unit's state.
@@ -195,8 +169,7 @@ class FSDPState:
         self.kind = type(modules[0]).__name__
         self.param_group = param_group
         self.options = options
-        # Changed by FSDPModule.set_reshard_after_forward; the options keep the
-        # value the unit was built with.
+        # Changed by FSDPModule.set_reshard_after_forward.
         self.reshard_after_forward = options.reshard_after_forward
         self.mp_policy = options.mp_policy
         self.is_root = True
@@ -211,8 +184,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         self._final_callback_queued = False
-        # The outermost unit whose subtree holds this one (set by that unit's
-        # fully_shard); itself while it is a root.
+        # The outermost unit holding this one; itself while it is a root.
         self.root: FSDPState = self
         # Root only; see [Note: The post-optimizer event] (_post_optim.py).
         self.post_optim = PostOptimEvent(modules)
@@ -227,9 +199,7 @@ class FSDPState:
         self.slots: list[tuple[nn.Module, str, str]] = []
         # Root only: the units of its tree that either can mark (set by adopt_nested).
         self.checkpoint_suspects: list[FSDPState] = []
-        # Root only: the refusal naming the modules marked as compile regions, None
-        # when there are none (adopt_nested). See [Note: A compile region inside a
-        # unit].
+        # Root only; see [Note: A compile region inside a unit].
         self._refuse_compile_regions: Callable[..., Any] | None = None
         if param_group is not None:
             self._register_post_acc_hooks()
@@ -274,7 +244,6 @@ class FSDPState:
                         # See [Note: A checkpoint around a unit's call] (_compile_checks.py).
                         held.slots.append((sub, name, child_name))
         for s, names in paths.items():
-            # A list unit is labelled by all its modules' paths, as it was built.
             # See [Note: One graph for every unit of a class] (_common.py).
             enclosing = sorted(
                 (a for a in paths if a is not s and _below(names, paths[a])),
@@ -388,8 +357,7 @@ class FSDPState:
                     # See [Note: The module holds the placeholder only in forward].
                     param_group.register_unsharded()
             return self._cast_inputs(args, kwargs)
-        # A root checks its whole subtree before anything runs; a unit whose own
-        # forward is called outside its root's, itself.
+        # A root checks its subtree; a unit called outside its root's forward, itself.
         for state in self.states if self.is_root else (self,):
             if state.init_errors:
                 raise ValueError(state.init_errors[0])
@@ -412,9 +380,8 @@ class FSDPState:
     def _mark_input_grads(
         self, param_group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Gives the forward new tensors for its inputs that require grad, through
-        which the unit learns that their gradients are complete. See [Note: When a
-        unit's backward is done] (_param_group.py)."""
+        """Aliases the forward inputs that require grad, to count their gradients.
+        See [Note: When a unit's backward is done]."""
         counted = param_group.counts_input_grads
         if compiling():
             if counted:
@@ -431,9 +398,8 @@ class FSDPState:
         return args, kwargs
 
     def _hooked_alias(self, t: torch.Tensor) -> torch.Tensor:
-        """A fresh alias of a forward input that requires grad, with the hook that
-        counts its gradient; other tensors unchanged. See [Note: When a unit's
-        backward is done] (_param_group.py)."""
+        """A fresh alias of ``t`` with a counting hook, if it requires grad. See
+        [Note: When a unit's backward is done]."""
         if not t.requires_grad:
             return t
         alias = t.view_as(t)
@@ -514,20 +480,12 @@ class FSDPState:
         return " ".join(type(m).__name__ for m in self.modules)
 
     # [Note: The default keeps the root gathered for backward]
-    # ``reshard_after_forward=None`` (the default, as torch 2.13's) keeps the root's
-    # parameters gathered after forward, because its backward comes first and would
-    # re-gather them at once. We keep them only when a backward can follow: after a
-    # forward with grad disabled (``torch.no_grad``, ``inference_mode``: evaluation)
-    # the root reshards like every other unit. torch's keeps them, and then its
-    # modules hold the gathered plain parameters until the next backward or
-    # reshard(), so an optimizer built from ``model.parameters()`` after an
-    # evaluation forward steps those copies and never the sharded parameters; the
-    # loss of the second step differs, with no error. Compiled, a root left gathered
-    # by an evaluation forward would also make the next training step compile its
-    # forward and backward again (its state differs from the one the graphs were
-    # traced with).
-    # What it costs: an evaluation loop re-gathers the root's parameters at each
-    # forward. An explicit ``False`` keeps them, as torch's.
+    # ``reshard_after_forward=None`` (the default) keeps the root gathered after forward,
+    # since its backward would re-gather at once, but only when a backward can follow:
+    # under ``torch.no_grad``/``inference_mode`` the root reshards. torch's keeps it, so an
+    # optimizer built from ``model.parameters()`` after an evaluation forward silently
+    # steps the gathered copies; compiled, the next step would also recompile. Cost: an
+    # evaluation loop re-gathers the root each forward. An explicit ``False`` keeps them.
     def _post_forward(self, output: Any, inputs: Any = ()) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             # See [Note: Forward during the unit's backward].
@@ -540,9 +498,7 @@ class FSDPState:
             if raf is True:
                 param_group.reshard()
             elif raf is False:
-                # The data stays gathered for backward. Eagerly the modules keep
-                # holding it, as torch's; see [Note: The module holds the placeholder
-                # only in forward] (_param.py).
+                # See [Note: The module holds the placeholder only in forward].
                 if compiling():
                     param_group.register_sharded()
             else:  # an int: keep 1/raf for a smaller re-gather in backward
@@ -556,42 +512,23 @@ class FSDPState:
         return output
 
     # [Note: An output that is a view]
-    # A unit is re-gathered for its backward by a hook on each of its outputs that
-    # requires grad. An in-place op on an output that is a view (``out += y`` after a
-    # unit that returned ``h.view(...)``, as HF's OPT decoder layer and timm's
-    # PatchEmbed do) re-bases the view's autograd history: the node the hook sits on
-    # leaves the graph, the hook never runs, and the unit's backward reads its freed
-    # placeholders ("setStorage: ... out of bounds for storage of size 0"). torch's
-    # fully_shard fails the same way (and since torch 2.13 warns at every forward
-    # that returns a view, in-place op or not).
-    # The view's base keeps its history: the in-place op's node leads on to the
-    # base's own producer. So for an output that is a view of a tensor the unit's
-    # forward made (not a forward input, nor the base of one; not a leaf), the unit
-    # also hooks the base. The base's hook acts only if the view's did not run (the
-    # two share a flag of their own): without an in-place op the view's hook runs
-    # first and the base's does nothing. The numbers are those of the same op out of
-    # place (tests/test_conformance.py: bitwise against torch's fully_shard on that
-    # form). Compiled, dynamo traces both hooks (``is_leaf``, not ``grad_fn``, which
-    # dynamo cannot read) and compiled autograd calls them as eagerly.
+    # An in-place op on an output that is a view (``out += y`` after ``h.view(...)``, as
+    # HF's OPT and timm's PatchEmbed do) re-bases the view's history: its hook never
+    # runs and the backward reads freed placeholders (torch's fully_shard fails the same
+    # way). The base keeps its history, so for an output that is a view of a tensor the
+    # forward made, the unit also hooks the base; the two share a flag, and the base's
+    # hook acts only if the view's did not run. tests/test_conformance.py: bitwise
+    # against torch's fully_shard on the out-of-place form. Dynamo reads ``is_leaf``,
+    # not ``grad_fn``, which it cannot trace.
     #
     # [Note: Output hooks after the unit's backward]
-    # A unit's backward is over once its trainable gradients are reduced (and, for a
-    # unit with frozen parameters, its inputs' gradients are complete: [Note: When a
-    # unit's backward is done] in _param_group.py). An output on no path to its
-    # parameters can still get its gradient later: one the unit passes through
-    # unchanged, as each T5 block returns the position bias it was given, completes
-    # only after every later block's backward. Its hook then found the unit idle and
-    # gathered it again, for nothing: compiled, HF T5 (2 ranks) re-gathered 65
-    # parameters a backward instead of 44, recompiled its forward at step 2, and
-    # kept 82,560 bytes of placeholders gathered after each backward; eagerly it
-    # issued 6 all-gathers a backward instead of 4 (the root's final callback freed
-    # them). So the hooks of one forward call share a flag: the first that runs
-    # while the flag is down records it on the group, and the group's finish raises
-    # every flag it recorded; a hook whose flag is up does nothing. A call none of
-    # whose hooks ran before the finish (its outputs all on no path to the
-    # parameters) still re-gathers, as before. Pipelining's forwards of several
-    # micro-batches before their backwards each have their own flag, so a later
-    # micro-batch's finish leaves an earlier one's hooks alone.
+    # An output on no path to the unit's parameters (a T5 block's pass-through position
+    # bias) can get its gradient after the unit's backward is over ([Note: When a unit's
+    # backward is done] in _param_group.py); its hook would re-gather the unit for
+    # nothing (and, compiled, recompile). So the hooks of one forward call share a flag:
+    # the first to run records it on the group, the group's finish raises every flag it
+    # recorded, and a hook whose flag is up does nothing. Each pipeline micro-batch's
+    # forward has its own flag.
     def _register_pre_backward_hooks(self, output: Any, inputs: Any) -> None:
         """See [Note: An output that is a view] and [Note: Output hooks after the
         unit's backward]."""
@@ -636,9 +573,8 @@ class FSDPState:
 
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        # Runs once per output tensor; every step below is idempotent. Any unit's
-        # backward queues its root's final callback: a nested unit may run a backward
-        # of its own (a module of it called outside the root's forward).
+        # Runs once per output tensor; every step below is idempotent. Any unit queues
+        # its root's final callback: a nested unit may run a backward of its own.
         root = self.root
         if not root._final_callback_queued:
             root._final_callback_queued = True
@@ -657,18 +593,12 @@ class FSDPState:
         return grad
 
     # [Note: Parameter hooks hold their unit weakly]
-    # autograd keeps a placeholder's post-accumulate-grad hooks in C++, where the
-    # garbage collector cannot see them. A hook that held its unit (state, group,
-    # FSDPParam) strongly would close a cycle placeholder -> hook -> FSDPParam ->
-    # placeholder that the collector cannot free: every model ever sharded would stay
-    # alive, with its parameters, meshes and process groups, for the life of the
-    # process (torch's fully_shard frees its models). A process group that outlives
-    # ``destroy_process_group`` also keeps gloo's worker threads running to
-    # interpreter exit, where they can abort the process ([Note: Exiting with gloo
-    # worker threads] in ``_exit.py``). So the hook holds its unit through weak
-    # references, and does nothing once the unit is gone. ``tests/test_runtime.py``
-    # checks that a dropped model is freed, eager and compiled. Compiled autograd
-    # traces the dereferences like any other Python in the hook.
+    # autograd keeps post-accumulate-grad hooks in C++, invisible to the garbage
+    # collector, so a hook holding its unit strongly would keep every sharded model (and
+    # its process groups, whose gloo threads can abort the process at exit: [Note:
+    # Exiting with gloo worker threads] in ``_exit.py``) alive forever. The hook holds
+    # its unit weakly and does nothing once it is gone. ``tests/test_runtime.py`` checks
+    # that a dropped model is freed, eager and compiled.
     def _make_post_acc_hook(
         self, param_group: FSDPParamGroup, fp: Any
     ) -> Callable[[torch.Tensor], None]:
@@ -699,8 +629,7 @@ class FSDPState:
 
     def _idle_if_group_done(self) -> None:
         if self.param_group is not None and not self.param_group.in_backward:
-            # The group finished: the unit is idle again, so the next forward sees
-            # the same state as the first (no recompile).
+            # Idle again, so the next forward sees the first one's state (no recompile).
             self.training_state = TrainingState.IDLE
 
     def _finish_backward(self) -> None:
@@ -725,18 +654,12 @@ class FSDPState:
 
     # [Note: Manual backward finalization]
     # torch 2.15's ``set_manual_backward_finalization(True)`` moves the end of the
-    # backward iteration from the autograd engine's final callback to an explicit
-    # ``finalize_backward()`` call, so that a schedule can run several backwards (the
-    # micro-batches of a pipeline stage, with gradient sync off) and reduce once.
-    # Here the root's final callback then does nothing, and ``finalize_backward``
-    # does what the callback does on the last backward: every group reduces the
-    # gradients it kept (gradient sync is on again by then) and every unit finishes
-    # its backward (reshards as ``reshard_after_backward`` says). Our collectives run
-    # on the current stream, so ``async_op=True`` finishes the reduction before it
-    # returns its handle; the handle's ``wait()`` checks that no
-    # ``reset_iter_state`` came between (``iteration``), as torch's does.
-    # tests/test_backward_finalization.py checks it against torch's fully_shard, and
-    # tests/test_pipelining.py through torch.distributed.pipelining (2.15).
+    # backward iteration from the engine's final callback to ``finalize_backward()``, so
+    # a schedule can run several backwards and reduce once. The root's callback then
+    # does nothing and ``finalize_backward`` does what it does on the last backward.
+    # ``async_op=True`` is complete on return (current-stream collectives); the handle's
+    # ``wait()`` checks no ``reset_iter_state`` came between. Tested in
+    # tests/test_backward_finalization.py and tests/test_pipelining.py.
     def finalize_backward(self) -> None:
         """Root only. See [Note: Manual backward finalization]."""
         if not self.manual_finalization:
@@ -770,11 +693,9 @@ class FSDPState:
         self.iteration += 1  # a pending GradientReductionHandle is invalid now
 
 # [Note: Activations in dataclasses]
-# A unit's inputs and outputs may hold tensors in dataclasses, which pytree does not
-# flatten (named tuples, lists, tuples and dicts it does). A tensor the hooks missed
-# is a unit whose output gets no pre-backward hook: its backward would read the
-# freed placeholder. ``_tensors`` and ``_map_tensors`` therefore look inside
-# dataclass instances too, as torch's FSDP2 does (its ``_apply_to_tensors``).
+# pytree does not flatten dataclasses; a missed output tensor gets no pre-backward
+# hook. ``_tensors`` and ``_map_tensors`` look inside them, as torch's
+# ``_apply_to_tensors`` does.
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -792,10 +713,8 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``tree`` with ``fn`` applied to every tensor, dataclass fields included (as
-    shallow copies: the caller's objects are untouched; a frozen dataclass's fields
-    are set as its own ``__init__`` sets them). See [Note: Activations in
-    dataclasses]."""
+    """``tree`` with ``fn`` applied to every tensor, dataclasses shallow-copied. See
+    [Note: Activations in dataclasses]."""
 
     def apply(x: Any) -> Any:
         if isinstance(x, torch.Tensor):

@@ -26,35 +26,19 @@ __all__ = ["register_load_subtree_hook", "register_state_dict_hooks"]
 # ``load_state_dict()`` copies into the sharded parameters (DTensor.copy_). Pre-hooks
 # make three cases work that would otherwise be wrong or fail:
 #
-# - state_dict() between unshard() and reshard(): the modules hold the unsharded
-#   placeholders (plain full tensors). A pre-hook registers the sharded parameters
-#   again (the gathered data stays, so a later forward or reshard() is unaffected),
-#   and the state dict holds DTensors as always.
-# - load_state_dict() while the unit holds gathered data (between unshard() and
-#   reshard(), after a forward with reshard_after_forward=False, after a backward
-#   with reshard_after_backward=False, or with an async unshard in flight): the new
-#   values go to the sharded parameters, and the gathered copy would be stale, so
-#   the pre-hooks reshard first (frees it; an all-gather in flight is waited for
-#   and dropped). The next forward, or unshard(), gathers the loaded values.
-#   torch's FSDP2 does the same (its pre-hooks move the group to sharded).
-# - a plain tensor of the parameter's full shape (a full, consolidated state dict):
-#   DTensor.copy_ refuses to mix tensor types, so the pre-hooks turn it into a
-#   DTensor with distribute_tensor(..., src_data_rank=None): each rank keeps its
-#   own shard of its own full tensor, without communication (as torch's
-#   set_model_state_dict does for a full state dict). Every rank must pass the same
-#   full values. A plain tensor of another shape is left for torch's size-mismatch
-#   error.
+# - state_dict() between unshard() and reshard(): a pre-hook registers the sharded
+#   parameters again (the gathered data stays).
+# - load_state_dict() while the unit holds gathered data: the pre-hooks reshard first,
+#   since the gathered copy would be stale, as torch's FSDP2 does.
+# - a plain tensor of the full shape (a consolidated state dict): turned into a DTensor
+#   with distribute_tensor(..., src_data_rank=None), each rank keeping its shard
+#   without communication. Every rank must pass the same values.
 #
-# With assign=True the loaded DTensor becomes the sharded parameter (the post-hook,
-# FSDPParam.reset_sharded_param, swaps it in); the pre-hook checks that it has the mesh,
-# placements and dtype of the parameter it replaces.
-#
-# Two pre-hooks do this. One on each unit's module prepares every value of the unit
-# and of the units nested in it, before any module under it loads, so a refused value
-# raises before anything is copied or assigned (load_state_dict visits a module
-# before its children). One on each module that holds managed parameters prepares
-# its own: it covers load_state_dict() called on a module inside a unit, and is a
-# no-op check when the unit's hook already ran.
+# With assign=True the loaded DTensor becomes the sharded parameter
+# (FSDPParam.reset_sharded_param); the pre-hook checks its mesh, placements and dtype.
+# The unit module's pre-hook prepares every value below it before any module loads, so
+# a refused value raises before anything is copied; a pre-hook on each module holding
+# managed parameters covers load_state_dict() called inside a unit.
 
 
 def _prepare_loaded_value(
@@ -203,11 +187,7 @@ def _before_load_own_params(
 
 def _after_load_state_dict(state: FSDPState, module: nn.Module, incompatible_keys: Any) -> None:
     if state.param_group is not None:
-        # assign=True gives each registration of a shared parameter its own
-        # tensor; the unit keeps the first one and every registration gets it
-        # back, so the parameter stays shared (reset_sharded_param). The device
-        # is not checked here: this hook runs after each of a list unit's modules
-        # loads, when the next ones may still hold their meta shards (HF
-        # accelerate loads its [final norm, head] unit so). A shard still on meta
-        # at the next forward is refused there, naming the fix.
+        # A shared parameter stays shared: the unit keeps the first assigned tensor.
+        # The device is checked at the next forward (a list unit's other modules may
+        # not be loaded yet).
         state._apply_user_changes(check_device=False)

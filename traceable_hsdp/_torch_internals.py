@@ -2,36 +2,22 @@
 process-wide changes it makes to torch, each checked on the torch versions it lists.
 
 [Note: Torch internals]
-traceable_hsdp builds on torch's FSDP2 protocols and on compile machinery that torch
-does not publish. Each such internal is one :class:`TorchInternal` of
-:data:`INTERNALS`: its target (a dotted path), why it is needed, for a change the
-functions that install and undo it, and the torch versions on which it was checked
-to exist and to behave as the code assumes. The table is rendered at the end of this
-docstring. Code reaches a name of the table only through this module (``from
-traceable_hsdp._torch_internals import RegisterPostBackwardFunction``, or
-:func:`resolve` for a name that must stay lazy: Inductor's), and changes torch only
-through the functions the table names. torch's compile configuration modules and the
-pass hook torch documents (``torch._dynamo.config``, ``torch._inductor.config``,
-``torch._functorch.config``, ``torch._inductor.custom_graph_pass``) are read directly;
-what we write in them is in the table.
+traceable_hsdp builds on FSDP2 protocols and compile machinery torch does not publish.
+Each such internal is one :class:`TorchInternal` of :data:`INTERNALS`: its target, why
+it is needed, for a change the functions that install and undo it, and the torch
+versions it was checked on; the table is rendered at the end of this docstring. Code
+reaches a name of the table only through this module (or :func:`resolve`, for names
+that must stay lazy) and changes torch only through the functions the table names.
+torch's config modules and documented pass hook are read directly; what we write in
+them is in the table.
 
-A target that is missing, or whose code no longer reads what ours relies on (the
-entry's ``uses``), raises :class:`TorchInternalError` naming the target, the installed
-torch, the versions checked and what needs it. Nothing falls back to another path.
-:func:`install` (``fully_shard`` calls it) checks every entry, then makes every
-change (one that an environment switch turns off stays off); :func:`undo` undoes
-them all. Both are idempotent. A change made only inside a block of ours (``block``)
-is left to that block. The exit hook and the optimizer check are not torch internals
-but process-wide changes all the same, so they are installed and undone here too.
-
-``import traceable_hsdp`` changes nothing. The ``DeviceMesh`` pickling reducer is
-installed by :func:`install` like every other change: Inductor's cache-key pickler
-copies ``copyreg``'s table when it is made, at each compile, which comes after
-``fully_shard``. Outside the cache its one effect is that a pickled mesh leaves out
-the hash it cached, which the unpickled mesh computes again on first use.
-``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` leaves it off; :func:`undo` removes it.
-``tests/test_compile_cache.py`` checks that the import leaves ``copyreg`` alone and
-that a pickler made after :func:`install` gives the same bytes in two processes.
+A target that is missing, or whose code no longer reads what ours relies on (``uses``),
+raises :class:`TorchInternalError` naming it, the installed torch and the versions
+checked; nothing falls back. :func:`install` (``fully_shard`` calls it) checks every
+entry, then makes every change not turned off by its environment switch; :func:`undo`
+undoes them all. Both are idempotent. The exit hook and the optimizer check are
+installed and undone here too. ``import traceable_hsdp`` changes nothing
+(``tests/test_compile_cache.py`` checks ``copyreg`` is left alone).
 
 ``tests/test_torch_internals.py`` checks that every entry resolves, that
 :func:`install` then :func:`undo` leaves every target the identical object it was,

@@ -78,11 +78,10 @@ class _TorchGroupView:
 
 
 def expose_to_torch(modules: list[nn.Module], state: FSDPState) -> None:
-    """Makes torch's ``fully_shard.state(module)`` return the unit's view, for
-    torch.distributed.pipelining, and marks the modules as fully_shard's in torch's
-    registry of composable APIs, which torch's ``replicate()`` reads to leave
-    fully_shard's parameters alone (without it, it turned our sharded parameters into
-    plain ones and handed them to DDP). See [Note: A subclass of torch's FSDPModule]."""
+    """Makes torch's ``fully_shard.state(module)`` return the unit's view, and marks
+    the modules as fully_shard's in torch's composable-API registry, so torch's
+    ``replicate()`` leaves their parameters alone. See [Note: A subclass of torch's
+    FSDPModule]."""
     contract = "torch.distributed._composable.contract."
     state_key, registry_key = resolve(contract + "STATE_KEY"), resolve(contract + "REGISTRY_KEY")
     registry_item = resolve(contract + "RegistryItem")

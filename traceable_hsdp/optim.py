@@ -12,34 +12,16 @@ every argument and default::
     optim = AdamW(model.parameters(), lr=3e-4)   # instead of torch.optim.AdamW
 
 [Note: Optimizer steps on local shards]
-An FSDP parameter is a ``DTensor`` whose placements say how the full tensor is split
-(``Shard(0)`` over the mesh, or ``Replicate`` for hsdp()'s small parameters). Adam's
-update is elementwise: every output element depends only on the same element of the
-parameter, its gradient and its two moments. When all four are ``DTensor``s with the
-same mesh and placements, the update of the local tensors is exactly what
-``DTensor``'s dispatch computes, op for op, with the same kernels and the same
-scalars; only the dispatch is skipped. That dispatch (sharding propagation and a
-wrapper per op, about ten ops per parameter) costs more than the arithmetic for the
-small shards of a sharded model on the CPU (docs/benchmarks.md).
-
-torch's Adam gathers each group's tensors into lists in ``_init_group`` (creating the
-state lazily, as ``DTensor``s from ``zeros_like(param)``) and hands the lists to the
-functional ``adam``. The subclasses let ``_init_group`` run unchanged, then replace
-each ``DTensor`` in those lists by its local tensor, in place, after checking that it
-is laid out like its parameter. A gradient laid out differently (``Partial``: not yet
-reduced, or another placement) is refused, since its local values are not the
-parameter's shard of the gradient; torch's optimizer would redistribute it. Plain
-tensors pass through unchanged, so a model with some unsharded parameters works too.
-
-``foreach`` and ``fused`` keep their meaning; their defaults are decided from the
-tensors the functional sees, which on every device torch supports gives the same
-choice as for ``DTensor``s (``DTensor`` is registered as a foreach-capable type). The
-tests compare every parameter and state tensor with ``torch.optim.AdamW`` on the same
-``DTensor``s, bitwise, for the single-tensor, foreach and fused implementations.
-
-Other optimizers: SGD with momentum creates its buffers inside the functional step,
-from the (here local) gradient, so its state would not be a ``DTensor``; it is not
-offered. Use ``torch.optim`` for it.
+Adam's update is elementwise, so when parameter, gradient and moments are ``DTensor``s
+with the same mesh and placements, updating the local tensors is exactly what
+``DTensor``'s dispatch computes, without the per-op dispatch cost (measured in
+docs/benchmarks.md). The subclasses let ``_init_group`` run unchanged, then replace
+each ``DTensor`` in its lists by its local tensor after checking it is laid out like
+its parameter; a gradient laid out otherwise (``Partial``) is refused. Plain tensors
+pass through. ``foreach`` and ``fused`` keep their meaning and defaults. The tests
+compare every parameter and state tensor with ``torch.optim.AdamW``, bitwise, for all
+three implementations. SGD with momentum is not offered: its state would not be a
+``DTensor``.
 """
 
 from __future__ import annotations

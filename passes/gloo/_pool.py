@@ -22,53 +22,30 @@ __all__ = [
 
 
 # [Note: Exchange outputs from a pool]
-# On the CPU every buffer of a compiled step is new memory each step: Inductor frees
-# its buffers when the graph returns, and a collective allocates its output when it
-# is issued. glibc gives the top of its heap back to the kernel when a free leaves
-# more than its trim threshold there (about twice the largest block it has unmapped:
-# 8 MiB with 4 MiB buckets), and every page of it is faulted in and zeroed again
-# when it is next written. The exchanges' outputs (``exchange.py``) are the largest
-# such buffers, a bucket each, written by gloo's threads as they receive. With the
-# pool those pages stay mapped and gloo's threads take no page fault on them; the
-# step is as fast or faster, and the heap's peak grows by the pooled buffers not alive
-# at the peak before (a few MiB; docs/benchmarks.md has the measurements).
+# On the CPU a compiled step allocates its buffers afresh each step, and glibc returns
+# large freed heap tops to the kernel, so the exchanges' outputs (a bucket each) are
+# faulted in and zeroed again every step. So the exchanges issue
+# ``traceable_hsdp::all_to_all_single``, torch's ``all_to_all_single`` with its output
+# taken from a pool that outlives the graph (measured in docs/benchmarks.md):
 #
-# So the exchanges issue ``traceable_hsdp::all_to_all_single``, torch's
-# ``_c10d_functional.all_to_all_single`` (the same schema and the same call into the
-# process group: ``alltoall_base`` into an output, the work registered for
-# ``wait_tensor``) with its output taken from a pool that outlives the graph:
+# - A pooled buffer is handed out only when its storage's use count is 1 (the pool's
+#   own reference): every reader, gloo's work in flight included, holds a reference,
+#   so safety does not rest on the pass's view of lifetimes. A resized storage is
+#   dropped.
+# - Buffers are pooled by shape, dtype and device, at most :data:`POOL_DEPTH` a key
+#   and :data:`POOL_MAX_BYTES` in all; beyond, outputs are allocated unpooled.
+#   Unbounded, a large vocabulary's root bucket (embedding and head) and every
+#   layer's stayed resident between steps, which put the compiled peak RSS above
+#   torch's per-block compile (docs/benchmarks.md, "Memory");
+#   ``test_pool_keeps_within_its_budget`` pins the bound.
+# - :func:`release_exchange_buffers` drops every buffer not in use (as
+#   ``torch.cuda.empty_cache()``); ``PassConfig(pool_exchange_outputs=False)`` uses
+#   torch's op.
 #
-# - A pooled buffer is handed out only when nothing else references its storage
-#   (``torch._C._storage_Use_Count`` is 1: the pool's own reference). Every reader of
-#   an output (Inductor's wrapper variables and their views, gloo's work in flight,
-#   a tensor a user kept) holds a reference to the storage, so a buffer still read
-#   anywhere is never handed out again; the safety does not rest on the pass's view
-#   of lifetimes. (gloo's worker can hold a finished work, and so its output, for a
-#   moment after the wait returns: the op then takes another buffer.) A storage whose
-#   size changed is dropped from the pool.
-# - Buffers are pooled by shape and dtype and device; at most :data:`POOL_DEPTH` a
-#   key, and at most :data:`POOL_MAX_BYTES` in all. When all of a key's buffers are
-#   in use, the op allocates a new one and pools it while the key and the budget
-#   have room, else returns it unpooled (freed after use), as torch's op does. So
-#   the pool holds at most the most exchanges of a shape whose outputs were alive at
-#   once, like the CUDA caching allocator's reserved memory, within the budget.
-#   Without the budget a model with a large vocabulary kept its root's bucket (the
-#   embedding and the head) and every layer's, resident between steps: about 700
-#   MiB a rank for an 8-layer HF Llama of width 1024 on 2 ranks, which put our peak
-#   RSS above torch's per-block compile; with it, 40 MiB and the same peak as
-#   torch's (docs/benchmarks.md, "Memory"). ``test_pool_keeps_within_its_budget``
-#   pins it.
-# - It is kept between steps, which is the point; :func:`release_exchange_buffers`
-#   drops every buffer not in use (as ``torch.cuda.empty_cache()`` does), and
-#   ``PassConfig(pool_exchange_outputs=False)`` compiles graphs that allocate as
-#   torch's op does.
-#
-# Inductor lowers the op as it lowers torch's (:func:`pooled_all_to_all_lowering`:
-# ``ir._CollectiveKernel.create_out_of_place``), so its input stays alive until the
-# wait and its buffer is not reused before then (``_WaitKernel.get_volatile_reads``),
-# and its scheduler counts it as a collective. On a torch without what that lowering
-# needs, registering it raises ``TorchInternalError`` ([Note: Torch internals]);
-# ``PassConfig(pool_exchange_outputs=False)`` compiles torch's op instead.
+# Inductor lowers the op as torch's (:func:`pooled_all_to_all_lowering`), so its input
+# stays alive until the wait and the scheduler counts it as a collective. A torch
+# without what the lowering needs raises ``TorchInternalError`` ([Note: Torch
+# internals]).
 
 POOL_DEPTH = 8
 """Most buffers kept for one (shape, dtype, device)."""

@@ -1,17 +1,12 @@
 """Reduce-scatters and all-gathers over two gloo ranks as exchanges (``all_to_all_single``).
 
 [Note: gloo reduce-scatters as an exchange]
-gloo has no reduce-scatter. torch 2.13's ``ProcessGroupGloo`` implements one
-(``reduce_scatter_tensor_coalesced``) as a copy of the whole input, an all-reduce
-of that copy, and, in ``wait()``, a copy of this rank's chunk out of it: every rank
-sends and receives the whole tensor instead of the 1/world_size that a
-reduce-scatter needs, and the caller's thread pays the last copy. An all-to-all
-moves exactly what a reduce-scatter needs: rank ``r`` sends chunk ``j`` of its
-input to rank ``j`` and receives chunk ``r`` from every rank, then adds them.
-``benchmarks/collective_latency.py`` compares the two as bare ops (docs/benchmarks.md).
-
-So this pass rewrites each reduce-scatter of CPU tensors over a gloo group of two
-ranks, read by one wait::
+gloo has no reduce-scatter: ``ProcessGroupGloo`` copies the whole input, all-reduces
+it, and copies this rank's chunk out in ``wait()``, so every rank moves the whole
+tensor. An all-to-all moves exactly what a reduce-scatter needs (rank ``r`` sends chunk
+``j`` to rank ``j``), then the rank adds what it received (bare-op comparison in
+docs/benchmarks.md). So this pass rewrites each reduce-scatter of CPU tensors over a
+gloo group of two ranks, read by one wait::
 
     rs = reduce_scatter_tensor(g, "avg", 2, "0")    # g: (2k, ...)
     r  = wait_tensor(rs)
@@ -22,49 +17,27 @@ into::
     w  = wait_tensor(ex)                            # where r was
     r  = div(add(w[:k], w[k:]), 2)                  # "sum": add(w[:k], w[k:])
 
-The numbers are the same bit for bit: over two ranks each element of the result is
-one addition of two values, and floating-point addition is commutative, so the
-order gloo's all-reduce adds them in cannot matter; its average divides that sum by
-2, as here (``tests/test_passes_unit.py`` checks both ops against gloo's own
-reduce-scatter). In compiled graphs only float32 and float64 reduce-scatters are
-rewritten: see [Note: Low-precision sums and fusion]. Over more ranks gloo's ring
-adds the chunks in an order of its own (on 4 ranks rank ``r`` gets ``((x[r+2] + x[r+3]) + x[r+1]) +
-x[r]``), which an exchange would have to copy to give the same numbers, so
-reduce-scatters over more than two ranks, ``max``/``min``/``product`` ones, GPU
-ones (NCCL has a real reduce-scatter), symbolic shapes, and those not read by
-exactly one wait are left alone. A 2x2 HSDP mesh's shard groups have two ranks.
+Bitwise equal: over two ranks each element is one commutative addition
+(``tests/test_passes_unit.py`` checks both ops against gloo's). Compiled, only float32
+and float64 are rewritten ([Note: Low-precision sums and fusion]). Left alone: more than
+two ranks (gloo's ring has its own order of additions), ``max``/``min``/``product``,
+GPU tensors, symbolic shapes, and reduce-scatters not read by exactly one wait.
 
-The exchange is issued where the reduce-scatter was and waited for where its wait
-was, so ``overlap``'s schedule holds; Inductor keeps an out-of-place collective's
-input alive until its wait (``_WaitKernel.get_volatile_reads``). An exchange in
-flight with an ``_out`` all-gather issued after it is safe on gloo, where a
-reduce-scatter then an allocating all-gather is not ([Note: CPU all-gathers into
-buffers] in ``gather_into_buffers.py``; ``benchmarks/gloo_in_flight.py``).
-The rewritten node keeps the reduce-scatter's annotation and is marked
-(:data:`EXCHANGED`), so the graph vocabulary still counts it as a reduce-scatter
-(:func:`passes._graph.collective_family`). The eager runtime does the
-same (``reduce_scatter`` in ``traceable_hsdp/_collectives.py``), and
-``PassConfig(reduce_scatter_by_exchange=False)`` turns both off.
+The exchange is issued and waited for where the reduce-scatter was, so ``overlap``'s
+schedule holds; Inductor keeps its input alive until the wait. It is safe in flight
+with a later ``_out`` all-gather on gloo ([Note: CPU all-gathers into buffers] in
+``gather_into_buffers.py``). The node keeps the annotation and is marked
+(:data:`EXCHANGED`), so it still counts as a reduce-scatter. The eager runtime does the
+same (``traceable_hsdp/_collectives.py``); ``PassConfig(reduce_scatter_by_exchange=
+False)`` turns both off.
 
 [Note: gloo all-gathers as an exchange]
-gloo's all-gather into a tensor (``_allgather_base``, which the ``_out`` all-gather
-of [Note: CPU all-gathers into buffers] reaches) gathers into a flat tensor it
-allocates on its worker thread, then copies that into the output: every gathered
-byte is written once more, into a buffer allocated on every call. An all-to-all
-writes into its output directly. Over two ranks it is an all-gather when each rank
-sends its shard to both ranks: the input is the shard twice (rank ``r`` sends chunk
-``j`` to rank ``j``) and the output is rank 0's shard then rank 1's, the
-all-gather's layout. The price is writing the shard twice where the bucket is packed
-(the packing kernel writes ``2n`` elements instead of ``n``; gloo's extra copy wrote
-``2n``), and gloo copies the chunk a rank sends itself, as its all-gather copies
-this rank's shard.
-
-As bare ops neither form wins; in a training step the doubling is part of the
-bucket's packing, which the all-gather needs anyway, and the step is a little faster
-with it (docs/benchmarks.md, ``benchmarks/step_time.py``).
-
-So :func:`all_gather_by_exchange` rewrites each all-gather of CPU tensors over a
-gloo group of two ranks, read by one wait::
+gloo's all-gather into a tensor gathers into a buffer it allocates on every call, then
+copies that into the output. An all-to-all writes the output directly, and over two
+ranks it is an all-gather when the input is the shard twice. The price is writing the
+shard twice while packing the bucket; a training step is a little faster with it
+(docs/benchmarks.md). So :func:`all_gather_by_exchange` rewrites each all-gather of CPU
+tensors over a gloo group of two ranks, read by one wait::
 
     buf = cat([f0, f1])                             # the bucket: this rank's shards
     ag  = all_gather_into_tensor(buf, 2, "0")       # buf: (n,)
@@ -77,21 +50,12 @@ into::
     w   = wait_tensor(ex)                           # where r was
     r   = view(w, <ag's shape>)
 
-(a bucket's ``cat`` read only by the all-gather gives its pieces, so the doubled
-input is written in one kernel; any other input is flattened and written twice).
-The values are the same bit for bit in every dtype: nothing is computed, only
-moved. It runs after ``overlap`` and before :func:`gather_into_buffers`, which then
-has no all-gather left over two gloo ranks; the exchange is an allocating
-collective, whose input Inductor keeps alive until its wait (as for the
-reduce-scatter's exchange above), and safe in flight with the step's other
-collectives (``benchmarks/gloo_in_flight.py``). Left alone: more than two ranks (an
-all-to-all of a doubled input would send each shard world-size times), GPU
-all-gathers (NCCL writes into the output), symbolic shapes, and an all-gather not
-read by exactly one wait. The exchange keeps the all-gather's annotation and is
-marked (:data:`EXCHANGED`, ``"all_gather"``), so the graph vocabulary counts it as
-an all-gather, under :data:`~passes._graph.AG_EXCHANGE_COUNT`. Eagerly the runtime
-keeps gloo's ``_out`` all-gather (``traceable_hsdp/_collectives.py``): the numbers
-are the same either way. ``PassConfig(all_gather_by_exchange=False)`` turns it off.
+Bitwise equal in every dtype (nothing is computed). It runs after ``overlap`` and
+before :func:`gather_into_buffers`. Left alone: more than two ranks, GPU tensors,
+symbolic shapes, and all-gathers not read by exactly one wait. The node is marked
+(:data:`EXCHANGED`, ``"all_gather"``) and counted under
+:data:`~passes._graph.AG_EXCHANGE_COUNT`. Eagerly the runtime keeps gloo's ``_out``
+all-gather. ``PassConfig(all_gather_by_exchange=False)`` turns it off.
 
 Invariant: the rewritten graph computes the same tensors as before, with its
 collectives issued and waited for at the same positions and over the same groups.
@@ -126,14 +90,11 @@ log = logging.getLogger(__name__)
 _aten = torch.ops.aten
 
 # [Note: Low-precision sums and fusion]
-# Inductor computes a bfloat16 or float16 kernel in float32 and rounds only what it
-# stores: the addition fused with the reduce-scatter's readers (a ``+ 1`` after it)
-# then skips the rounding to bfloat16 that gloo's result had, and the numbers
-# differ in the last bit (seen: 2 gloo ranks, bfloat16, ``sum`` and ``avg``, the
-# reduce-scatter's result read by an addition; without a reader after it they were
-# equal). float32 and float64 are computed in their own precision, so only those are
-# rewritten in compiled graphs; eagerly each op rounds, and the runtime's exchange
-# gives gloo's numbers in every dtype (``tests/test_passes_unit.py`` checks both).
+# Inductor computes a bfloat16/float16 kernel in float32 and rounds only what it
+# stores, so the addition fused with the reduce-scatter's readers skips the rounding
+# gloo's result had (last-bit differences). Only float32 and float64 are rewritten in
+# compiled graphs; eagerly each op rounds, so every dtype matches gloo
+# (``tests/test_passes_unit.py`` checks both).
 _SAME_PRECISION = (torch.float32, torch.float64)
 
 
@@ -150,9 +111,7 @@ def _candidates(
     graph: fx.Graph, target: torch._ops.OpOverload
 ) -> Iterator[tuple[fx.Node, dict[str, Any], torch.Tensor, str]]:
     """Each ``target`` collective of CPU tensors over a group of two ranks, with its
-    bound arguments, its input's fake value and its group's name. Whether the group
-    is gloo's and the collective has one wait is asked last (:func:`_one_wait`), after
-    each pass's own checks."""
+    bound arguments, input fake value and group name."""
     for node in list(graph.find_nodes(op="call_function", target=target)):
         args = bound_args(node)
         val, name = tensor_val(args.get("input")), args.get("group_name")
@@ -176,10 +135,8 @@ def _one_wait(node: fx.Node, name: str, pass_name: str) -> fx.Node | None:
 
 
 def _all_to_all(pooled: bool) -> torch._ops.OpOverload:
-    """The all-to-all an exchange issues: ours, its output from the pool, where asked
-    and Inductor can lower it; else torch's. Asked once a candidate is found, so a
-    graph with none never registers the lowering. See [Note: Exchange outputs from a
-    pool] in ``_pool.py``."""
+    """The all-to-all an exchange issues: the pooled one where asked, else torch's.
+    See [Note: Exchange outputs from a pool] in ``_pool.py``."""
     return POOLED_ALL_TO_ALL if pooled and pooled_all_to_all_lowering() else ALL_TO_ALL
 
 
@@ -187,11 +144,9 @@ def _exchange(
     graph: fx.Graph, node: fx.Node, wait: fx.Node, inp: fx.Node, k: int, name: str,
     family: str, finish: Callable[[fx.Node], fx.Node], op: torch._ops.OpOverload,
 ) -> None:
-    """Puts ``op(inp, [k, k], [k, k], name)`` (an ``all_to_all_single``) where
-    ``node`` was and its wait where ``wait`` was; ``finish(got)``, inserted right
-    after that wait, builds what the old wait's readers read. The exchange keeps
-    ``node``'s meta (its annotation and stack trace) and is marked as ``family``;
-    both old nodes go."""
+    """Puts ``op(inp, [k, k], [k, k], name)`` where ``node`` was and its wait where
+    ``wait`` was; ``finish(got)`` builds what the old wait's readers read. The
+    exchange keeps ``node``'s meta and is marked as ``family``."""
     with graph.inserting_before(node):
         ex = graph.call_function(op, (inp, [k, k], [k, k], name))
     with graph.inserting_after(wait):
@@ -286,9 +241,8 @@ def all_gather_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
 
 
 def _flat_pieces(graph: fx.Graph, inp: fx.Node, like: fx.Node) -> list[fx.Node]:
-    """What the all-gather's input is made of, each flat: a bucket's 1-D ``cat`` read
-    only by the all-gather gives its pieces (so the doubled input is one ``cat`` of
-    them, written once); anything else is one piece, flattened."""
+    """The all-gather input's flat pieces: a bucket's ``cat`` read only by it gives
+    its pieces (the doubled input is then one ``cat``); anything else is one piece."""
     if (
         inp.target is _aten.cat.default
         and len(inp.users) == 1

@@ -1,18 +1,11 @@
 """Issue every CPU all-gather of a compiled graph into a buffer allocated beforehand.
 
 [Note: CPU all-gathers into buffers]
-On torch 2.13 with gloo, the allocating functional all-gather
-(``_c10d_functional.all_gather_into_tensor``, which reaches gloo through
-``allgather_into_tensor_coalesced``) corrupts the heap or hangs when another
-collective is in flight at the same time; the ``_out`` form
-(``all_gather_into_tensor_out``, gloo's ``_allgather_base``) does not, alone or with
-a reduce-scatter or an all-reduce in flight (crashes: ``malloc(): unaligned tcache
-chunk detected``, ``free(): invalid pointer`` or SIGSEGV at an allocation on the main
-thread; hangs: a gloo worker spinning in ``~UnboundBuffer``).
-``benchmarks/gloo_in_flight.py`` reproduces it; docs/passes.md has the table. The
-overlap pass (``overlap.py``) keeps one all-gather in flight, but a reduce-scatter may
-be in flight when it is issued (late waits), which is that pattern. So this pass,
-the last one on every post-grad graph, rewrites each all-gather of CPU tensors::
+With gloo, the allocating ``all_gather_into_tensor`` corrupts the heap or hangs when
+another collective is in flight; the ``_out`` form (gloo's ``_allgather_base``) does
+not (``benchmarks/gloo_in_flight.py`` reproduces it; docs/passes.md has the table).
+After ``overlap``, a reduce-scatter may be in flight when an all-gather is issued. So
+this pass, the last on every post-grad graph, rewrites each all-gather of CPU tensors::
 
     ag  = all_gather_into_tensor(shard, 2, "0")
     r   = wait_tensor(ag)
@@ -23,33 +16,22 @@ into::
     ag  = all_gather_into_tensor_out(shard, 2, "0", out=buf)
     r   = wait_tensor(ag)
 
-Inductor lowers the ``_out`` op (``comm_lowering.py``) as a collective that writes
-``buf`` in place; the wait and every use read the same values as before. GPU
-all-gathers (NCCL) are left alone. It is a correctness fix, not an optimisation, so
-:class:`PassConfig` does not switch it (``TRACEABLE_HSDP_PASSES=none`` keeps it),
-and it runs on every graph the installed pass sees, a user's own all-gathers
-included: on gloo they are exposed the same way. An all-gather whose output shape
-is symbolic (dynamic shapes), or that is not read by exactly one ``wait_tensor``,
-is left allocating, with a log line: a parameter's all-gather is static and waited
-for once. Over two gloo ranks ``all_gather_by_exchange`` (``exchange.py``), which runs
-before this pass, has already issued each all-gather as an exchange, so this pass
-finds the all-gathers of larger groups, and every one where that pass is off.
+GPU all-gathers are left alone. A correctness fix, so :class:`PassConfig` does not
+switch it, and it covers a user's own all-gathers too. A symbolic output shape, or an
+all-gather not read by exactly one wait, is left allocating, with a log line. Over two
+gloo ranks ``all_gather_by_exchange`` has already replaced the all-gathers.
 
 [Note: The input lives until the wait]
-gloo reads an all-gather's input on its worker thread, any time before the wait.
-For an allocating collective Inductor keeps the input alive and unreused until the
-wait (``_WaitKernel.get_volatile_reads``), but not for an ``_out`` one, whose wait
-names only the buffer it writes: the generated code deleted the input right after
-the issue, and Inductor's buffer reuse could hand that memory to a later kernel while
-gloo still reads it. So the pass adds a second ``wait_tensor``, on the input, right
-after the buffer's wait::
+gloo reads an all-gather's input any time before the wait. Inductor keeps an
+allocating collective's input alive until its wait, but not an ``_out`` one's, whose
+wait names only the buffer; the memory could be reused while gloo reads it. So the
+pass adds a second ``wait_tensor``, on the input, right after the buffer's wait::
 
     r   = wait_tensor(ag)
     _   = wait_tensor(shard)    # no collective produced shard: a no-op at run time
 
-Inductor then treats the input as read at that point, as it did before the rewrite
-(``tests/test_passes_e2e.py`` checks the generated code: no input is deleted or
-reused between its all-gather and the wait).
+``tests/test_passes_e2e.py`` checks the generated code: no input is deleted or reused
+between its all-gather and the wait.
 
 Invariant: each rewritten node computes the same tensor as the node it replaces,
 with the same inputs, group and position in the graph, so collective order and

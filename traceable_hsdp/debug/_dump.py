@@ -4,128 +4,59 @@
 Everything ``torch.compile`` compiles inside ``with dump_graphs(out_dir) as dump:``
 is written under ``out_dir``:
 
-- ``depyf/``: readable source of every compiled function and graph (dynamo's
-  captured graph, AOTAutograd's forward and backward graphs, the compiled-autograd
-  graph, Inductor's output code and kernels), from ``depyf.prepare_debug``; only
-  when depyf is installed (optional: the other files need only torch).
-- ``post_grad/NN_KIND_before_passes.py`` and ``..._after_passes.py``: each graph
-  Inductor compiles, right before and right after traceable_hsdp's post-grad passes
-  (``traceable_hsdp.passes``). Only the ``inductor`` backend has post-grad graphs.
-- ``graphs/NN_KIND_dynamo.py``: the graph dynamo hands the backend, when compiling
-  with ``backend=dump.backend(...)`` (see [Note: The recording backend]).
-- ``scheduled/NN_KIND_output_code.py``: the code Inductor generated for each graph,
-  whose ``call`` function runs the kernels in the final order, after Inductor's
-  scheduler and its reordering (see [Note: The final schedule in the dump]).
-- ``collectives.json``: per recorded graph and stage, each collective in graph
-  order (op, group, group size, dtype, bytes, fully_shard unit and parameters), and
-  per-graph counts (collectives, waits, ``fsdp.copy_``, storage resizes). The
-  ``scheduled`` stage adds each collective's place in the final order and its
-  overlap distance (kernels between its issue and its wait), and the order itself.
-- ``breaks_and_recompiles.json``: graph breaks and recompiles, with reasons.
-- ``summary.txt``: what is printed at the end (a table of the graphs, and each
-  graph's collectives in its last recorded stage, with one ``overlap:`` line per
-  Inductor graph).
-- ``trace/`` and ``tlparse/`` with ``trace=True``: a ``TORCH_TRACE``-style structured
-  log, and tlparse's HTML report of it when the ``tlparse`` program is on ``PATH``.
+``depyf/`` (when depyf is installed), ``post_grad/NN_KIND_{before,after}_passes.py``
+(around our passes), ``graphs/NN_KIND_dynamo.py`` ([Note: The recording backend]),
+``scheduled/NN_KIND_output_code.py`` ([Note: The final schedule in the dump]),
+``collectives.json`` (each collective per graph and stage, with unit, parameters and,
+scheduled, overlap distance), ``breaks_and_recompiles.json``, ``summary.txt``, and with
+``trace=True`` ``trace/`` and ``tlparse/``.
 
-``NN`` numbers the compiles in the order they happened; ``KIND`` is ``fwd`` (a
-dynamo frame: the forward, or a whole compiled step), ``bwd`` (a compiled-autograd
-backward graph) or ``aot_bwd`` (AOTAutograd's own backward graph, which a
-fully_shard model never runs: see docs/compile.md).
+``NN`` numbers the compiles in order; ``KIND`` is ``fwd`` (a dynamo frame), ``bwd`` (a
+compiled-autograd backward) or ``aot_bwd`` (AOTAutograd's own backward, which a
+fully_shard model never runs: docs/compile.md).
 
 [Note: Hooking Inductor]
-The post-grad graphs come from Inductor's public hook only:
-``torch._inductor.config.post_grad_custom_pre_pass``. On entry, ``dump_graphs``
-installs traceable_hsdp's passes (as ``fully_shard`` would; installing is
-idempotent) and replaces the hook's value ``P`` by the list ``[before, P, after]``
-of two recording passes, so they bracket exactly our passes and the user pass they
-wrap. ``passes.install()`` recognizes ``P`` inside the list, so a ``fully_shard``
-called inside the block does not wrap the recorders. On exit the hook gets ``P``
-back (the passes stay installed, as after ``fully_shard``). The recorders' ``uuid()``
-is ``None``, which turns the FX graph cache off while dumping: a cache hit would
-skip the post-grad passes, and the graph would not be recorded.
+The post-grad graphs come from Inductor's public hook only. On entry ``dump_graphs``
+installs the passes and replaces the hook's value ``P`` by ``[before, P, after]``, two
+recorders bracketing our passes; ``passes.install()`` recognizes ``P`` inside the list.
+On exit the hook gets ``P`` back. The recorders' ``uuid()`` is ``None``, which turns the
+FX graph cache off while dumping: a hit would skip the passes and the recording.
 
 [Note: The recording backend]
-Compiled-autograd backward graphs lose all node metadata in AOTAutograd on torch
-2.13 (see [Note: Collective annotations] in ``passes/_graph.py``), so their post-grad
-graphs cannot say which unit and parameters a collective serves, and with a
-non-Inductor backend there are no post-grad graphs at all. No public hook shows the
-graph dynamo produced other than the backend itself, so ``dump.backend(inner)``
-returns a backend that records that graph and then compiles it with ``inner``. Pass
-it to ``torch.compile`` and to ``traceable_hsdp.enable_compiled_autograd``. Then:
-
-- every backend gets a table from dynamo's graph (``graphs/``);
-- with Inductor, annotations missing from a post-grad graph are copied from dynamo's
-  graph of the same compile (the same compile id) before our passes run, matching
-  the collectives in graph order; the copy is made only when both graphs hold the
-  same sequence of (op, group, reduce op, input shape, dtype); otherwise the
-  post-grad table has no unit/parameter and ``collectives.json`` says why.
-
-Without it (plain ``torch.compile(model)``), Inductor's post-grad graphs are still
-recorded, forward graphs keep their annotations, and backward ones show none.
+Compiled-autograd backward graphs lose node metadata in AOTAutograd ([Note: Collective
+annotations] in ``passes/_graph.py``), and non-Inductor backends have no post-grad
+graphs. ``dump.backend(inner)`` records dynamo's graph, then compiles it with
+``inner``: every backend gets a table from dynamo's graph, and with Inductor missing
+annotations are copied from dynamo's graph of the same compile id, only when both
+hold the same sequence of collectives (otherwise ``collectives.json`` says why).
 
 [Note: The final schedule in the dump]
-The post-grad graph after our passes is not yet the order that runs: Inductor's
-scheduler reorders it (see [Note: The final schedule] in ``_schedule.py``).
-While dumping, a handler on torch's structured-trace logger (the logger
-``TORCH_TRACE`` writes through; it is added for the block and removed after)
-receives each graph's ``inductor_output_code`` record, the generated code, and
-torch's own ``inductor_collective_schedule`` artifact. The code is written to
-``scheduled/`` and read (``read_schedule``) into the final order of collectives,
-waits and kernels; the rows of the graph Inductor compiled (the post-grad graph
-after every pass, with the annotations the dump copied) get their positions and
-overlap distances (``with_schedule``), and the graph the most collectives of each
-op in flight at once (``max_in_flight``: more than one all-gather is what gloo cannot
-take). The order of issues and waits read from the code is checked against torch's
-artifact, and the summary says whether they agree.
-With the ``trace_log`` handler present torch renders every structured-trace
-payload, which adds to compile time (as ``TORCH_TRACE`` does).
+A handler on torch's structured-trace logger receives each graph's generated code
+(``scheduled/``), read into the final order ([Note: The final schedule] in
+``_schedule.py``) and checked against torch's ``inductor_collective_schedule``. It
+makes torch render every payload, adding compile time as ``TORCH_TRACE`` does.
 
 [Note: depyf writes, dynamo's bytecode runs]
-``depyf.prepare_debug`` does more than write files: its bytecode hook decompiles the
-bytecode dynamo made for each frame, compiles the decompiled source again, and
-returns that, so the process runs depyf's recompiled code instead of dynamo's. On
-torch 2.13 with depyf 0.20 the two can differ. In a compiled forward whose root
-keeps its parameters gathered (``reshard_after_forward=None``, the default), dynamo
-replays the units' state changes after the graph, and one replayed value (the
-blocks' ``sharded_state``) is read from the root's ``sharded_state``; depyf's
-recompiled source (its ``__transformed_code_0_for_forward.py``) reads it after the
-replay has set the root's state to gathered. The first block is then marked
-gathered, skips its re-gather in backward and reads freed storage ("setStorage ...
-out of bounds for storage of size 0"), in the dump only. A dump must run the program a
-plain run runs, so ``dump_graphs`` registers two hooks of its own through torch's
-``register_bytecode_hook``, one before depyf's and one after: the first remembers
-dynamo's code for the frame, the last hands it back. depyf still writes every file (its
-``__transformed_code_*`` files are its decompilation of dynamo's bytecode: a reading
-aid, not what ran).
+``depyf.prepare_debug``'s bytecode hook returns its recompiled decompilation of
+dynamo's bytecode, which can differ from it (a replayed state read in another order,
+then a read of freed storage, in the dump only). A dump must run what a plain run runs,
+so ``dump_graphs`` registers two bytecode hooks around depyf's: the first remembers
+dynamo's code, the last hands it back. depyf's ``__transformed_code_*`` files are a
+reading aid, not what ran.
 
 [Note: dynamo must not compile depyf's own functions]
-``depyf.prepare_debug`` swaps three torch functions for its own while the block
-runs: it points the code of ``torch._dynamo.utils.lazy_format_graph_code`` at its
-``patched_lazy_format_graph_code``, and replaces ``torch.fx.graph_module.
-_exec_with_source`` and Inductor's ``PyCodeCache.load_by_key_path``. Dynamo skips
-torch's own files by their path; depyf's code lives in depyf's files, which no skip
-list names. In a whole step compiled under ``torch._dynamo.config.compiled_autograd``
-(forward, loss and ``backward()`` in one ``torch.compile``d function), the backward
-runs inside that function's frame, where dynamo's frame callback is live: compiled
-autograd formats its graph for the log there, through depyf's function, and dynamo
-compiled that function as if it were the user's. depyf's bytecode hook then
-decompiled it and recursed without end (``RecursionError``, torch 2.13, depyf 0.20:
-the step failed inside the dump only). The plain loop (``enable_compiled_autograd``
-and a compiled model) calls the backward outside any compiled frame and never met
-this. ``dump_graphs`` therefore adds depyf's package to dynamo's skipped directories
-(``torch._dynamo.trace_rules.add``, torch's function for it) while depyf is on, and
-takes it out again after the block (``_torch_internals.dynamo_skips``: a change to
-torch, listed in [Note: Torch internals]).
+depyf swaps three torch functions for its own while the block runs, and dynamo skips
+torch's files by path but not depyf's. In a whole step compiled with compiled autograd,
+the backward formats its graph through depyf's function inside a live dynamo frame;
+dynamo compiles it and depyf's hook recurses without end. So ``dump_graphs`` adds
+depyf's package to dynamo's skipped directories for the block
+(``_torch_internals.dynamo_skips``, in [Note: Torch internals]).
 
 [Note: Entering before the first compile]
-depyf and the recorders see only compiles that happen inside the block; a function
-compiled before keeps running its cached code, which is not dumped. ``dump_graphs``
-does not reset dynamo to force recompiles: ``torch._dynamo.reset()`` also turns
-compiled autograd off (``compiled_autograd.reset()``), which would make the next
-compiled fully_shard forward fail. It warns instead (``UserWarning``) and says so in
-the summary; reset yourself before entering (and call
-``traceable_hsdp.enable_compiled_autograd()`` again after the reset) to dump them.
+Only compiles inside the block are seen. ``dump_graphs`` does not reset dynamo to force
+recompiles, since ``torch._dynamo.reset()`` also turns compiled autograd off; it warns
+instead. Reset yourself before entering (then call
+``traceable_hsdp.enable_compiled_autograd()`` again) to dump them.
 """
 
 from __future__ import annotations
@@ -292,11 +223,8 @@ class GraphRecord:
         annotations: where the unit/parameter columns come from: ``"node meta"``,
             or what :func:`copy_annotations` reported.
         schedule: the ``"scheduled"`` stage only: the final order, one entry per
-            collective (``"C3"``: issue of collective 3), wait (``"W3"``; ``"W-"``
-            for a wait on a tensor no collective produced, as the one that keeps a
-            CPU all-gather's input alive: [Note: The input lives until the wait] in
-            ``passes/gloo/gather_into_buffers.py``) or kernel (its name), see [Note: The
-            final schedule in the dump].
+            collective issue (``"C3"``), wait (``"W3"``; ``"W-"`` for a wait no
+            collective produced, [Note: The input lives until the wait]) or kernel.
         schedule_note: the ``"scheduled"`` stage only: whether the order of issues
             and waits agrees with torch's ``inductor_collective_schedule``, or why
             the schedule could not be read.
@@ -633,10 +561,7 @@ def _snapshot() -> tuple[int, int]:
 
 def _collect_breaks(since: tuple[int, int]) -> _Breaks:
     """Graph breaks and compiles since ``since`` (from :func:`_snapshot`), from
-    dynamo's bookkeeping: ``torch._dynamo.utils.graph_break_reasons`` (one entry per
-    graph break; ``counters["graph_break"]`` is no longer filled on torch 2.13) and
-    ``get_compilation_metrics()`` (one per compiled frame, with its recompile
-    reason)."""
+    dynamo's ``graph_break_reasons`` and ``get_compilation_metrics()``."""
     from torch._dynamo import utils as dynamo_utils
 
     n_breaks, t0 = since
@@ -689,12 +614,10 @@ def _collect_breaks(since: tuple[int, int]) -> _Breaks:
 # ------------------------------------------------------------------- trace
 @contextlib.contextmanager
 def _structured_trace(trace_dir: Path) -> Iterator[list[Path]]:
-    """A ``TORCH_TRACE=trace_dir`` structured log for the block: the handler that
-    ``TORCH_TRACE`` would install at import (``LazyTraceHandler``, which opens its
-    file at the first record) is added to torch's trace logger and removed after.
-    Yields a list that holds the log file once the block exits. Dynamo's side-effect
-    messages are on inside (see [Note: Dynamo's side-effect messages] in
-    ``_compile.py``), so the log holds them as ``TORCH_TRACE``'s would."""
+    """A ``TORCH_TRACE=trace_dir`` structured log for the block (torch's
+    ``LazyTraceHandler``, added and removed); yields a list holding the log file once
+    the block exits. Side-effect messages are on inside ([Note: Dynamo's side-effect
+    messages])."""
     from torch._logging import _internal as tl
 
     from .._compile import side_effect_messages_on
@@ -852,13 +775,10 @@ def dump_graphs(
             for step in range(2):
                 model(x).sum().backward()
 
-    ``dump.backend(...)`` is optional: it adds dynamo's graphs, the collective tables
-    of non-Inductor backends, and unit/parameter names in Inductor's backward graphs
-    ([Note: The recording backend]). Enter the block before the first compiled call
-    ([Note: Entering before the first compile]). Files of an earlier dump in
-    ``out_dir`` are replaced; other files there are left alone. On exit (also when
-    the block raises) the files are written and the summary is printed; the
-    recording backend records nothing after that.
+    ``dump.backend(...)`` is optional ([Note: The recording backend]). Enter the block
+    before the first compiled call ([Note: Entering before the first compile]). An
+    earlier dump's files in ``out_dir`` are replaced. On exit (also on error) the
+    files are written and the summary printed.
 
     Args:
         out_dir: the dump directory (created if needed).
@@ -942,9 +862,8 @@ def dump_graphs(
 def _bytecode_hook(
     hook: Callable[[types.CodeType, types.CodeType], types.CodeType | None],
 ) -> Iterator[None]:
-    """``hook`` runs after dynamo compiles a frame (torch's ``register_bytecode_hook``:
-    called with the frame's code and the code dynamo made, in registration order; a
-    returned code replaces the latter) while the block runs."""
+    """``hook`` registered with torch's ``register_bytecode_hook`` while the block
+    runs."""
     handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
     try:
         yield

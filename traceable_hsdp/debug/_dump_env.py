@@ -2,29 +2,16 @@
 from the environment.
 
 [Note: The dump switch]
-Set ``TRACEABLE_HSDP_DUMP=DIR`` in the environment of the ranks (before torchrun, like
-``TORCH_TRACE``) and every process that calls ``fully_shard`` writes the dump of
-:func:`traceable_hsdp.dump_graphs` to ``DIR/rank<r>``, without a code change. The
-variable is read once, at the process's first ``fully_shard`` call
-(:func:`start_from_env`, called from ``_fully_shard._shard`` after the passes are
-installed): that is before the first compile in any program that shards its model
-before compiling it, as ``dump_graphs`` needs ([Note: Entering before the first
-compile] in ``_dump.py``). The rank is the default process group's when it is
-initialized, else ``RANK`` (torchrun), else 0.
-
-The switch enters ``dump_graphs(DIR/rank<r>, print_summary=False)`` and leaves it when
-the process exits (``atexit``, and a ``multiprocessing`` finalizer for ranks started
-by ``torch.multiprocessing``), which writes the files and prints one line per rank to
-stderr. Only the process that entered it closes it (a forked child inherits the
-registrations, not the dump). :func:`stop` closes it earlier, and is the undo.
-
-What it records is what ``dump_graphs`` records for a plain ``torch.compile(model)``:
-depyf's sources, graph breaks and recompiles, and with the ``inductor`` backend the
-post-grad graphs before and after our passes with their collective tables. The
-recording backend (``dump.backend(...)``: dynamo's graphs, tables for other backends)
-needs the program to pass it to ``torch.compile``; the switch cannot, so programs that
-want it use ``dump_graphs`` in code, or ``traceable-hsdp dump`` (which refuses to run
-with the switch on: two dumps of the same compiles would wrap each other).
+With ``TRACEABLE_HSDP_DUMP=DIR`` in the ranks' environment, every process that calls
+``fully_shard`` writes the dump of :func:`traceable_hsdp.dump_graphs` to
+``DIR/rank<r>``, without a code change. The variable is read at the first
+``fully_shard`` call (:func:`start_from_env`), before the first compile in a program
+that shards before compiling ([Note: Entering before the first compile] in
+``_dump.py``). The dump is closed at process exit (``atexit``, or a
+``multiprocessing`` finalizer), only by the process that entered it; :func:`stop`
+closes it earlier. It records what ``dump_graphs`` records for a plain
+``torch.compile(model)``; the recording backend needs ``dump_graphs`` in code or
+``traceable-hsdp dump`` (which refuses to run with the switch on).
 """
 
 from __future__ import annotations

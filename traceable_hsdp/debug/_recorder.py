@@ -67,11 +67,8 @@ def _kind(graph: fx.Graph) -> tuple[str | None, Kind]:
 
 class PostGradRecorder(InferenceAwareGraphPass):  # type: ignore[misc, valid-type]
     """A post-grad pass that records every graph Inductor hands it, for dumps,
-    benchmarks and tests. Put it in ``post_grad_custom_pre_pass`` (around
-    traceable_hsdp's passes) or ``post_grad_custom_post_pass`` (after every pass but
-    torch's own later ones). Its ``uuid()`` is ``None``, which turns the FX graph
-    cache off while it is set: a cache hit would skip the post-grad passes, and the
-    graph would not be recorded.
+    benchmarks and tests. Its ``uuid()`` is ``None``, which turns the FX graph cache
+    off while it is set (a hit would skip the recording).
 
     Args:
         on_graph: called with each :class:`RecordedGraph` as it comes; an exception

@@ -3,25 +3,14 @@ kernels, read from that code (:func:`read_schedule`), and each collective's over
 distance (:func:`with_schedule`). Tested in ``tests/test_dump.py``.
 
 [Note: The final schedule]
-The post-grad graph is not the order that runs: Inductor's scheduler sorts, fuses
-and reorders its nodes (``reorder_for_peak_memory`` is on by default; the comm
-passes such as ``reorder_compute_and_comm_for_overlap`` when configured), and the
-generated code's ``call`` function then runs the kernels in the scheduler's final
-order. torch logs that code (``TORCH_LOGS=output_code``; the ``inductor_output_code``
-record of ``TORCH_TRACE``) and, for collectives alone, their final order (the
-``inductor_collective_schedule`` artifact, issues and waits without the compute
-between). :func:`read_schedule` reads the generated code with ``ast``: a call to a
-functional collective is an issue, ``wait_tensor`` a wait (of the collective whose
-result buffer, or an alias of it, it waits on), and any other kernel (a generated
-kernel the module defines with ``async_compile``, an ``extern_kernels.*`` call, an
-op Inductor falls back to, but not a storage resize) is compute. The overlap
-distance of a collective, :func:`with_schedule`, is the number of kernels between
-its issue and its wait: 0 means the wait comes right after the issue and nothing
-hides the collective. Inductor keeps collectives in graph order (it chains them,
-so every rank issues them alike), which ties the k-th scheduled collective to the
-k-th row of the graph's :func:`collective_table` and so to its unit and
-parameters. torch's runtime estimates per kernel (``config.log_tlparse``) are 0
-on the CPU, so distances are counted in kernels, not time.
+Inductor's scheduler reorders and fuses the post-grad graph; the generated code's
+``call`` runs the kernels in the final order. :func:`read_schedule` reads that code
+with ``ast``: a functional collective is an issue, ``wait_tensor`` a wait (matched
+through buffer aliases), any other kernel but a resize is compute. A collective's
+overlap distance (:func:`with_schedule`) is the number of kernels between its issue
+and its wait (0: nothing hides it), counted in kernels because torch's per-kernel
+estimates are 0 on the CPU. Inductor keeps collectives in graph order, so the k-th
+scheduled collective is row k of :func:`collective_table`.
 """
 
 from __future__ import annotations
@@ -51,15 +40,12 @@ class ScheduledOp:
 
     Args:
         position: index in the schedule (collectives, waits and kernels counted).
-        kind: ``"collective"``, ``"wait"``, or ``"kernel"`` (any other op that
-            computes or copies: a generated kernel, an extern kernel such as
-            ``extern_kernels.mm``, an op Inductor falls back to).
+        kind: ``"collective"``, ``"wait"``, or ``"kernel"`` (any other op).
         name: the call as the code writes it: ``torch.ops._c10d_functional.
             all_gather_into_tensor.default``, ``cpp_fused_add_0``, ...
         line: its line in the output code (1-based).
-        collective: a collective's index among the schedule's collectives; for a
-            wait, the index of the collective it waits for (``None`` when that
-            collective was not issued in this graph); ``None`` for a kernel.
+        collective: a collective's index among the schedule's collectives, or the
+            one a wait waits for; else ``None``.
         group_name: a collective's process group (a literal in the code), or
             ``None``.
     """

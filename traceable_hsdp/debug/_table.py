@@ -62,16 +62,12 @@ class CollectiveRow:
         unit: the fully_shard unit it serves (from the node's annotation), or
             ``None``.
         params: the parameters it serves (FQNs relative to the unit).
-        issued_at: its position in the final schedule (see :func:`with_schedule`);
-            ``None`` for a graph that is not Inductor's final one.
-        waited_at: the position of its wait there (``None``: not waited for in
-            this graph, or no schedule).
-        kernels_before_wait: kernels that run between its issue and its wait in
-            the final schedule, the overlap distance (``None``: no schedule or no
-            wait).
-        family: what it does (:func:`collective_family`): for an exchange (an
-            ``all_to_all_single`` the passes issue in place of a reduce-scatter or
-            an all-gather) not its op's family; see :attr:`label`.
+        issued_at: its position in the final schedule (:func:`with_schedule`), or
+            ``None``.
+        waited_at: the position of its wait there, or ``None``.
+        kernels_before_wait: the overlap distance in kernels, or ``None``.
+        family: what it does (:func:`collective_family`; an exchange counts as what
+            it replaces); see :attr:`label`.
     """
 
     index: int
@@ -150,10 +146,9 @@ def collective_table(graph: fx.Graph | fx.GraphModule) -> list[CollectiveRow]:
 
 
 def graph_counts(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
-    """Counts of the nodes a fully_shard graph is judged by: each functional c10d op
-    by name (``all_gather_into_tensor``, ``wait_tensor``, ...; a reduce-scatter issued
-    as an exchange as :data:`EXCHANGE_COUNT`), ``fsdp.copy_``, and storage resizes
-    (``resize_to_0`` and ``resize_to_full``). Zero counts are left out."""
+    """Counts of each functional c10d op by name (exchanges as
+    :data:`EXCHANGE_COUNT`), ``fsdp.copy_``, ``resize_to_0`` and ``resize_to_full``.
+    Zero counts are left out."""
     c: Counter[str] = Counter()
     for node in _graph_of(graph).nodes:
         q = op_name(node)

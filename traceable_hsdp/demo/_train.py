@@ -7,40 +7,26 @@ default. :func:`launch` starts the ranks (or joins the ones torchrun started);
 :func:`train_rank` is the per-rank loop and returns the losses.
 
 [Note: Synthetic data]
-Uniformly random tokens cannot be learned: the loss would sit at ``log(vocab)`` and a
-few steps could not show that training works. The tokens come from a fixed random
-"bigram language" instead: every token has ``_BRANCHES`` possible successors, drawn
-once from the seed, and each sequence starts at a random token and walks the table.
-The loss starts near ``log(vocab)`` (5.55 for 256 tokens) and falls towards
-``log(_BRANCHES)`` (1.39). Step ``i``'s global batch is drawn from a generator seeded
-with ``(seed, i)`` on every rank, so all ranks agree on it without communicating, and
-each rank trains on its own contiguous slice of ``batch_size`` rows.
+Uniformly random tokens cannot be learned, so the tokens walk a fixed random "bigram
+language": every token has ``_BRANCHES`` successors drawn once from the seed, and the
+loss falls from ``log(vocab)`` towards ``log(_BRANCHES)``. Step ``i``'s global batch
+comes from a generator seeded with ``(seed, i)``, so ranks agree without
+communicating; each trains on its own slice of ``batch_size`` rows.
 
 [Note: Gradient clipping]
-With ``clip`` set, each step calls ``torch.nn.utils.clip_grad_norm_(params, clip)``
-after ``loss.backward()`` and before ``optim.step()``, in eager code also when the
-model is compiled: the backward (compiled autograd's graph included) has reduced
-every gradient into ``.grad`` by then. The gradients are sharded ``DTensor``s, so
-torch's own function works unchanged: it takes the norm of each rank's shards and
-reduces the partial norms over the mesh, which gives the norm of the whole gradient
-of the global batch's loss, the same on every rank (a replicated ``DTensor``), and
-each rank scales its shards by the same factor. The printed norm is that value
-before clipping. ``tests/test_clip.py`` checks it against torch's ``fully_shard``
-and a one-process model.
+With ``clip`` set, each step calls ``torch.nn.utils.clip_grad_norm_`` eagerly between
+``backward()`` and ``optim.step()``, when every gradient is reduced into ``.grad``. The
+gradients are sharded ``DTensor``s, so torch's function reduces the partial norms over
+the mesh and every rank scales by the same factor. The printed norm is the one before
+clipping. ``tests/test_clip.py`` checks it against torch's ``fully_shard`` and a
+one-process model.
 
 [Note: Compile report]
-A compiled run prints, after step 1, what that step compiled on rank 0: seconds in
-dynamo's tracing, AOTAutograd, Inductor's lowering and code generation, and C++ kernel
-compiles (torch's own timers), and how many graphs hit, missed or bypassed the FX graph
-cache and the AOTAutograd cache (``torch._dynamo.utils.counters``); see
-:class:`~traceable_hsdp._cache.CompileTimes` and
-:class:`~traceable_hsdp._cache.CacheCounts`. A first run on an empty
-``TORCHINDUCTOR_CACHE_DIR`` shows misses; a rerun on the same directory should show
-both graphs, the forward and the compiled-autograd backward, as hits ([Note: FX graph
-cache keys across processes] and [Note: The forward's BackwardState and the FX graph
-cache key] in ``_cache.py``). Kernel seconds count only compiles in the rank's own
-process (``TORCHINDUCTOR_COMPILE_THREADS=1``); with a worker pool the wait for them is
-in the Inductor figure.
+A compiled run prints what step 1 compiled on rank 0: seconds per phase (torch's own
+timers, :class:`~traceable_hsdp._cache.CompileTimes`) and FX graph and AOTAutograd
+cache hits, misses and bypasses (:class:`~traceable_hsdp._cache.CacheCounts`). A rerun
+on the same ``TORCHINDUCTOR_CACHE_DIR`` should show both graphs as hits ([Note: FX
+graph cache keys across processes] in ``_cache.py``).
 """
 
 from __future__ import annotations
@@ -95,36 +81,25 @@ class TrainConfig:
             ``"full"`` (``checkpoint_wrapper``, then fully_shard, torchtitan's order) or
             ``"selective"`` (the same with a policy that saves the matmuls). See
             [Note: Demo initialization and activation checkpointing].
-        init: ``"meta"`` (default): build on the meta device, shard, ``to_empty``,
-            then load the initial weights rank 0 built with
-            ``set_model_state_dict(..., broadcast_from_rank0=True)``; ``"cpu"``:
-            every rank builds the whole model, then shards it. Both give the same
-            weights.
-        clip: if set, every step clips the gradients to this total norm with
-            ``torch.nn.utils.clip_grad_norm_`` before the optimizer step, and rank 0
-            prints the step's norm (default ``None``: no clipping). See
+        init: ``"meta"`` (default) or ``"cpu"``; the same weights. See [Note: Demo
+            initialization and activation checkpointing].
+        clip: clip gradients to this total norm each step (default ``None``). See
             [Note: Gradient clipping].
         backend: ``torch.compile`` backend (default ``"inductor"``).
         device: ``"cpu"`` (gloo ranks), ``"cuda"`` (NCCL, one rank per GPU) or
             ``"auto"`` (default: ``"cuda"`` when a GPU is visible, else ``"cpu"``);
             see :func:`resolve_device` and [Note: Devices and process groups].
-        mixed_precision: ``"none"`` (default: fp32 throughout) or ``"bf16"``:
-            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
-            on every ``fully_shard`` call (bf16 compute and all-gathers, fp32
-            gradient reduction and fp32 sharded parameters for the optimizer).
-        reshard_after_forward: ``fully_shard``'s ``reshard_after_forward`` on every
-            unit, by torchtitan's names: ``"default"`` (``None``: the root stays
-            gathered from forward to backward, the blocks reshard), ``"always"``
-            (``True``) or ``"never"`` (``False``).
+        mixed_precision: ``"none"`` (default) or ``"bf16"``: bf16 parameters, fp32
+            reduction.
+        reshard_after_forward: by torchtitan's names: ``"default"`` (``None``),
+            ``"always"`` (``True``) or ``"never"`` (``False``).
         eager: run without ``torch.compile`` (default ``False``).
         seed: model init and data seed (default 0).
-        progress: a tqdm bar on rank 0's stderr: ``True`` shows it, ``False`` hides it,
-            ``None`` (default) shows it only when stderr is a terminal, tqdm's own
-            convention, so logs do not fill with redraws (:func:`progress_enabled`).
-        dump_dir: if set, every rank dumps its compiled graphs to
-            ``dump_dir/rank<r>`` with :func:`traceable_hsdp.dump_graphs`, compiling
-            through its recording backend; rank 0 prints the summary and compares
-            the ranks' collectives (default ``None``: no dump). Needs ``eager=False``.
+        progress: a tqdm bar on rank 0's stderr; ``None`` (default) only when stderr
+            is a terminal (:func:`progress_enabled`).
+        dump_dir: if set, every rank dumps its compiled graphs to ``dump_dir/rank<r>``
+            with :func:`traceable_hsdp.dump_graphs` (default ``None``). Needs
+            ``eager=False``.
         dump_trace: with ``dump_dir``, also write a structured trace (and run
             tlparse on it when installed) (default ``False``).
     """
@@ -164,11 +139,8 @@ class TrainResult:
         replicate: HSDP replicas (1 for FSDP).
         grad_norms: with ``TrainConfig.clip``, the total gradient norm of each step
             before clipping (what ``clip_grad_norm_`` returned); ``None`` without.
-        first_step_compile: compiled runs: what rank 0's first step compiled, with
-            ``"times"`` (seconds per phase, :class:`~traceable_hsdp._cache.CompileTimes`)
-            and ``"cache"`` (FX graph and AOTAutograd cache hits, misses and bypasses,
-            :class:`~traceable_hsdp._cache.CacheCounts`); ``None`` when eager. See
-            [Note: Compile report].
+        first_step_compile: what rank 0's first step compiled (``"times"``,
+            ``"cache"``); ``None`` when eager. See [Note: Compile report].
     """
 
     losses: list[float]
@@ -212,12 +184,10 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 # [Note: Devices and process groups]
-# ``device="cuda"`` is one rank per GPU on NCCL, the setup FSDP is made for: spawned
-# ranks take ``cuda:RANK`` (at most ``torch.cuda.device_count()`` of them), torchrun's
-# take ``cuda:LOCAL_RANK``. ``device="cpu"`` is gloo ranks on the CPU (what the tests
-# run). ``"auto"`` picks ``"cuda"`` when torch sees a GPU and NCCL, else ``"cpu"``; it
-# is resolved once, in the launching process (:func:`resolve_device`), and a rank never
-# falls back silently: ``"cuda"`` without a GPU is an error that says so.
+# ``device="cuda"`` is one rank per GPU on NCCL (``cuda:RANK`` spawned,
+# ``cuda:LOCAL_RANK`` under torchrun); ``"cpu"`` is gloo ranks. ``"auto"`` is resolved
+# once, in the launching process (:func:`resolve_device`), and never falls back
+# silently: ``"cuda"`` without a GPU is an error.
 
 
 def resolve_device(requested: str) -> Literal["cpu", "cuda"]:
@@ -297,15 +267,11 @@ def _build_mesh(device_type: str, world: int, replicate: int) -> DeviceMesh:
 
 
 # [Note: Demo initialization and activation checkpointing]
-# ``init="meta"`` is FSDP2's flow for models larger than one device: the model is
-# built on the meta device (no memory), sharded, materialized with ``to_empty`` (each
-# rank allocates its shards only) and given its initial values by
-# ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` from a
-# model only rank 0 builds (seeded, so the weights equal ``init="cpu"``'s, where every
-# rank builds the whole model and shards it; the tests compare both with a one-process
-# model). The rotary tables are buffers no state dict holds: recomputed. With ``ac``
-# every block is wrapped in ``checkpoint_wrapper`` before it is sharded (torchtitan's
-# order); ``"selective"`` saves the matmuls' outputs and recomputes the rest.
+# ``init="meta"`` is FSDP2's flow for large models: build on meta, shard, ``to_empty``,
+# then ``set_model_state_dict(..., broadcast_from_rank0=True)`` from the model rank 0
+# builds (seeded, so equal to ``init="cpu"``, where every rank builds it whole). The
+# rotary buffers are recomputed. With ``ac`` every block is wrapped in
+# ``checkpoint_wrapper`` before sharding (torchtitan's order).
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -421,9 +387,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
     )
     model = _build_sharded(cfg, model_cfg, mesh, device, rank)
     n_params = sum(p.numel() for p in model.parameters())
-    # torch.optim.AdamW's numbers and state, stepped on the local shards; see
-    # [Note: Optimizer steps on local shards] (optim.py). Fused, as torchtitan and HF
-    # Trainer step by default (docs/api.md, "Optimizers on local shards").
+    # See [Note: Optimizer steps on local shards] (optim.py); fused, as torchtitan.
     from ..optim import AdamW
 
     optim = AdamW(model.parameters(), lr=cfg.lr, fused=True)
@@ -615,12 +579,8 @@ def _run_torchrun_rank(cfg: TrainConfig, local_rank: int) -> TrainResult:
 def launch(cfg: TrainConfig) -> TrainResult | None:
     """Runs ``cfg`` on every rank and returns rank 0's result.
 
-    ``cfg.device`` is resolved first (:func:`resolve_device`): ``"cuda"`` is NCCL with
-    one rank per GPU, ``"cpu"`` is gloo. Under torchrun (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK`` set) this process is one rank, on ``cuda:LOCAL_RANK`` or the CPU;
-    ``cfg.world_size`` is ignored, and ranks other than 0 return ``None``. Otherwise it
-    spawns ``cfg.world_size`` processes (rendezvous through a file in a temporary
-    directory) and waits for them.
+    Under torchrun this process is one rank (``cfg.world_size`` is ignored; ranks other
+    than 0 return ``None``); otherwise it spawns ``cfg.world_size`` processes and waits.
 
     Raises:
         ValueError: a partial torchrun environment, a world size not divisible by
