@@ -739,33 +739,37 @@ def conformance_compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
 
 
 def compiled_without_ca(rank: int, world: int) -> dict[str, Any]:
-    """``torch.compile(model)`` with compiled autograd off, Inductor (torchtitan's
-    plain compile line): our Llama (one block) and HF ``LlamaForCausalLM`` (one
-    decoder layer), each trained with ours compiled and with torch's fully_shard
-    eager on the same model and data. The graphs dynamo hands Inductor are counted
-    (:func:`dynamo_counts`): the collectives run eagerly at the units' boundaries,
-    so none is in them, as none of torch's is under the same line."""
+    """``torch.compile(model)`` with compiled autograd off (torchtitan's plain compile
+    line): our Llama (one block) under Inductor and HF ``LlamaForCausalLM`` (one
+    decoder layer) under aot_eager, each trained with ours compiled and with torch's
+    fully_shard eager on the same model and data. The graphs dynamo hands the backend
+    are counted (:func:`dynamo_counts`): the collectives run eagerly at the units'
+    boundaries, so none is in them, as none of torch's is under the same line."""
+    from torch._dynamo.backends.debugging import aot_eager
     from torch._inductor.compile_fx import compile_fx
     from transformers import LlamaForCausalLM
 
-    cases: dict[str, tuple[Build, Step]] = {
-        "llama": (lambda fs: _shard_llama(Llama(CFG1), fs), _llama_step),
-        "hf_llama": (lambda fs: _hf_shard(LlamaForCausalLM(_hf_config(layers=1)), fs), _hf_step),
+    cases: dict[str, tuple[Build, Step, Callable[..., Any]]] = {
+        "llama": (lambda fs: _shard_llama(Llama(CFG1), fs), _llama_step, compile_fx),
+        "hf_llama": (
+            lambda fs: _hf_shard(LlamaForCausalLM(_hf_config(layers=1)), fs), _hf_step, aot_eager
+        ),
     }
     out: dict[str, Any] = {}
-    for name, (build, step) in cases.items():
+    for name, (build, step, compiler) in cases.items():
         torch.manual_seed(0)
         out[f"{name}_torch"] = _train(build(_fs("torch")), rank, world, step)
         torch.manual_seed(0)
         model = build(_fs("ours"))
         graphs: list[dict[str, int]] = []
 
-        def inductor(gm: torch.fx.GraphModule, inputs: Any, graphs: list = graphs) -> Any:
+        def backend(gm: torch.fx.GraphModule, inputs: Any, graphs: list = graphs,
+                    compiler: Callable[..., Any] = compiler) -> Any:
             graphs.append(dynamo_counts(gm.graph))
-            return compile_fx(gm, inputs)
+            return compiler(gm, inputs)
 
         torch._dynamo.reset()
-        fwd = torch.compile(model, backend=inductor)
+        fwd = torch.compile(model, backend=backend)
         out[f"{name}_ours"] = _train(
             model, rank, world, lambda _m, x, y, fwd=fwd, step=step: step(fwd, x, y)
         )

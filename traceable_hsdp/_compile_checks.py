@@ -47,7 +47,7 @@ _EAGER_HOOKS_SAID = False
 # function's reason, ``UNIT_FULLGRAPH_FIX``, is the error the user reads. Tested by
 # ``test_compiled_without_compiled_autograd`` (test_runtime.py),
 # ``test_units_compiled_without_compiled_autograd_train_correctly``
-# (test_reliability.py) and ``test_compiled_without_compiled_autograd_inductor``
+# (test_reliability.py) and ``test_compiled_without_compiled_autograd_vs_torch``
 # (test_conformance.py). A unit compiled in place (``block.compile()``) does not get
 # here: see [Note: A unit compiled in place] (_compiled_call.py) and [Note: One FSDP
 # class per module class] (_fsdp_class.py). With compiled autograd on, a unit traced
