@@ -276,6 +276,8 @@ class GroupRecorder:
         self.backend = backend
         self.forward: list[dict[str, int]] = []
         self.backward: list[dict[str, int]] = []
+        # The input dtype of each all-reduce, in graph order.
+        self.all_reduce_dtypes: list[torch.dtype] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         counts: dict[str, int] = {}
@@ -286,6 +288,9 @@ class GroupRecorder:
                 continue
             op = G.op_name(n)[1]  # e.g. "all_gather_into_tensor", either op form
             group = G.collective_group_name(n)
+            if op == "all_reduce":
+                meta = n.args[0].meta
+                self.all_reduce_dtypes.append(meta.get("example_value", meta.get("val")).dtype)
             key = f"{op}@{self.groups.get(group, group)}"
             counts[key] = counts.get(key, 0) + 1
         _, is_bwd = current_compile()
@@ -320,6 +325,21 @@ def tp_compiled_worker(rank: int, world: int) -> dict[str, Any]:
         th.disable_compiled_autograd()
     out["fwd"], out["bwd"] = rec.forward, rec.backward
     out["graph_breaks"] = sum(counters["graph_break"].values())
+
+    # bf16 with an fp32 reduce_dtype: eager, then compiled whole with aot_eager.
+    mp = th.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = build_2d(world_mesh, th.fully_shard, cfg=ONE_BLOCK_CFG, mp_policy=mp)
+    out["bf16_eager"] = train(model, model, world_mesh, TP_STEPS, clip=None)
+    model = build_2d(world_mesh, th.fully_shard, cfg=ONE_BLOCK_CFG, mp_policy=mp)
+    rec = GroupRecorder(groups)
+    torch._dynamo.reset()
+    th.enable_compiled_autograd(backend=rec)
+    try:
+        compiled = torch.compile(model, backend=rec, fullgraph=True)
+        out["bf16_compiled"] = train(model, compiled, world_mesh, TP_STEPS, clip=None)
+    finally:
+        th.disable_compiled_autograd()
+    out["bf16_all_reduce_dtypes"] = rec.all_reduce_dtypes
     return out
 
 

@@ -99,12 +99,7 @@ def per_unit_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
 # Tests that fail on torch 2.15 and pass on 2.13 and 2.14: each marked with why,
 # strict, so that a fix (or a torch that fixes it) turns the mark into a failure and
 # the mark is removed. docs/api.md lists them as known limits on 2.15.
-ON_TORCH_2_15 = {
-    "test_fsdp_tp_eager": "under bf16 with an fp32 reduce_dtype, torch 2.15 upcasts a "
-    "TP-replicated parameter's (a SequenceParallel norm's) Partial gradient before its "
-    "TP all-reduce; ours all-reduces in bf16 and then upcasts, as torch 2.13 and 2.14 "
-    "do: 4e-5 apart, not bitwise",
-}
+ON_TORCH_2_15: dict[str, str] = {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

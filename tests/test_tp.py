@@ -31,6 +31,7 @@ from _tp_workers import (
     tp_eager_worker,
 )
 from _workers import CFG
+from traceable_hsdp._api import REDUCE_IN_GRAD_DTYPE
 from traceable_hsdp.demo.models import Llama
 
 
@@ -151,6 +152,14 @@ def test_fsdp_tp_compiled() -> None:
         torch.testing.assert_close(ind["norms"], eager["norms"], rtol=1e-5, atol=0)
         _assert_params(ind["params"], eager["params"], 1e-5, f"rank {rank} inductor")
         assert ind["bytes_after"] == [0] * TP_STEPS
+        # bf16, fp32 reduce_dtype, aot_eager: bitwise equal to eager (which
+        # test_fsdp_tp_eager checks bitwise against torch's fully_shard). The 3 RMSNorm
+        # gradients' TP all-reduces run in reduce_dtype where the installed torch's
+        # fully_shard runs them so (2.15), in param_dtype before.
+        assert r["bf16_compiled"]["losses"] == r["bf16_eager"]["losses"]
+        _assert_params(r["bf16_compiled"]["params"], r["bf16_eager"]["params"], 0, f"rank {rank} bf16")
+        tp_dtype = torch.float32 if REDUCE_IN_GRAD_DTYPE else torch.bfloat16
+        assert r["bf16_all_reduce_dtypes"] == [tp_dtype] * 3, r["bf16_all_reduce_dtypes"]
 
 
 @pytest.mark.slow

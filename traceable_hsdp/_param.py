@@ -96,6 +96,20 @@ is sharded over the ``dp`` mesh as torch's FSDP2 shards it, so state dicts, DCP 
   torch, ``module.weight`` is a non-leaf DTensor during forward; the numbers are the
   same (tests/test_tp.py: bitwise equal to torch's fully_shard on a (2, 2, 2) mesh).
 
+[Note: A TP-replicated gradient is reduced over TP in reduce_dtype]
+Under a ``reduce_dtype`` wider than ``param_dtype``, torch 2.15 gives a parameter whose
+TP placements hold a ``Replicate`` (a SequenceParallel norm weight) an unsharded
+``grad_dtype`` of ``reduce_dtype``: its gradient may be ``Partial`` over TP, and is
+upcast before that TP all-reduce (torch 2.13 and 2.14 all-reduce it in ``param_dtype``,
+as ours does there). On 2.15 ours gathers such a parameter in ``reduce_dtype``
+(``dtype``) and its TP view casts to ``param_dtype`` (``view_dtype``): the forward
+computes with the values torch's does, and the cast's backward upcasts the gradient
+before the view's backward all-reduces it. No ``grad_dtype`` is set, which compiled
+autograd does not read, so the compiled step reduces in the same order. The cost is
+one all-gather per unit in ``reduce_dtype`` for these (small) parameters.
+tests/test_tp.py checks the bf16 step bitwise against torch's fully_shard eagerly, and
+the compiled step against the eager one.
+
 Refused at ``fully_shard``: an int ``reshard_after_forward`` with a DTensor parameter
 (torch refuses it too), ``Partial`` or ``_StridedShard`` TP placements, more than two
 mesh dims, and a TP parameter that ``hsdp()`` would replicate.
@@ -326,6 +340,16 @@ class FSDPParam:
         # See [Note: reduce_dtype follows the installed torch] (_api.py).
         default = orig_dtype if REDUCE_IN_GRAD_DTYPE else self.dtype
         self.reduce_dtype = (mp.reduce_dtype if floating else None) or default
+        # The dtype the TP view computes in when it differs from the gathered one, or
+        # None. See [Note: A TP-replicated gradient is reduced over TP in reduce_dtype].
+        self.view_dtype: torch.dtype | None = None
+        if (
+            REDUCE_IN_GRAD_DTYPE
+            and self.tp_spec is not None
+            and any(isinstance(p, Replicate) for p in self.tp_spec.placements)
+            and self.reduce_dtype.itemsize > self.dtype.itemsize
+        ):
+            self.view_dtype, self.dtype = self.dtype, self.reduce_dtype
 
     def _empty_placeholder(self) -> torch.Tensor:
         """A tensor of the full shape in ``dtype`` on the compute device, with 0 bytes of
@@ -478,7 +502,7 @@ class FSDPParam:
         assert spec is not None
         # Grad on inside an eager backward too, so a checkpoint recompute matches.
         with torch.enable_grad():
-            return DTensor.from_local(
+            view = DTensor.from_local(
                 self.unsharded_param,
                 spec.mesh,
                 spec.placements,
@@ -486,6 +510,7 @@ class FSDPParam:
                 shape=self.global_size,
                 stride=spec.stride,
             )
+            return view if self.view_dtype is None else view.to(self.view_dtype)
 
     def register_sharded(self) -> None:
         """Makes the modules hold the sharded parameter again. Idempotent.
