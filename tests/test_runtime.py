@@ -139,6 +139,13 @@ def test_error_3d_mesh(one_rank) -> None:
         th.fully_shard(nn.Linear(2, 2), mesh=mesh)
 
 
+def test_error_2d_mesh_without_names(one_rank) -> None:
+    mesh = DeviceMesh("cpu", torch.arange(1).view(1, 1))
+    # torch's exception type and first words, then which dim does what.
+    with pytest.raises(AssertionError, match="^Please init the 2D mesh for HSDP with mesh_dim_names specified: dim 0"):
+        th.fully_shard(nn.Linear(2, 2), mesh=mesh)
+
+
 def test_error_block_sharded_after_its_root(one_rank) -> None:
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     th.fully_shard(m, mesh=one_rank)

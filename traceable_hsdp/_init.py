@@ -263,6 +263,12 @@ def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
     if mesh.ndim == 1:
         return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
     if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise AssertionError(  # torch's exception and first words
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified: dim 0 "
+                "replicates and dim 1 shards, e.g. init_device_mesh(device_type, (r, s), "
+                "mesh_dim_names=('replicate', 'shard'))."
+            )
         return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     raise ValueError(  # torch's exception and first words
         f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh for FSDP "
