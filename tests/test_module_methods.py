@@ -121,12 +121,18 @@ def test_all_reduce_hook_errors(one_rank) -> None:
         m.set_all_reduce_hook(3)
     with pytest.raises(TypeError, match="expects a torch.Stream"):
         m.set_all_reduce_hook(lambda t: None, stream="s")
-    with pytest.raises(ValueError, match="CPU mesh has no streams"):
+    with pytest.raises(ValueError, match=r"Stream on cpu for a unit on cpu; pass torch.get_device_module\('cpu'\).Stream\(\)"):
         m.set_all_reduce_hook(lambda t: None, stream=torch.Stream(device="cpu"))
     hsdp_mesh = dp_mesh((1, 1))
     h = th.fully_shard(nn.Linear(2, 2), mesh=hsdp_mesh)
-    with pytest.raises(ValueError, match="native HSDP"):
-        h.set_all_reduce_hook(lambda t: None, stream=torch.Stream(device="cpu"))
+    with pytest.raises(ValueError, match="^stream cannot be set when using native HSDP$"):
+        h.set_all_reduce_hook(lambda t: None, stream=torch.cpu.Stream())
+    # A CPU mesh's stream is the current one while the hook runs, as in torch.
+    stream, seen = torch.cpu.Stream(), []
+    m.set_all_reduce_hook(lambda t: seen.append(torch.cpu.current_stream()), stream=stream)
+    m(torch.randn(3, 4)).sum().backward()
+    assert seen == [stream, stream], seen
+    assert torch.cpu.current_stream() is not stream
     # None removes the hook.
     calls = []
     m.set_all_reduce_hook(calls.append)

@@ -223,12 +223,14 @@ class FSDPModule(_TorchFSDPModule):
         Args:
             hook: ``hook(reduced: torch.Tensor) -> None``; ``None`` removes it.
             stream: run the hook on this stream (default ``None``: the current
-                one). FSDP on an accelerator mesh, eager backward only.
+                one), a stream of the mesh's device; FSDP only, eager backward
+                only. On a CPU mesh, a ``torch.cpu.Stream`` is the current stream
+                while the hook runs, as in torch (CPU work is synchronous).
 
         Raises:
             TypeError: ``hook`` is not callable, or ``stream`` is not a stream.
-            ValueError: ``stream`` with HSDP (a 2-D mesh), as in torch, or on a
-                mesh whose device has no streams (CPU), or on another device type.
+            ValueError: ``stream`` with HSDP (a 2-D mesh), as in torch, or a
+                stream of another device type than the mesh's.
         """
         if hook is not None and not callable(hook):
             raise TypeError(
@@ -238,24 +240,22 @@ class FSDPModule(_TorchFSDPModule):
         state = require_state(self)
         param_group = state.param_group
         if stream is not None:
-            if not isinstance(stream, (torch.Stream, torch.cuda.Stream)):
+            if not isinstance(stream, (torch.Stream, torch.cuda.Stream, torch.cpu.Stream)):
                 raise TypeError(
                     f"set_all_reduce_hook(stream=...) expects a torch.Stream (e.g. "
                     f"torch.cuda.Stream()), got {type(stream).__name__}."
                 )
             if param_group is not None and param_group.mesh_info.replicate_mesh_dim is not None:
-                raise ValueError(
-                    "stream cannot be set when using native HSDP (a 2-D mesh): the hook "
-                    "runs after the all-reduce, on the current stream. Pass stream=None."
-                )
+                raise ValueError("stream cannot be set when using native HSDP")  # torch's words
             if param_group is not None:
                 device = param_group.mesh_info.device
-                stream_type = torch.device(stream.device).type
-                if device.type == "cpu" or stream_type != device.type:
+                cpu = isinstance(stream, torch.cpu.Stream)
+                stream_type = "cpu" if cpu else torch.device(stream.device).type
+                if stream_type != device.type or (device.type == "cpu") != cpu:
                     raise ValueError(
-                        f"set_all_reduce_hook(stream=...) got a {stream_type} stream for "
-                        f"a unit on {device.type}; the stream must be on the mesh's "
-                        "accelerator (a CPU mesh has no streams: pass stream=None)."
+                        f"set_all_reduce_hook(stream=...) got a {type(stream).__name__} on "
+                        f"{stream_type} for a unit on {device.type}; pass "
+                        f"torch.get_device_module({device.type!r}).Stream() or None."
                     )
         if param_group is not None:
             param_group.all_reduce_hook = hook

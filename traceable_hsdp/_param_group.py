@@ -642,6 +642,10 @@ def _call_on_stream(
     and before its later work. Eager only. See [Note: The all-reduce hook]."""
     if compiling():
         _refuse_hook_stream_compiled()
+    if isinstance(stream, torch.cpu.Stream):  # CPU work is synchronous
+        with torch.cpu.stream(stream):
+            hook(reduced)
+        return
     current = torch.accelerator.current_stream(reduced.device)
     stream.wait_stream(current)
     with stream:
