@@ -436,8 +436,8 @@ def test_refused_like_torch_fully_shard(one_rank) -> None:
     _extensions.py against ours): a container without a forward (its children then
     computed with the shards), deepcopy (a copied placeholder read freed memory: the
     process died with SIGSEGV), a non-contiguous parameter (an unclear DTensor
-    error), torch 2.13's dp_mesh_dims, and the all-gather extension (never called:
-    gathered without it, with no error)."""
+    error), torch 2.13's dp_mesh_dims, and one all-gather extension hook without the
+    other."""
     import copy
 
     for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
