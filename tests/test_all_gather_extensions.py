@@ -241,6 +241,7 @@ def test_extension_compiled_aot_eager() -> None:
     for r in run_ranks(extension_worker, 2, "aot_eager"):
         _bitwise(r["losses"], r["eager_losses"], r["shards"], r["eager_shards"])
         _bitwise(r["losses"], r["ref_losses"], r["shards"], r["ref_shards"])
+        assert len(r["graphs"]) == 2, r["graphs"]
         fwd, bwd = r["graphs"]
         assert fwd == {"all_gather": 10, "to_bf16": 5, "to_fp32": 5}, fwd
         assert bwd == {"all_gather": 8, "to_bf16": 4, "to_fp32": 4}, bwd

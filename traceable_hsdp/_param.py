@@ -644,7 +644,8 @@ class FSDPParam:
                 f"{self.dtype} (its third argument) and at least shape "
                 f"{tuple(self.orig_size)}. Return the unsharded tensor in param_dtype."
             )
-        ext.subclass = False
+        if not compiling():  # a traced write would change a guarded value: a recompile
+            ext.subclass = False
         rows = self.orig_size[0]
         if tuple(result.shape[1:]) == tuple(self.orig_size[1:]) and result.size(0) >= rows:
             return result
