@@ -14,8 +14,8 @@ plain):
   bitwise; the dynamo graphs hold the hooks' casts next to the all-gathers (counted);
 - a post-all-gather hook returning a subclass: eager bitwise equal to torch's
   (the ``out=`` refill from the second step on); a compiled step refuses it;
-- Inductor (slow): within tolerance of eager, the all-gathers counted in the final
-  post-grad graphs and no placeholder copy left.
+- Inductor (slow): within tolerance of eager, the all-gathers and the placeholder
+  copies counted in the final post-grad graphs.
 """
 
 from __future__ import annotations
@@ -251,8 +251,8 @@ def test_extension_compiled_aot_eager() -> None:
 def test_extension_compiled_inductor() -> None:
     """Inductor: losses and shards within rtol=1e-5, atol=1e-6 of our eager run
     (Inductor may fuse and reorder float arithmetic); the final post-grad graphs gather
-    the 10 parameters in forward and the blocks' 8 in backward, with no placeholder
-    copy left (the cast reads the gathered buffer directly)."""
+    the 10 parameters in forward and the blocks' 8 in backward, and the blocks'
+    placeholder copies are rewritten away (the cast reads the gathered buffer)."""
     for r in run_ranks(extension_worker, 2, "inductor", spawn=True):
         assert r["losses"] == pytest.approx(r["eager_losses"], rel=1e-5, abs=1e-6)
         for k, v in r["eager_shards"].items():
@@ -262,4 +262,6 @@ def test_extension_compiled_inductor() -> None:
         (_, fwd), (_, bwd) = r["post_grad"]
         ag = lambda c: sum(n for k, n in c.items() if k.startswith("all_gather"))  # noqa: E731
         assert ag(fwd) == 10 and ag(bwd) == 8, r["post_grad"]
-        assert "fsdp.copy_" not in fwd and "fsdp.copy_" not in bwd, r["post_grad"]
+        # Only the root's 2 parameters, kept gathered for the backward, are copied
+        # into their placeholders; the blocks' casts read the gathered buffers.
+        assert fwd.get("fsdp.copy_") == 2 and "fsdp.copy_" not in bwd, r["post_grad"]
