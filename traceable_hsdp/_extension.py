@@ -14,9 +14,9 @@ first time:
   with ``fsdp.copy_``, as a gathered parameter is ([Note: Sharded parameter and
   unsharded placeholder] in ``_param.py``), and the post-all-gather hook is called
   without ``out=`` at every gather. Traced, the pre-all-gather ops, the all-gathers
-  and the post-all-gather ops are nodes of the graph that gathers, so the placeholder
-  passes rewrite its uses to the post-all-gather output and Inductor fuses a cast
-  with the gather's copy-out;
+  and the post-all-gather ops are nodes of the graph that gathers, and the placeholder
+  passes rewrite its uses to the post-all-gather output, which Inductor may fuse
+  with its consumers;
 - a tensor subclass (``TwoTensor``, torchao's ``Float8TrainingTensor``): as torch's,
   eagerly only. The subclass becomes the unsharded parameter at the first gather (its
   post-accumulate-grad hooks move to it); later gathers copy into the same gathered
