@@ -328,16 +328,6 @@ def test_optimizer_holding_replaced_parameters_refused(one_rank) -> None:
     assert all(not torch.equal(full_tensor(v), before[k]) for k, v in m.state_dict().items())
 
 
-class _WithAllGatherExtension(torch.Tensor):
-    """A tensor subclass that declares torch's FSDP2 all-gather extension."""
-
-    def fsdp_pre_all_gather(self, *args: Any) -> Any:
-        raise AssertionError("never called")
-
-    def fsdp_post_all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("never called")
-
-
 def test_module_hooks_on_a_unit(one_rank) -> None:
     """A unit gathers inside its forward, not in module hooks (docs/api.md, "Module
     hooks on a unit"). Hooks that change a unit's input and output: loss and
@@ -453,8 +443,8 @@ def test_refused_like_torch_fully_shard(one_rank) -> None:
     _extensions.py against ours): a container without a forward (its children then
     computed with the shards), deepcopy (a copied placeholder read freed memory: the
     process died with SIGSEGV), a non-contiguous parameter (an unclear DTensor
-    error), torch 2.13's dp_mesh_dims, and the all-gather extension (never called:
-    gathered without it, with no error)."""
+    error), torch 2.13's dp_mesh_dims, and one all-gather extension hook without the
+    other."""
     import copy
 
     for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
@@ -483,15 +473,11 @@ def test_refused_like_torch_fully_shard(one_rank) -> None:
         th.fully_shard(nn.Linear(2, 2), mesh=one_rank, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     th.fully_shard(nn.Linear(2, 2), mesh=one_rank, dp_mesh_dims=None)
 
-    ext = nn.Linear(2, 2)
-    ext.weight = nn.Parameter(ext.weight.detach().as_subclass(_WithAllGatherExtension))
-    with pytest.raises(NotImplementedError, match="'weight'.*_WithAllGatherExtension.*fsdp_pre_all_gather"):
-        th.fully_shard(ext, mesh=one_rank)
-    # Set on the local tensor after fully_shard (torch's test does this after
-    # to_empty): the next eager forward refuses it.
+    # One hook of the pair set on the local tensor after fully_shard: the next eager
+    # forward refuses it, as torch's fully_shard does.
     m = th.fully_shard(nn.Linear(2, 2), mesh=one_rank)
     m.weight._local_tensor.fsdp_pre_all_gather = lambda *a: None
-    with pytest.raises(NotImplementedError, match="'weight'.*fsdp_pre_all_gather"):
+    with pytest.raises(AssertionError, match="Both fsdp_pre_all_gather and fsdp_post_all_gather"):
         m(torch.randn(1, 2))
 
 

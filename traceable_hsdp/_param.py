@@ -155,6 +155,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 import torch.distributed.fsdp  # noqa: F401  registers torch.ops.fsdp.copy_
@@ -166,6 +167,16 @@ from torch.distributed.tensor.placement_types import Partial, Placement
 from ._api import REDUCE_IN_GRAD_DTYPE, CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
 from ._common import MeshInfo, PostForwardInfo, ShardedState, compiling
+from ._extension import (
+    POST,
+    PRE,
+    ExtensionState,
+    as_plain,
+    contiguous_stride,
+    find_hooks,
+    refuse_subclass_compiled,
+    shard_mesh,
+)
 from ._optim_check import register_placeholder, register_replaced
 from ._torch_internals import DTensorSpec, _StridedShard
 
@@ -256,7 +267,6 @@ class FSDPParam:
                 "param.data = param.data.contiguous()), or keep it out with "
                 "ignored_params={...}."
             )
-        refuse_all_gather_extension(fqn, data)
         # See [Note: Shard dim and offload].
         self.shard_dim = shard_dim
         self.offload = offload
@@ -300,15 +310,28 @@ class FSDPParam:
             stride=param.stride() if param.is_contiguous() else None,
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        self.post_forward = post_forward
+        # See [Note: All-gather extensions] (_extension.py).
+        self.extension: ExtensionState | None = None
+        if find_hooks(data) is not None and find_hooks(dtensor._local_tensor) is None:
+            raise NotImplementedError(
+                f"Parameter {fqn!r}: {type(data).__name__} defines {PRE} but its shard "
+                "lost the type through DTensor.from_local (a subclass without "
+                "__torch_dispatch__), so the all-gather extension would be skipped. Make "
+                "it a wrapper subclass (torch.Tensor._make_wrapper_subclass, "
+                "__torch_dispatch__, __tensor_flatten__), as torchao's float8 weights are."
+            )
+        self._refresh_extension(dtensor._local_tensor)
         self._track_grad_hooks()
         # See [Note: An optimizer must hold the model's sharded parameters].
         register_replaced(param, fqn)
         self._sharded_stride = self.sharded_param.stride()  # See [Note: A lean traced path].
         # 0 bytes of storage: [Note: Sharded parameter and unsharded placeholder].
-        self.unsharded_param = nn.Parameter(
-            self._empty_placeholder(), requires_grad=param.requires_grad
+        # Post-accumulate-grad hooks, registered again on a new unsharded parameter.
+        self._acc_hooks: list[Callable[[torch.Tensor], None]] = []
+        self._set_unsharded_param(
+            nn.Parameter(self._empty_placeholder(), requires_grad=param.requires_grad)
         )
-        register_placeholder(self.unsharded_param, self.fqn)
         self.sharded_state = ShardedState.SHARDED
         self.module_holds_unsharded = False
         # What register_unsharded gave the modules (the placeholder, or its TP view;
@@ -320,7 +343,6 @@ class FSDPParam:
         # After an int reshard_after_forward: this rank's block of the padded gathered
         # rows (ND, dim 0 = shard dim), or None. See [Note: Reshard to a smaller world].
         self.post_forward_shard: torch.Tensor | None = None
-        self.post_forward = post_forward
         # HSDP: the sharded grad awaits the all-reduce over the replicas.
         self.replicas_pending = False
         # Pending copy of the gradient to the CPU: [Note: Offload copies and the CPU].
@@ -384,9 +406,11 @@ class FSDPParam:
         zeros = local.new_zeros((pad, *local.shape[1:]))
         return torch.cat([local, zeros], dim=0)
 
-    def all_gather_start(self) -> torch.Tensor:
+    def all_gather_start(self) -> Any:
         """Issues this parameter's all-gather (none for a replicated parameter); the
         result is ready after :meth:`wait_gathered`."""
+        if self.extension is not None:
+            return self._extension_gather_start(self.extension)
         if self.replicate:
             return self.all_gather_input()
         if self.post_forward_shard is not None:
@@ -395,8 +419,13 @@ class FSDPParam:
             return all_gather_start(self.post_forward_shard, pf.size, pf.group_name)
         return all_gather_start(self.all_gather_input(), self._shard_size, self._shard_group_name)
 
-    def wait_gathered(self, issued: torch.Tensor) -> torch.Tensor:
+    def wait_gathered(self, issued: Any) -> Any:
         """Waits for what :meth:`all_gather_start` returned."""
+        if self.extension is not None:
+            outputs, metadata = issued
+            if not self._issues_gather():
+                return outputs, metadata
+            return [wait_all_gather(t) for t in outputs], metadata
         if self.replicate or self._shard_size == 1:  # nothing was issued
             return issued
         return wait_all_gather(issued)
@@ -405,8 +434,9 @@ class FSDPParam:
     # (_param_group.py) and [Note: Flat buffers] (_collectives.py).
     def flat_gather_group(self) -> tuple[str, int] | None:
         """The (group name, size) this parameter's all-gather runs over, or ``None``
-        when it issues none (a replicated parameter, or a group of one rank)."""
-        if self.replicate:
+        when it issues none (a replicated parameter, or a group of one rank). An
+        extension parameter gathers on its own: see [Note: All-gather extensions]."""
+        if self.replicate or self.extension is not None:
             return None
         if self.post_forward_shard is not None:
             pf = self.post_forward
@@ -461,16 +491,22 @@ class FSDPParam:
         """The sizes of the dims other than the shard dim, in order."""
         return tuple(s for i, s in enumerate(self.orig_size) if i != self.shard_dim)
 
-    def fill_unsharded(self, gathered: torch.Tensor) -> None:
+    def fill_unsharded(self, gathered: Any) -> None:
         """Grows the placeholder to full and copies the gathered rows into it."""
         if self.sharded_state is ShardedState.UNSHARDED:
             raise AssertionError(
                 f"{self.fqn}: fill_unsharded needs a sharded state, found {self.sharded_state}"
             )
         self.post_forward_shard = None
-        p = self.unsharded_param
-        full = gathered
         rows = self.orig_size[self.shard_dim]
+        if self.extension is not None:
+            full = self._extension_unsharded(self.extension, *gathered)
+            if full is None:  # the subclass parameter holds it
+                self.sharded_state = ShardedState.UNSHARDED
+                return
+        else:
+            full = gathered
+        p = self.unsharded_param
         if full.size(0) != rows:  # static while tracing: no node without padding
             full = full.narrow(0, 0, rows)
         if self.shard_dim != 0:
@@ -555,11 +591,147 @@ class FSDPParam:
         if self.sharded_state is not ShardedState.UNSHARDED:
             self.sharded_state = ShardedState.SHARDED
             return
-        if not self.keep_storage:
+        if self.keep_storage:
+            pass
+        elif self.extension is not None and self.extension.subclass:
+            self.extension.free()
+        else:
             p = self.unsharded_param
             with torch.no_grad(), _hide_version_change(p):
                 p.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
+
+    # ------------------------------------------------------ all-gather extensions
+    # See [Note: All-gather extensions] (_extension.py).
+    def _issues_gather(self) -> bool:
+        return not self.replicate and self._shard_size > 1
+
+    def _extension_gather_start(self, ext: ExtensionState) -> tuple[list[torch.Tensor], Any]:
+        """The pre-all-gather hook's tensors, all-gathered (issued), and its metadata."""
+        if ext.subclass and compiling():
+            refuse_subclass_compiled(f"Parameter {self.fqn!r}.")
+        local = self.sharded_param._local_tensor
+        if local.device != self.device:  # CPU offload: copy in for the hook
+            local = local.to(self.device, non_blocking=True)
+        inputs, metadata = ext.hooks.pre_all_gather(
+            local, ext.mesh, self.orig_size, self.module_infos[0].module, self.mp_policy
+        )
+        padded = (self.chunk_rows, *self.orig_size[1:])
+        if self.local_rows != self.chunk_rows and any(tuple(t.shape) != padded for t in inputs):
+            raise AssertionError(
+                "When a parameter is unevenly sharded by FSDP (orig size="
+                f"{self.orig_size}, FSDP world size={self._shard_size}), "
+                "fsdp_pre_all_gather must return all-gather inputs with the padded sharded "
+                f"size {torch.Size(padded)} but got {[t.size() for t in inputs]} "
+                f"(parameter {self.fqn!r})"
+            )
+        if not self._issues_gather():
+            # Gathered buffers of their own: a subclass result may keep them.
+            return [t if compiling() else t.clone() for t in inputs], metadata
+        ws, group = self._shard_size, self._shard_group_name
+        return [all_gather_start(as_plain(t), ws, group) for t in inputs], metadata
+
+    def _extension_unsharded(
+        self, ext: ExtensionState, outputs: list[torch.Tensor], metadata: Any
+    ) -> torch.Tensor | None:
+        """Runs the post-all-gather hook: its plain result to copy into the
+        placeholder, or ``None`` once a subclass parameter holds it."""
+        local = self.sharded_param._local_tensor
+        if ext.subclass:  # eager: refill the same buffers, then out= the parameter
+            ext.alloc()
+            for buf, new in zip(ext.outputs, outputs):
+                buf.copy_(new)
+            ext.hooks.post_all_gather(
+                local, ext.outputs, metadata, self.dtype, out=self.unsharded_param
+            )
+            if ext.hooks.release_outputs:
+                ext.free(outputs_only=True)
+            return None
+        result, to_free = ext.hooks.post_all_gather(local, outputs, metadata, self.dtype)
+        if type(result) is not torch.Tensor:
+            if compiling():
+                refuse_subclass_compiled(f"Parameter {self.fqn!r}: got {type(result).__name__}.")
+            ext.subclass = True
+            ext.outputs, ext.inner = outputs, tuple(to_free)
+            unsharded = torch.as_strided(
+                result, self.orig_size, contiguous_stride(self.orig_size), storage_offset=0
+            )
+            self._set_unsharded_param(
+                nn.Parameter(unsharded, requires_grad=self.sharded_param.requires_grad)
+            )
+            if ext.hooks.release_outputs:
+                ext.free(outputs_only=True)
+            return None
+        if result.dtype != self.dtype or result.numel() < self.orig_size.numel():
+            raise ValueError(
+                f"Parameter {self.fqn!r}: fsdp_post_all_gather returned a tensor of dtype "
+                f"{result.dtype} and shape {tuple(result.shape)}; expected param_dtype "
+                f"{self.dtype} (its third argument) and at least shape "
+                f"{tuple(self.orig_size)}. Return the unsharded tensor in param_dtype."
+            )
+        if not compiling():  # a traced write would change a guarded value: a recompile
+            ext.subclass = False
+        rows = self.orig_size[0]
+        if tuple(result.shape[1:]) == tuple(self.orig_size[1:]) and result.size(0) >= rows:
+            return result
+        return torch.as_strided(
+            result, self.orig_size, contiguous_stride(self.orig_size), storage_offset=0
+        )
+
+    def _refresh_extension(self, local: torch.Tensor) -> None:
+        """Reads the local shard's all-gather extension again; a new one starts from
+        the plain placeholder. See [Note: All-gather extensions]."""
+        hooks = find_hooks(local)
+        ext = self.extension
+        if ext is not None and hooks == ext.hooks and local is ext.local:
+            return
+        if ext is not None and ext.subclass:
+            ext.free()
+            self._set_unsharded_param(
+                nn.Parameter(self._empty_placeholder(), requires_grad=self.sharded_param.requires_grad)
+            )
+        self.extension = None
+        if hooks is None:
+            return
+        what = None
+        if self.tp_spec is not None:
+            what = "a DTensor (tensor-parallel) parameter"
+        elif self.shard_dim != 0:
+            what = f"Shard({self.shard_dim}) from shard_placement_fn"
+        elif self.post_forward is not None:
+            what = "an int reshard_after_forward (torch's fully_shard refuses it too)"
+        if what is not None:
+            raise NotImplementedError(
+                f"Parameter {self.fqn!r}: its local tensor ({type(local).__name__}) defines "
+                f"{PRE}, torch's FSDP2 all-gather extension, which traceable_hsdp does not "
+                f"support with {what}. Shard it on dim 0 over the data-parallel mesh with "
+                "reshard_after_forward True or False, or turn the extension off (torchao: "
+                "Float8LinearConfig(enable_fsdp_float8_all_gather=False))."
+            )
+        self.extension = ExtensionState(hooks, shard_mesh(self.mesh_info, self.fqn), local)
+
+    def _extension_changed(self, local: torch.Tensor) -> bool:
+        """Whether the local shard's hooks differ from the ones read last."""
+        if compiling():
+            # dynamo's hasattr is right on a plain tensor only (see the Note).
+            return self.extension is None and type(local) is torch.Tensor and hasattr(local, PRE)
+        ext = self.extension
+        if ext is None:
+            return hasattr(local, PRE) or hasattr(local, POST)
+        return local is not ext.local or find_hooks(local) != ext.hooks
+
+    def _set_unsharded_param(self, param: nn.Parameter) -> None:
+        """Makes ``param`` the unsharded parameter, with the post-accumulate-grad
+        hooks registered so far."""
+        self.unsharded_param = param
+        register_placeholder(param, self.fqn)
+        for hook in self._acc_hooks:
+            param.register_post_accumulate_grad_hook(hook)
+
+    def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Registers ``hook`` on the unsharded parameter, and on any later one."""
+        self._acc_hooks.append(hook)
+        self.unsharded_param.register_post_accumulate_grad_hook(hook)
 
     # ----------------------------------------------------------------- backward
     def reduce_grad(
@@ -768,6 +940,8 @@ class FSDPParam:
                 return UserChange.OTHER
         if sp.dtype is not self.orig_dtype or sp.device.type != self.shard_device.type:
             return UserChange.OTHER
+        if self._extension_changed(sp._local_tensor):
+            return UserChange.OTHER
         if sp.requires_grad is not self.unsharded_param.requires_grad:
             return UserChange.OTHER if sp.requires_grad else UserChange.FROZEN
         return UserChange.NONE
@@ -796,8 +970,8 @@ class FSDPParam:
                 register_replaced(sp, self.fqn)  # an optimizer holding it steps nothing
                 sp = self._adopt(new, info)
                 break
-        refuse_all_gather_extension(self.fqn, sp._local_tensor)
         self.sharded_param = sp
+        self._refresh_extension(sp._local_tensor)
         self._track_grad_hooks()
         self._sharded_stride = sp.stride()
         for info in self.module_infos:
@@ -874,30 +1048,6 @@ class FSDPParam:
             new = nn.Parameter(new, requires_grad=self.sharded_param.requires_grad)
         return new
 
-
-
-# [Note: All-gather extensions are refused]
-# torch's FSDP2 calls a local tensor's ``fsdp_pre_all_gather``/``fsdp_post_all_gather``
-# (torchao float8); this runtime does not, so such a parameter would be gathered in the
-# wrong dtype or layout silently. It is refused where the local tensor is first read or
-# replaced (``fully_shard``, ``reset_sharded_param``) and, eagerly, at each pre-forward
-# (``FSDPState._sync_user_changes``). A compiled forward does not re-check: a traced
-# ``hasattr`` would add a guard per parameter.
-
-
-def refuse_all_gather_extension(fqn: str, local: torch.Tensor) -> None:
-    """Raises NotImplementedError if ``local`` (a parameter's local shard) defines
-    torch's FSDP all-gather extension. See [Note: All-gather extensions are refused]."""
-    if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
-        raise NotImplementedError(
-            f"Parameter {fqn!r}: its local tensor ({type(local).__name__}) defines "
-            "fsdp_pre_all_gather/fsdp_post_all_gather, torch's FSDP2 all-gather "
-            "extension (used by float8 training, e.g. torchao's "
-            "enable_fsdp_float8_all_gather). traceable_hsdp does not call it, so the "
-            "parameter would be gathered without it. Turn the extension off (for "
-            "torchao: Float8LinearConfig(enable_fsdp_float8_all_gather=False)), or use "
-            "torch.distributed.fsdp.fully_shard for this model."
-        )
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:

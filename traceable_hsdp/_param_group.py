@@ -27,6 +27,7 @@ from ._common import (
     refusal,
     unit_forwards_in_frame,
 )
+from ._extension import as_plain
 from ._param import FSDPParam
 
 
@@ -390,6 +391,8 @@ class FSDPParamGroup:
             self._count_down()
             return
         grad = p.grad
+        if fsdp_param.extension is not None:  # See [Note: All-gather extensions].
+            grad = as_plain(grad)
         if grad.dtype != fsdp_param.reduce_dtype:  # static while tracing
             grad = grad.to(fsdp_param.reduce_dtype)
         p.grad = None

@@ -50,7 +50,7 @@ from ._compile_checks import (
     refuse_held_after_sync,
     refuse_unused_params_compiled,
 )
-from ._param import FSDPParam, UserChange, refuse_all_gather_extension
+from ._param import FSDPParam, UserChange
 from ._param_group import FSDPParamGroup
 from ._post_optim import PostOptimEvent
 from ._state_dict import register_load_subtree_hook, register_state_dict_hooks
@@ -276,9 +276,7 @@ class FSDPState:
         for fp in param_group.trainable:
             if id(fp) not in self._hooked:
                 self._hooked.add(id(fp))
-                fp.unsharded_param.register_post_accumulate_grad_hook(
-                    self._make_post_acc_hook(param_group, fp)
-                )
+                fp.register_post_accumulate_grad_hook(self._make_post_acc_hook(param_group, fp))
 
     # ------------------------------------------------- changes after fully_shard
     # See [Note: Changes after fully_shard] (_param.py).
@@ -286,10 +284,6 @@ class FSDPState:
         param_group = self.param_group
         if param_group is None:
             return
-        if not compiling():
-            # See [Note: All-gather extensions are refused] (_param.py).
-            for fp in param_group.fsdp_params:
-                refuse_all_gather_extension(fp.fqn, fp.sharded_param._local_tensor)
         changes = [fp.user_change() for fp in param_group.fsdp_params]
         # A compiled step follows a freeze without applying it (see the Note).
         if UserChange.OTHER in changes or (not compiling() and UserChange.FROZEN in changes):
