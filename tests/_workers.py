@@ -454,7 +454,7 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
                     same = torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x))
                     final = graph_counts(compiled.graphs[-1].final_graph())
                     out["inductor"][key] = (same, final.get(EXCHANGE_COUNT, 0))
-                eager = reduce_scatter(x, op, world, group)
+                eager = reduce_scatter(x, op, world, group, rank)
                 plain = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, op, world, group))
                 out["eager"][key] = torch.equal(eager, plain) and eager.dtype == plain.dtype
     x = torch.randn(8)
@@ -474,7 +474,7 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     for on in (True, False):
         passes.set_config(dataclasses.replace(config, reduce_scatter_by_exchange=on))
         with FunctionalCollectiveOps() as ops:
-            reduce_scatter(torch.randn(8), "avg", world, group)
+            reduce_scatter(torch.randn(8), "avg", world, group, rank)
         out["eager_ops"][on] = ops.names
     passes.set_config(config)
     torch._inductor.config.post_grad_custom_post_pass = None

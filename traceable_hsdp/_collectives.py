@@ -81,11 +81,12 @@ def wait_all_gather(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter(
-    full: torch.Tensor, op: str, world_size: int, group_name: str
+    full: torch.Tensor, op: str, world_size: int, group_name: str, rank: int
 ) -> torch.Tensor:
     """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
-    rank's 1/world_size of dim 0; over two gloo ranks, as an exchange ([Note: gloo
-    reduce-scatters as an exchange] in ``passes/gloo/exchange.py``)."""
+    rank's (``rank`` in the group) 1/world_size of dim 0; over two gloo ranks, as an
+    exchange ([Note: gloo reduce-scatters as an exchange] in
+    ``passes/gloo/exchange.py``)."""
     if world_size == 1:
         return full
     full = full.contiguous()
@@ -98,9 +99,15 @@ def reduce_scatter(
         and is_gloo_group(group_name)
         and not _comm_debug_mode()
     ):
+        # Eagerly each rank sends the peer its half and receives the peer's half of
+        # its own: the input, one received half and the output are alive at the peak,
+        # as a reduce-scatter's input, the gradients it packs and its output are.
         k = full.size(0) // 2
-        got = _c10d.wait_tensor(_c10d.all_to_all_single(full, [k, k], [k, k], group_name))
-        out = torch.add(got[:k], got[k:])
+        splits = [0, k] if rank == 0 else [k, 0]
+        got = _c10d.wait_tensor(
+            _c10d.all_to_all_single(full.narrow(0, (1 - rank) * k, k), splits, splits, group_name)
+        )
+        out = torch.add(full.narrow(0, rank * k, k), got)
         return out.div_(2) if op == "avg" else out
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(full, op, world_size, group_name))
 

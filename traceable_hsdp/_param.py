@@ -278,6 +278,7 @@ class FSDPParam:
         self._shard_group_name = mesh_info.shard_group_name
         self._replicate_size = mesh_info.replicate_size
         self._replicate_group_name = mesh_info.replicate_group_name
+        self._shard_rank = mesh_info.shard_rank
         ws, rank = (1, 0) if replicate else (self._shard_size, mesh_info.shard_rank)
         n = data.size(shard_dim)
         self.chunk_rows = math.ceil(n / ws)  # rows (along shard_dim) of every padded shard
@@ -769,7 +770,7 @@ class FSDPParam:
         pad = ws * self.chunk_rows - grad.size(0)
         if pad:
             grad = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))], dim=0)
-        local = reduce_scatter(grad, op, ws, self._shard_group_name)
+        local = reduce_scatter(grad, op, ws, self._shard_group_name, self._shard_rank)
         if self.local_rows != self.chunk_rows:
             local = local.narrow(0, 0, self.local_rows)
         if self.shard_dim != 0:

@@ -408,6 +408,12 @@ class FSDPParamGroup:
                 fsdp_param.accumulated_grad = grad
                 self._grads_ready += 1
                 if self._grads_ready >= len(self.trainable):
+                    if self._grads_pending == 1:
+                        # The unit's backward ends here: free its parameters before
+                        # the reduction allocates its buffers, as torch's FSDP2 does.
+                        self._count_down()
+                        self.reduce_held_grads()
+                        return
                     self.reduce_held_grads()
         else:
             # See [Note: Unused parameters].
@@ -507,7 +513,7 @@ class FSDPParamGroup:
         chunk_cat(rows, ws, flat)
         del rows
         bucket.clear()  # the unsharded gradients can go (the caller's list is this one)
-        out = reduce_scatter(flat.view(-1), op, ws, mi.shard_group_name)
+        out = reduce_scatter(flat.view(-1), op, ws, mi.shard_group_name, mi.shard_rank)
         if mi.replicate_group_name is not None:
             parts = [fp.flat_reduced_local(part) for fp, part in zip(params, out.split(numels))]
             if not self.all_reduce_grads:

@@ -18,7 +18,10 @@ into::
     r  = div(add(w[:k], w[k:]), 2)                  # "sum": add(w[:k], w[k:])
 
 Bitwise equal: over two ranks each element is one commutative addition
-(``tests/test_passes_unit.py`` checks both ops against gloo's). Compiled, only float32
+(``tests/test_passes_unit.py`` checks both ops against gloo's). Eagerly
+(``traceable_hsdp/_collectives.py``) a rank sends only the peer's half (splits
+``[0, k]`` or ``[k, 0]``) and adds what it receives to its own, so the input, one
+received half and the output are alive at once, not the input twice. Compiled, only float32
 and float64 are rewritten ([Note: Low-precision sums and fusion]). Left alone: more than
 two ranks (gloo's ring has its own order of additions), ``max``/``min``/``product``,
 GPU tensors, symbolic shapes, and reduce-scatters not read by exactly one wait.
