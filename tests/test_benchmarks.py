@@ -423,6 +423,39 @@ def test_step_time_heap_smoke_on_cpu(
 
 
 @pytest.mark.slow
+def test_memory_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memory.py``: each variant in its own 2 ranks; per rank the resident memory
+    before the steps, the peaks over every step and over the steps after the first,
+    and the heap peak of those steps; the ratios to torch's eager peak. Ours and
+    torch's eager step train the same numbers, so their losses are equal."""
+    import memory
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    out = tmp_path / "mem"
+    rc = memory.main([
+        "--out", str(out), "--device", "cpu", "--variants", "torch_eager,ours_eager",
+        "--model", "demo", "--layers", "2", "--dim", "32", "--heads", "4", "--vocab", "256",
+        "--seq", "16", "--steps", "2",
+    ])
+    assert rc == 0
+    report = json.loads((out / "memory.json").read_text())
+    assert report["meta"]["variants"] == ["torch_eager", "ours_eager"]
+    for name in ("torch_eager", "ours_eager"):
+        ranks = report["results"][name]
+        assert len(ranks) == 2
+        for r in ranks:
+            assert 0 < r["rss_before_mib"] <= r["peak_rss_mib"], r
+            assert r["peak_rss_steady_mib"] <= r["peak_rss_mib"], r
+            assert 0 < r["heap_peak_steady_mib"] < 64, r
+            assert len(r["losses"]) == 2
+    ours, theirs = report["results"]["ours_eager"], report["results"]["torch_eager"]
+    assert [r["losses"] for r in ours] == [r["losses"] for r in theirs]
+    md = (out / "memory.md").read_text()
+    assert "| variant | rank | rss before (MiB) | peak rss (MiB) |" in md
+    assert "| ours_eager | 1 |" in md and "peak / torch_eager" in md
+
+
+@pytest.mark.slow
 def test_step_time_hf_llama_smoke_on_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
