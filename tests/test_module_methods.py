@@ -29,9 +29,6 @@ from _method_workers import RecordingEvent, eager_worker, hook_compiled_worker
 from _workers import dp_mesh
 
 NOT_SUPPORTED = {
-    "set_custom_all_gather": (None,),
-    "set_custom_reduce_scatter": (None,),
-    "set_allocate_memory_from_process_group_for_comm": (True,),
     "set_separate_reduce_scatter_group": (),
     "set_symm_mem_for_comm": (),
 }

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
+from . import _custom_comm as custom_comm
 from ._compiled_call import dispatch_compiled_call
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, require_state, state_of
@@ -375,49 +376,66 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     # [Note: torch's communication tuning methods]
-    # These tune torch's eager runtime (Comm objects, staging buffers, side streams).
-    # Here every collective is a functional c10d op on the current stream whose buffers
-    # Inductor or the eager op plan, so there is nothing to tune: each raises
-    # NotImplementedError naming what to use instead, or returns quietly when asked for
+    # These tune torch's eager runtime. The comm objects (custom all-gather and
+    # reduce-scatter, the process group's allocator) drive ours' eager collectives too
+    # ([Note: Custom collectives] in _custom_comm.py). The side streams and symmetric
+    # memory have no counterpart: every collective is a functional c10d op on the
+    # current stream whose buffers Inductor or the eager op plan, so those raise
+    # NotImplementedError naming what to use instead, or return quietly when asked for
     # what already happens.
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """Not supported: raises ``NotImplementedError``. See [Note: torch's
-        communication tuning methods]."""
-        _not_supported(
-            "set_custom_all_gather",
-            "the all-gathers are functional c10d ops traced into the compiled graphs, "
-            "and their output buffers are allocated by the graph, so a custom AllGather "
-            "(which allocates and issues the collective eagerly) has no place to run. "
-            "To change how all-gathers are grouped, use traceable_hsdp.passes "
-            "(PassConfig(bucket_all_gathers=..., bucket_cap_mb=...)).",
-        )
+        """Issues this unit's eager all-gather through ``comm`` (torch's ``AllGather``:
+        ``allocate`` and ``__call__``). A compiled step refuses it. See [Note: Custom
+        collectives] in ``_custom_comm.py``.
+
+        Raises:
+            TypeError: ``comm`` has no ``allocate`` or is not callable.
+            ValueError: the unit's parameters span meshes, as in torch.
+        """
+        group = _comm_group(self, "set_custom_all_gather", comm)
+        if group is not None:
+            group.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Not supported: raises ``NotImplementedError``. See [Note: torch's
-        communication tuning methods]."""
-        _not_supported(
-            "set_custom_reduce_scatter",
-            "the reduce-scatters are functional c10d ops traced into the compiled "
-            "graphs, and their buffers are allocated by the graph, so a custom "
-            "ReduceScatter has no place to run. To change how reduce-scatters are "
-            "grouped, use traceable_hsdp.passes (PassConfig(bucket_reduce_scatters=..., "
-            "bucket_cap_mb=...)); for a custom reduction after the collective, "
-            "set_all_reduce_hook.",
-        )
+        """Issues this unit's eager reduce-scatter through ``comm`` (torch's
+        ``ReduceScatter``), with ``ReduceOp.SUM`` and an average divided after. A
+        compiled step refuses it. See [Note: Custom collectives] in ``_custom_comm.py``.
+
+        Raises:
+            TypeError: ``comm`` has no ``allocate`` or is not callable.
+            ValueError: the unit's parameters span meshes, as in torch.
+        """
+        group = _comm_group(self, "set_custom_reduce_scatter", comm)
+        if group is not None:
+            group.reduce_scatter_comm = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """``True`` raises ``NotImplementedError``; ``False`` does nothing. See
-        [Note: torch's communication tuning methods]."""
+        """Whether this unit's eager all-gather and reduce-scatter buffers come from
+        the process group's allocator (when its backend has one, e.g. NCCL; else
+        ``torch.empty``). A compiled step refuses ``True``. See [Note: Custom
+        collectives] in ``_custom_comm.py``.
+
+        Raises:
+            TypeError: ``enable`` is not a bool.
+            AssertionError: a custom comm is set, as in torch.
+        """
         _check_bool("enable", enable)
-        if enable:
-            _not_supported(
-                "set_allocate_memory_from_process_group_for_comm",
-                "there are no FSDP staging buffers: collective inputs and outputs are "
-                "ordinary tensors of the compiled graph, whose memory Inductor plans (or "
-                "of the eager ops). Bucketing (traceable_hsdp.passes, bucket_cap_mb) "
-                "controls how large the collective buffers are.",
-            )
+        group = require_state(self).param_group
+        if group is None:
+            return
+        for kind, comm in (("all gather", group.all_gather_comm),
+                           ("reduce scatter", group.reduce_scatter_comm)):
+            if custom_comm.is_custom(comm):
+                raise AssertionError(  # torch's exception and words
+                    "cannot call set_allocate_memory_from_process_group() when "
+                    f"{kind} comm is custom: {type(comm).__name__}"
+                )
+        pg = group.mesh_info.mesh.get_group(group.mesh_info.shard_mesh_dim)
+        group.all_gather_comm = custom_comm.ProcessGroupAllocAllGather(pg) if enable else None
+        group.reduce_scatter_comm = (
+            custom_comm.ProcessGroupAllocReduceScatter(pg) if enable else None
+        )
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -475,6 +493,15 @@ class FSDPModule(_TorchFSDPModule):
         where ours always are: the argument is checked and nothing changes. See
         [Note: torch's communication tuning methods]."""
         _check_bool("async_op", async_op)
+
+
+def _comm_group(module: nn.Module, method: str, comm: Any) -> FSDPParamGroup | None:
+    """The unit's parameter group, after checking ``comm`` for it (torch's checks)."""
+    group = require_state(module).param_group
+    custom_comm.check_comm(
+        method, comm, [] if group is None else [fp.mesh_info for fp in group.fsdp_params]
+    )
+    return group
 
 
 def _not_supported(method: str, why: str) -> None:

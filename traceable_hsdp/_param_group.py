@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from . import _custom_comm as custom_comm
 from ._annotate import call_annotated, collective_annotation
 from ._collectives import (
     all_gather_start,
@@ -111,6 +113,7 @@ class _FlatGather:
     numels: list[int]
     world_size: int
     output: torch.Tensor
+    work: dist.Work | None = None  # a custom comm's: [Note: Custom collectives]
 
 
 @dataclass
@@ -173,6 +176,9 @@ class FSDPParamGroup:
         # torch's reduce-scatter copy-in cap; recorded, see
         # FSDPModule.set_reduce_scatter_max_input_buffers.
         self.reduce_scatter_max_input_buffers = 1
+        # See [Note: Custom collectives] (_custom_comm.py).
+        self.all_gather_comm: Any = None
+        self.reduce_scatter_comm: Any = None
         # reduce_grads as the last backward began; see [Note: Held gradients of
         # unused parameters].
         self.backward_syncs = False
@@ -224,6 +230,8 @@ class FSDPParamGroup:
             return
         with torch.no_grad():
             if compiling():
+                if self.all_gather_comm is not None:
+                    custom_comm.refuse_compiled()
                 # See [Note: Collective annotations] (passes/_graph.py).
                 label = self.traced_label
                 self._pending = [
@@ -256,9 +264,15 @@ class FSDPParamGroup:
                 for (src, rows), part in zip(sources, inp.split(numels))
             ]
             torch._foreach_copy_(dsts, [src for src, _ in sources])
+            work = None
             with collective_annotation(self.label, [fp.fqn for fp in params]):
-                output = all_gather_start(inp, world_size, group_name)
-            flat.append(_FlatGather(params, numels, world_size, output))
+                if self.all_gather_comm is None:
+                    output = all_gather_start(inp, world_size, group_name)
+                else:
+                    output, work = custom_comm.all_gather(
+                        self.all_gather_comm, inp, world_size, params[0].mesh_info
+                    )
+            flat.append(_FlatGather(params, numels, world_size, output, work))
         return _EagerUnshard(flat, single)
 
     def wait_for_unshard(self) -> None:
@@ -454,6 +468,8 @@ class FSDPParamGroup:
         return held if held and self.backward_syncs else []
 
     def _reduce(self, fsdp_param: FSDPParam, grad: torch.Tensor) -> None:
+        if self.reduce_scatter_comm is not None and compiling():
+            custom_comm.refuse_compiled()
         call_annotated(
             self.traced_label,
             fsdp_param.fqn,
@@ -513,7 +529,10 @@ class FSDPParamGroup:
         chunk_cat(rows, ws, flat)
         del rows
         bucket.clear()  # the unsharded gradients can go (the caller's list is this one)
-        out = reduce_scatter(flat.view(-1), op, ws, mi.shard_group_name, mi.shard_rank)
+        if self.reduce_scatter_comm is None:
+            out = reduce_scatter(flat.view(-1), op, ws, mi.shard_group_name, mi.shard_rank)
+        else:
+            out = custom_comm.reduce_scatter(self.reduce_scatter_comm, flat.view(-1), op, ws, mi)
         if mi.replicate_group_name is not None:
             parts = [fp.flat_reduced_local(part) for fp, part in zip(params, out.split(numels))]
             if not self.all_reduce_grads:
@@ -671,6 +690,8 @@ def _finish_eager_unshard(pending: _EagerUnshard) -> None:
     for fp, gathered in pending.single:
         fp.fill_unsharded(fp.wait_gathered(gathered))
     for fg in pending.flat:
+        if fg.work is not None:
+            fg.work.wait()
         output = wait_all_gather(fg.output)
         targets = [
             fp.flat_gather_target(fg.world_size, n) for fp, n in zip(fg.params, fg.numels)

@@ -75,6 +75,8 @@ INTERNALS: tuple[TorchInternal, ...] = (
     # fully_shard and FSDPModule: torch's FSDP2 protocols (_module.py, _torch_view.py, _state.py).
     _E("torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction",
        "each unit's post-backward runs in this autograd function, as in torch's fully_shard"),
+    _E("torch.distributed.ProcessGroup._get_backend",
+       "set_allocate_memory_from_process_group_for_comm allocates from the group's backend"),
     _E("torch.distributed.fsdp.FSDPModule.__new__",
        "it finds a unit's original class at the MRO index our FSDPModule subclass sets",
        uses=("_orig_cls_mro_index",)),
