@@ -446,7 +446,7 @@ def test_refused_like_torch_fully_shard(one_rank) -> None:
     _extensions.py against ours): a container without a forward (its children then
     computed with the shards), deepcopy (a copied placeholder read freed memory: the
     process died with SIGSEGV), a non-contiguous parameter (an unclear DTensor
-    error), torch 2.13's dp_mesh_dims, and the all-gather extension (never called:
+    error), and the all-gather extension (never called:
     gathered without it, with no error)."""
     import copy
 
@@ -467,14 +467,6 @@ def test_refused_like_torch_fully_shard(one_rank) -> None:
     conv = nn.Conv2d(2, 2, 3).to(memory_format=torch.channels_last)
     with pytest.raises(NotImplementedError, match=r"non-contiguous parameters yet \(torch's fully_shard neither\): 'weight' has shape \(2, 2, 3, 3\)"):
         th.fully_shard(conv, mesh=one_rank)
-
-    # torch 2.13's SPMD-mesh form: refused with the submesh form named (was
-    # "unexpected keyword argument"); None, what wrappers pass along, is accepted.
-    from torch.distributed.fsdp import DataParallelMeshDims
-
-    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims=.*world_mesh\['tp'\]"):
-        th.fully_shard(nn.Linear(2, 2), mesh=one_rank, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-    th.fully_shard(nn.Linear(2, 2), mesh=one_rank, dp_mesh_dims=None)
 
     ext = nn.Linear(2, 2)
     ext.weight = nn.Parameter(ext.weight.detach().as_subclass(_WithAllGatherExtension))
