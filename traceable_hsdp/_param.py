@@ -1056,7 +1056,7 @@ def check_spmd_param(param: nn.Parameter, fqn: str, spmd: SpmdLayout) -> None:
     for i, pl in enumerate(placements):
         if i not in dp and isinstance(pl, (Partial, _StridedShard)):
             raise ValueError(
-                f"Parameter {fqn!r} is a DTensor with placement {pl} on mesh dim "
+                f"Parameter {fqn!r} is a DTensor with placement {pl!r} on mesh dim "
                 f"'{names[i]}' (placements {placements}); fully_shard shards parameters "
                 "laid out with Shard or Replicate on the other dims only. Redistribute "
                 "it first: param.redistribute(mesh, [Shard(d) or Replicate() per dim])."
