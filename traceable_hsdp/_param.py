@@ -121,11 +121,16 @@ on the full mesh's dims). It runs on the FSDP x TP machinery above:
   parameters]) and its gradient is all-reduced.
 
 The view's backward hands the placeholder the gradient redistributed to the
-parameter's placements: a ``Replicate()`` gradient on the data-parallel dims (inputs
-replicated there, torch's tests) is used as it is, as torch's; a ``Partial()`` one
-(a batch sharded over a data-parallel dim) is all-reduced first, where torch's
-reduce-scatters the partial sums without it (a factor of the data-parallel size
-apart; tests/test_dp_mesh_dims.py uses replicated inputs). Refused at ``fully_shard``, with
+parameter's placements: a ``Replicate()`` gradient on the data-parallel dims (each
+rank's batch labelled replicated, torch's tests) is reduced as it is, as torch's; a
+``Partial()`` one (a batch sharded over the data-parallel dims, or DTensor's choice
+under TP even for replicated inputs) is all-reduced first, so the gradient is the
+one-process model's. torch's ``fully_shard`` reduce-scatters those partial sums with
+an average: its gradients are ours divided by the data-parallel size
+(tests/test_dp_mesh_dims.py pins both). Compiled, a unit whose mesh has a
+non-data-parallel dim of more than one rank (TP in this form) is refused
+(``_compile_checks.SPMD_TP_COMPILE_FIX``): its compiled backward computes wrong
+gradients; the submesh form compiles. Refused at ``fully_shard``, with
 torch's exceptions and messages: a plain parameter, a parameter on another mesh
 object, a non-``Replicate()`` placement on a data-parallel dim, an int
 ``reshard_after_forward``, a mesh without dim names, names not in it; ours also
