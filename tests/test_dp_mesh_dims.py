@@ -12,15 +12,20 @@ group the same one), as in torch's tests of this form.
 Checks and tolerances:
 - the refusals, against torch's ``fully_shard`` on the same inputs: the same exception
   type, torch's message matching ours (one process);
-- eager, ours against torch's ``fully_shard`` with the same ``dp_mesh_dims``: bitwise
-  (losses, final parameters): the same collectives on the same local tensors in the
-  same order. The sharded parameters' placements and mesh equal torch's. FSDP, DDP,
-  FSDP x TP, HSDP, HSDP x TP, two flattened shard dims, two flattened replicate dims;
-- compiled whole (compiled autograd, ``fullgraph=True``) under aot_eager against our
-  eager run: bitwise (the same ops run one by one), one forward and one backward
-  graph, no graph break, the collectives counted per mesh dim from dynamo's graphs;
-- under Inductor: losses rtol 1e-5, parameters atol 1e-5 against eager (fused
-  kernels; AdamW's first steps move each parameter by about lr).
+- eager, every layout (FSDP, DDP, HSDP, two flattened shard or replicate dims, FSDP x
+  TP, HSDP x TP): torch's placements and meshes; a global batch sharded over the
+  data-parallel dims against a one-process model, losses rtol 1e-5, parameters atol
+  1e-5 after 3 AdamW steps (the reductions sum in another order); against torch's
+  ``fully_shard`` bitwise on torch's input idiom where the gradients stay
+  ``Replicate()`` on the data-parallel dims (the same collectives on the same local
+  tensors); with TP, torch's gradients are ours divided by the data-parallel size
+  (see [Note: The SPMD-mesh form] in traceable_hsdp/_param.py), checked rtol 1e-5;
+- compiled whole (compiled autograd, ``fullgraph=True``), HSDP under aot_eager:
+  bitwise equal to our eager run, one forward and one backward graph, no graph break,
+  the collectives counted per mesh dim from dynamo's graphs; FSDP x TP in this form,
+  compiled, refused;
+- under Inductor, on a (2, 1) (dp, tp) mesh: losses rtol 1e-5, parameters atol 1e-5
+  against eager (fused kernels).
 """
 
 from __future__ import annotations
