@@ -41,8 +41,14 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 
 import traceable_hsdp as th
 from _dist import full_tensor, run_ranks
