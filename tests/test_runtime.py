@@ -443,8 +443,7 @@ def test_refused_like_torch_fully_shard(one_rank) -> None:
     _extensions.py against ours): a container without a forward (its children then
     computed with the shards), deepcopy (a copied placeholder read freed memory: the
     process died with SIGSEGV), a non-contiguous parameter (an unclear DTensor
-    error), torch 2.13's dp_mesh_dims, and one all-gather extension hook without the
-    other."""
+    error), and one all-gather extension hook without the other."""
     import copy
 
     for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
@@ -464,14 +463,6 @@ def test_refused_like_torch_fully_shard(one_rank) -> None:
     conv = nn.Conv2d(2, 2, 3).to(memory_format=torch.channels_last)
     with pytest.raises(NotImplementedError, match=r"non-contiguous parameters yet \(torch's fully_shard neither\): 'weight' has shape \(2, 2, 3, 3\)"):
         th.fully_shard(conv, mesh=one_rank)
-
-    # torch 2.13's SPMD-mesh form: refused with the submesh form named (was
-    # "unexpected keyword argument"); None, what wrappers pass along, is accepted.
-    from torch.distributed.fsdp import DataParallelMeshDims
-
-    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims=.*world_mesh\['tp'\]"):
-        th.fully_shard(nn.Linear(2, 2), mesh=one_rank, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-    th.fully_shard(nn.Linear(2, 2), mesh=one_rank, dp_mesh_dims=None)
 
     # One hook of the pair set on the local tensor after fully_shard: the next eager
     # forward refuses it, as torch's fully_shard does.

@@ -84,6 +84,26 @@ class MeshInfo:
 
 
 @dataclass(frozen=True)
+class SpmdLayout:
+    """``fully_shard(mesh, dp_mesh_dims=...)``: the full mesh the parameters are
+    ``DTensor``s on and which of its dims are data-parallel. See [Note: The SPMD-mesh
+    form] in ``_param.py``."""
+
+    mesh: DeviceMesh
+    """The full mesh (every dim: data-parallel, tensor-parallel, ...), as passed."""
+    dims: Any
+    """The ``DataParallelMeshDims`` as passed, for messages."""
+    shard_dims: tuple[int, ...]
+    """Indices in ``mesh`` of the dims FSDP shards over (flattened when several)."""
+    replicate_dims: tuple[int, ...]
+    """Indices in ``mesh`` of the dims FSDP replicates over (HSDP; DDP without
+    ``shard_dims``)."""
+    sharded_mesh: DeviceMesh
+    """The sharded parameters' mesh: ``mesh``, or with several shard dims (as torch's)
+    ``mesh`` with those dims replaced by the unit's flattened data-parallel mesh."""
+
+
+@dataclass(frozen=True)
 class PostForwardInfo:
     """Where an int ``reshard_after_forward=k`` keeps parameters after forward: the
     shard group's ranks split into consecutive groups of ``size`` (= k) ranks; this

@@ -130,6 +130,20 @@ CHECKPOINT_AROUND_UNIT_FIX = (
 refuse_checkpoint_around_unit = refusal(CHECKPOINT_AROUND_UNIT_FIX)
 
 
+SPMD_TP_COMPILE_FIX = (
+    "traceable_hsdp: a fully_shard unit with dp_mesh_dims whose parameters are "
+    "DTensors over a mesh dim that is not data-parallel (tensor parallelism in the "
+    "SPMD-mesh form) is compiled: its compiled backward computes wrong gradients, so "
+    "it is refused. Fix: run this model eagerly, or use the submesh form of FSDP x "
+    "TP, which compiles: parallelize_module(model, world_mesh['tp'], plan), then "
+    "fully_shard(block, mesh=world_mesh['dp']) without dp_mesh_dims. See "
+    "docs/api.md, 'dp_mesh_dims'."
+)
+
+
+refuse_spmd_tp_compiled = refusal(SPMD_TP_COMPILE_FIX)
+
+
 # [Note: A checkpoint inside a unit, run eagerly by compiled autograd]
 # ``checkpoint_wrapper(block)`` before ``fully_shard`` puts the checkpoint inside the
 # unit; compiled, the backward recomputes the region inside the graphs. A graph break

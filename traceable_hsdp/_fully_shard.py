@@ -18,6 +18,7 @@ from typing import Any, overload
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import Shard
 
 from . import _torch_internals
@@ -67,7 +68,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shards ``module``'s parameters over ``mesh`` and makes its forward and backward
     gather and reduce them, eagerly or inside ``torch.compile`` graphs.
@@ -83,7 +84,8 @@ def fully_shard(
             Default ``None``: a 1-D mesh over the default process group. For a
             model already distributed by ``parallelize_module`` over
             ``world_mesh["tp"]``, pass ``world_mesh["dp"]`` (see [Note: FSDP x TP]
-            in ``_param.py``).
+            in ``_param.py``). With ``dp_mesh_dims``: the full mesh the parameters
+            are ``DTensor``s on.
         reshard_after_forward: ``True`` frees the unsharded parameters after forward;
             ``False`` keeps them until backward; ``None`` (default): ``False`` for the
             root (see [Note: The default keeps the root gathered for backward]),
@@ -96,33 +98,33 @@ def fully_shard(
             the outputs (default full precision); torch's policy is accepted too.
         offload_policy: ``OffloadPolicy()`` (default) or ``CPUOffloadPolicy()``.
         ignored_params: parameters left alone (neither sharded nor reduced).
-        dp_mesh_dims: only ``None``; torch's SPMD-mesh form is expressed with the TP
-            and DP submeshes instead.
+        dp_mesh_dims: torch's ``DataParallelMeshDims(shard=..., replicate=...)``:
+            ``mesh`` is the full mesh, every parameter already a ``DTensor`` on it
+            with ``Replicate()`` on the named dims, which FSDP shards over
+            (``shard``) and replicates over (``replicate``: HSDP, or DDP alone);
+            several names are flattened into one dim. The sharded parameters stay on
+            ``mesh``. Default ``None``. See [Note: The SPMD-mesh form] in
+            ``_param.py``.
 
     Returns:
         The same module (or list), its class now a subclass of ``FSDPModule``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module`` (or list of them), or ``mesh``
-            is not a ``DeviceMesh``.
-        ValueError: a mesh of 3 or more dims; a parameter on another device than the
-            mesh's (meta parameters are accepted: shard first, then
-            ``module.to_empty(device=...)`` and initialize); a 0-dim parameter;
-            unsupported option values; a ``DTensor`` parameter whose mesh does not
-            combine with ``mesh`` or whose placements are not Shard/Replicate.
-        NotImplementedError: a ``DTensor`` parameter with HSDP (a 2-D ``mesh``), or
-            with an int ``reshard_after_forward``; ``dp_mesh_dims`` other than ``None``.
+        TypeError: ``module`` is not an ``nn.Module`` (or list of them), ``mesh``
+            is not a ``DeviceMesh``, or ``dp_mesh_dims`` not a
+            ``DataParallelMeshDims``.
+        ValueError: a mesh of 3 or more dims without ``dp_mesh_dims``; a parameter
+            on another device than the mesh's (meta parameters are accepted: shard
+            first, then ``module.to_empty(device=...)`` and initialize); a 0-dim
+            parameter; unsupported option values; a ``DTensor`` parameter whose mesh
+            does not combine with ``mesh`` or whose placements are not
+            Shard/Replicate. With ``dp_mesh_dims``, as torch's: a mesh without dim
+            names or names not in it; a parameter that is not a ``DTensor``, is on
+            another mesh object, or is not ``Replicate()`` on a data-parallel dim.
+        NotImplementedError: a ``DTensor`` parameter with an int
+            ``reshard_after_forward`` (with ``dp_mesh_dims``, any parameter, as
+            torch's); ``hsdp()`` replicating a ``DTensor`` parameter.
     """
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}): torch's SPMD-mesh form "
-            "(parameters already DTensors on the full mesh) is not supported by "
-            "traceable_hsdp. Express the same layout with submeshes: distribute the "
-            "parameters over the non-data-parallel dims only (parallelize_module(model, "
-            "world_mesh['tp'], plan)), then fully_shard(block, "
-            "mesh=world_mesh['dp']) with the data-parallel submesh. See docs/api.md, "
-            "FSDP x TP."
-        )
     modules = check_modules(module)
     options = unit_options(
         mesh=mesh,
@@ -131,6 +133,7 @@ def fully_shard(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
     )
     _shard(modules, options)
     return module
@@ -164,7 +167,10 @@ def _shard(modules: list[nn.Module], options: UnitOptions) -> FSDPState:
     collected = collect_params(modules, options)
     state = _build_unit(modules, collected, options)
     # See [Note: Exiting with gloo worker threads] (_exit.py).
-    track_meshes(options.mesh, *(info.mesh for _, info in collected.placements.values()))
+    spmd = () if options.spmd is None else (options.spmd.mesh, options.spmd.sharded_mesh)
+    track_meshes(
+        options.mesh, *spmd, *(info.mesh for _, info in collected.placements.values())
+    )
     state.adopt_nested()
     expose_to_torch(modules, state)
     for m in modules:
@@ -213,6 +219,7 @@ def _build_unit(
             replicate=options.replicate is not None and options.replicate(p),
             keep_storage=options.keep_storage,
             post_forward=post_forward,
+            spmd=options.spmd,
         )
         for p in collected.params
     ]

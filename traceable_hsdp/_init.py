@@ -26,9 +26,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as _TorchMixedPrecisionP
 from torch.distributed.tensor import Shard
 
 from ._api import REDUCE_IN_GRAD_DTYPE, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._common import MeshInfo, PostForwardInfo
+from ._common import MeshInfo, PostForwardInfo, SpmdLayout
 from ._exit import track_meshes
-from ._param import ParamModuleInfo, check_tp_placements, spmd_mesh
+from ._param import ParamModuleInfo, check_spmd_param, check_tp_placements, spmd_mesh
+from ._torch_internals import _concatenate, _flatten
 from ._state import state_of
 from .passes._graph import UnitPassOptions
 
@@ -54,6 +55,9 @@ class UnitOptions:
     pass_options: UnitPassOptions | None = None
     """``hsdp()``: the unit's own pass options (see [Note: Per-unit pass options] in
     ``passes/bucket_collectives.py``); ``None`` leaves the ``PassConfig`` to decide."""
+    spmd: SpmdLayout | None = None
+    """``dp_mesh_dims``: the full mesh and its data-parallel dims; ``mesh_info`` is then
+    the data-parallel part. See [Note: The SPMD-mesh form] in ``_param.py``."""
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -77,16 +81,23 @@ def unit_options(
     replicate: Callable[[nn.Parameter], bool] | None = None,
     keep_storage: bool = False,
     pass_options: UnitPassOptions | None = None,
+    dp_mesh_dims: Any = None,
 ) -> UnitOptions:
     """Checks ``fully_shard``'s arguments (and ``hsdp()``'s additions) into one
     :class:`UnitOptions`; ``mesh=None`` builds the default mesh.
 
     Raises:
-        TypeError, ValueError: as documented on ``fully_shard``.
+        TypeError, ValueError, NotImplementedError: as documented on ``fully_shard``.
         RuntimeError: ``mesh=None`` and no process group is initialized.
     """
     mesh = default_mesh("fully_shard(mesh=None)") if mesh is None else mesh
-    info = _mesh_info(mesh)
+    spmd = None
+    if dp_mesh_dims is None:
+        info = _mesh_info(mesh)
+    else:
+        info, spmd = _spmd_mesh_info(mesh, dp_mesh_dims, reshard_after_forward)
+        if not spmd.shard_dims:  # DDP: every parameter stays whole
+            replicate = _replicate_all
     return UnitOptions(
         mesh_info=info,
         reshard_after_forward=_check_reshard_after_forward(reshard_after_forward, info),
@@ -97,7 +108,120 @@ def unit_options(
         replicate=replicate,
         keep_storage=keep_storage,
         pass_options=pass_options,
+        spmd=spmd,
     )
+
+
+def _replicate_all(param: nn.Parameter) -> bool:
+    return True
+
+
+def _spmd_mesh_info(mesh: DeviceMesh, dims: Any, raf: Any) -> tuple[MeshInfo, SpmdLayout]:
+    """The data-parallel mesh of ``mesh`` that ``dims`` names, checked as torch's
+    ``fully_shard`` checks it, and the layout the parameters keep. See [Note: The
+    SPMD-mesh form] in ``_param.py``.
+
+    Raises:
+        TypeError: ``dims`` is not a ``DataParallelMeshDims``, or ``mesh`` not a
+            ``DeviceMesh``.
+        ValueError: neither shard nor replicate set; a mesh without dim names; a name
+            not in the mesh, or named twice.
+        NotImplementedError: an int ``reshard_after_forward`` (torch refuses it too).
+    """
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(
+            "fully_shard(dp_mesh_dims=...) expects a "
+            "torch.distributed.fsdp.DataParallelMeshDims(shard=..., replicate=...), got "
+            f"{type(dims).__name__}."
+        )
+    if not isinstance(mesh, DeviceMesh):
+        _mesh_info(mesh)  # raises the TypeError naming the mesh
+    # torch's checks, exceptions and first words (_validate_mesh).
+    if dims.shard is None and dims.replicate is None:
+        raise ValueError(
+            "At least one of shard or replicate must be set in dp_mesh_dims: name the "
+            "mesh dim(s) FSDP shards over (shard=) and/or replicates over (replicate=)."
+        )
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "mesh must have mesh_dim_names when dp_mesh_dims is provided: build it with "
+            "init_device_mesh(device_type, shape, mesh_dim_names=(...)) and name the "
+            "data-parallel dims in dp_mesh_dims."
+        )
+    shard_names, replicate_names = dims.shard_names, dims.replicate_names
+    for name in (*shard_names, *replicate_names):
+        if name not in names:
+            raise ValueError(
+                f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names} "
+                f"(dp_mesh_dims={dims}). Name dims of the mesh passed to fully_shard."
+            )
+    every = (*shard_names, *replicate_names)
+    if len(set(every)) != len(every):
+        raise ValueError(
+            f"dp_mesh_dims={dims} names a mesh dim more than once; each data-parallel "
+            "dim either shards or replicates."
+        )
+    if shard_names and isinstance(raf, int) and not isinstance(raf, bool):
+        raise NotImplementedError(  # torch's exception and first words
+            "reshard_after_forward as int is not yet supported with SPMD mesh "
+            f"(dp_mesh_dims), got reshard_after_forward={raf}. Use True or False."
+        )
+
+    def submesh(group: tuple[str, ...]) -> DeviceMesh:
+        # Several dims are flattened into one, as torch's fully_shard does.
+        if len(group) == 1:
+            return mesh[group[0]]
+        return _flatten(mesh[group], "_".join(group))
+
+    shard_dims = tuple(names.index(n) for n in shard_names)
+    replicate_dims = tuple(names.index(n) for n in replicate_names)
+    sharded_mesh = mesh
+    if not shard_names:  # DDP
+        info = MeshInfo(submesh(replicate_names), shard_mesh_dim=0, replicate_mesh_dim=None)
+    elif not replicate_names:  # FSDP
+        info = MeshInfo(submesh(shard_names), shard_mesh_dim=0, replicate_mesh_dim=None)
+    else:  # HSDP
+        dp = _concatenate([submesh(replicate_names), submesh(shard_names)])
+        info = MeshInfo(dp, shard_mesh_dim=1, replicate_mesh_dim=0)
+    if len(shard_dims) > 1:
+        sharded_mesh = _multi_shard_mesh(mesh, info, shard_dims, replicate_dims, dims)
+    return info, SpmdLayout(mesh, dims, shard_dims, replicate_dims, sharded_mesh)
+
+
+def _multi_shard_mesh(
+    mesh: DeviceMesh,
+    info: MeshInfo,
+    shard_dims: tuple[int, ...],
+    replicate_dims: tuple[int, ...],
+    dims: Any,
+) -> DeviceMesh:
+    """With several shard dims, the sharded parameters' mesh as torch's builds it:
+    ``mesh``'s dims in order, the shard dims replaced by the unit's data-parallel mesh
+    (for HSDP its replicate dims too, which that mesh holds).
+
+    Raises:
+        ValueError: the shard dims are not adjacent in ``mesh``.
+    """
+    if list(shard_dims) != list(range(shard_dims[0], shard_dims[0] + len(shard_dims))):
+        raise ValueError(
+            f"dp_mesh_dims={dims} names shard dims {dims.shard_names} that are not "
+            f"adjacent in the mesh's dims {mesh.mesh_dim_names}: they are flattened into "
+            "one dim of the sharded parameters' mesh. Order the mesh's dims so they are."
+        )
+    names = mesh.mesh_dim_names
+    assert names is not None
+    parts: list[DeviceMesh] = []
+    for i, name in enumerate(names):
+        if i == shard_dims[0]:
+            parts.append(info.mesh)
+        elif i in shard_dims or (info.replicate_mesh_dim is not None and i in replicate_dims):
+            continue
+        else:
+            parts.append(mesh[name])
+    return _concatenate(parts)
 
 
 def default_mesh(caller: str, shard_size: int | None = None) -> DeviceMesh:
@@ -193,10 +317,26 @@ def collect_params(modules: list[nn.Module], options: UnitOptions) -> CollectedP
                 f"the module first (module.to({str(where)!r})) or build the mesh on "
                 f"{p.device.type!r}."
             )
+    spmd = options.spmd
+    if spmd is not None:
+        # See [Note: The SPMD-mesh form] in _param.py.
+        for p in order:
+            check_spmd_param(p, where[p][0][0], spmd)
     placements = {
         p: shard_placement(options.shard_placement_fn, p, where[p][0][0], mesh_info)
         for p in order
     }
+    if spmd is not None:
+        for p in order:
+            if placements[p][1] != mesh_info:
+                raise NotImplementedError(
+                    f"shard_placement_fn returned a ShardPlacementResult for "
+                    f"{where[p][0][0]!r} (another mesh than the unit's) with "
+                    f"dp_mesh_dims={spmd.dims}: with the SPMD-mesh form every parameter is "
+                    "sharded over the named dims of the full mesh. Return a Shard(dim) "
+                    "(or None), or shard this parameter in a unit of its own."
+                )
+        return CollectedParams(order, where, conflicts, placements)
     replicate = options.replicate
     for p in order:
         if isinstance(p, torch.distributed.tensor.DTensor):

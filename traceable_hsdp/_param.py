@@ -114,6 +114,43 @@ Refused at ``fully_shard``: an int ``reshard_after_forward`` with a DTensor para
 (torch refuses it too), ``Partial`` or ``_StridedShard`` TP placements, more than two
 mesh dims, and a TP parameter that ``hsdp()`` would replicate.
 
+[Note: The SPMD-mesh form]
+``fully_shard(block, mesh=world_mesh, dp_mesh_dims=DataParallelMeshDims(shard=...,
+replicate=...))`` is torch's other spelling of the same layout: every parameter is
+already a ``DTensor`` on the full mesh, ``Replicate()`` on the named data-parallel
+dims (``distribute_module``, or ``parallelize_module`` over ``world_mesh["tp"]``...
+on the full mesh's dims). It runs on the FSDP x TP machinery above:
+
+- the unit's mesh is the data-parallel part, named slices of ``world_mesh`` (several
+  names flattened into one dim; for HSDP the replicate and shard parts concatenated),
+  and FSDP gathers and reduces the local tensor over it, as for TP;
+- the sharded parameter stays on ``world_mesh`` itself, its placements the original
+  ones with ``Shard(d)`` on the shard dim (``_StridedShard(d, split_factor=k)`` when
+  dims to its right already shard ``d``), as torch's; with several shard dims, as
+  torch's, on ``world_mesh`` with those dims replaced by the flattened one;
+- the modules hold a ``DTensor.from_local`` view of the placeholder with the
+  parameter's original spec (full mesh, ``Replicate()`` on the data-parallel dims), so
+  the model computes with DTensors on the full mesh, as under torch's;
+- ``replicate=`` alone is DDP: every parameter stays whole ([Note: Replicated
+  parameters]) and its gradient is all-reduced.
+
+The view's backward hands the placeholder the gradient redistributed to the
+parameter's placements: a ``Replicate()`` gradient on the data-parallel dims (each
+rank's batch labelled replicated, torch's tests) is reduced as it is, as torch's; a
+``Partial()`` one (a batch sharded over the data-parallel dims, or DTensor's choice
+under TP even for replicated inputs) is all-reduced first, so the gradient is the
+one-process model's. torch's ``fully_shard`` reduce-scatters those partial sums with
+an average: its gradients are ours divided by the data-parallel size
+(tests/test_dp_mesh_dims.py pins both). Compiled, a unit whose mesh has a
+non-data-parallel dim of more than one rank (TP in this form) is refused
+(``_compile_checks.SPMD_TP_COMPILE_FIX``): its compiled backward computes wrong
+gradients; the submesh form compiles. Refused at ``fully_shard``, with
+torch's exceptions and messages: a plain parameter, a parameter on another mesh
+object, a non-``Replicate()`` placement on a data-parallel dim, an int
+``reshard_after_forward``, a mesh without dim names, names not in it; ours also
+refuses ``Partial`` or ``_StridedShard`` on the other dims and a
+``ShardPlacementResult`` (another mesh).
+
 [Note: The forward reads the local shard, not the DTensor]
 The all-gather input is read from ``sharded_param._local_tensor``, not ``to_local()``,
 as torch's FSDP2 does: through the DTensor, the leaf would get a gradient edge into the
@@ -166,7 +203,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement
 
 from ._api import REDUCE_IN_GRAD_DTYPE, CPUOffloadPolicy, MixedPrecisionPolicy
 from ._collectives import all_gather_start, all_reduce, reduce_scatter, wait_all_gather
-from ._common import MeshInfo, PostForwardInfo, ShardedState, compiling
+from ._common import MeshInfo, PostForwardInfo, ShardedState, SpmdLayout, compiling
 from ._extension import (
     POST,
     PRE,
@@ -178,7 +215,7 @@ from ._extension import (
     shard_mesh,
 )
 from ._optim_check import register_placeholder, register_replaced
-from ._torch_internals import DTensorSpec, _StridedShard
+from ._torch_internals import DTensorSpec, _concatenate, _StridedShard
 
 
 class UserChange(Enum):
@@ -238,6 +275,7 @@ class FSDPParam:
         replicate: bool = False,
         keep_storage: bool = False,
         post_forward: PostForwardInfo | None = None,
+        spmd: SpmdLayout | None = None,
     ) -> None:
         self.fqn = fqn
         # See [Note: Replicated parameters].
@@ -250,6 +288,8 @@ class FSDPParam:
         self.orig_size = data.size()  # what is gathered: the TP-local shape
         self.global_size = param.size()  # the sharded DTensor's shape
         self.mp_policy = mp_policy
+        # Mesh dims of tp_spec that are data-parallel (the SPMD-mesh form), not TP.
+        self._dp_dims = () if spmd is None else (*spmd.shard_dims, *spmd.replicate_dims)
         self._set_dtypes(param.dtype)
         if param.dim() == 0:
             raise ValueError(  # torch's words first
@@ -294,14 +334,21 @@ class FSDPParam:
         inner: Placement = Replicate() if replicate else Shard(shard_dim)
         self.sharded_mesh = mesh_info.mesh  # the sharded DTensor's mesh
         tp_placements: tuple[Placement, ...] = ()
-        if self.tp_spec is not None:  # See [Note: FSDP x TP].
-            self.sharded_mesh = spmd_mesh(mesh_info.mesh, self.tp_spec.mesh, fqn)
-            tp_placements = self.tp_spec.placements
-            split_factor = self.tp_spec.num_shards_map[shard_dim]
-            if not replicate and split_factor > 1:
-                inner = _StridedShard(shard_dim, split_factor=split_factor)
-        placements = (inner,) if mesh_info.replicate_mesh_dim is None else (Replicate(), inner)
-        self.placements = (*placements, *tp_placements)
+        if spmd is not None:  # See [Note: The SPMD-mesh form].
+            assert self.tp_spec is not None
+            self.sharded_mesh = spmd.sharded_mesh
+            self.placements = spmd_placements(
+                spmd, mesh_info, tuple(self.tp_spec.placements), shard_dim, replicate
+            )
+        else:
+            if self.tp_spec is not None:  # See [Note: FSDP x TP].
+                self.sharded_mesh = spmd_mesh(mesh_info.mesh, self.tp_spec.mesh, fqn)
+                tp_placements = self.tp_spec.placements
+                split_factor = self.tp_spec.num_shards_map[shard_dim]
+                if not replicate and split_factor > 1:
+                    inner = _StridedShard(shard_dim, split_factor=split_factor)
+            dp = (inner,) if mesh_info.replicate_mesh_dim is None else (Replicate(), inner)
+            self.placements = (*dp, *tp_placements)
         dtensor = DTensor.from_local(
             local,
             self.sharded_mesh,
@@ -369,7 +416,11 @@ class FSDPParam:
         if (
             REDUCE_IN_GRAD_DTYPE
             and self.tp_spec is not None
-            and any(isinstance(p, Replicate) for p in self.tp_spec.placements)
+            and any(
+                isinstance(p, Replicate)
+                for i, p in enumerate(self.tp_spec.placements)
+                if i not in self._dp_dims
+            )
             and self.reduce_dtype.itemsize > self.dtype.itemsize
         ):
             self.view_dtype, self.dtype = self.dtype, self.reduce_dtype
@@ -1076,7 +1127,7 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
             f"mesh is on {dp_mesh.device_type}. {fix}"
         )
     try:
-        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        return _concatenate([dp_mesh, tp_mesh])
     except RuntimeError as e:
         raise ValueError(
             f"Parameter {fqn!r} is a DTensor on {tp_mesh} (dims {tp_mesh.mesh_dim_names}), "
@@ -1109,4 +1160,91 @@ def check_tp_placements(param: DTensor, fqn: str) -> None:
                 "Replicate only (what parallelize_module's ColwiseParallel, "
                 "RowwiseParallel and SequenceParallel produce). Redistribute it first: "
                 "param.redistribute(param.device_mesh, [Shard(d) or Replicate()])."
+            )
+
+
+def spmd_placements(
+    spmd: SpmdLayout,
+    mesh_info: MeshInfo,
+    orig: tuple[Placement, ...],
+    shard_dim: int,
+    replicate: bool,
+) -> tuple[Placement, ...]:
+    """The sharded parameter's placements on ``spmd.sharded_mesh``, as torch's
+    ``fully_shard`` lays them out. See [Note: The SPMD-mesh form]."""
+    mesh = spmd.mesh
+    new = list(orig)
+    for i in spmd.shard_dims:
+        # The non-data-parallel dims to the right that shard the same tensor dim:
+        # DTensor shards left to right, FSDP shards their local tensor.
+        split_factor = 1
+        for j in range(i + 1, mesh.ndim):
+            pl = orig[j]
+            if isinstance(pl, (Shard, _StridedShard)) and pl.dim == shard_dim:
+                split_factor *= mesh.size(j)
+        if replicate:
+            new[i] = Replicate()
+        elif split_factor > 1:
+            new[i] = _StridedShard(shard_dim, split_factor=split_factor)
+        else:
+            new[i] = Shard(shard_dim)
+    if len(spmd.shard_dims) <= 1:
+        return tuple(new)
+    # Several shard dims: one flattened dim (after the replicate one for HSDP), as
+    # spmd.sharded_mesh is built.
+    hsdp = mesh_info.replicate_mesh_dim is not None
+    out: list[Placement] = []
+    for i in range(mesh.ndim):
+        if i == spmd.shard_dims[0]:
+            out.extend((Replicate(), new[i]) if hsdp else (new[i],))
+        elif i in spmd.shard_dims or (hsdp and i in spmd.replicate_dims):
+            continue
+        else:
+            out.append(new[i])
+    return tuple(out)
+
+
+def check_spmd_param(param: nn.Parameter, fqn: str, spmd: SpmdLayout) -> None:
+    """Refuses what the SPMD-mesh form cannot shard, with torch's exceptions and
+    first words. See [Note: The SPMD-mesh form].
+
+    Raises:
+        ValueError: ``param`` is not a ``DTensor``, is on another mesh object than
+            ``spmd.mesh``, is not ``Replicate()`` on a data-parallel dim, or is
+            ``Partial``/``_StridedShard`` on another dim.
+    """
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full "
+            f"SPMD mesh (e.g. via distribute_module). Got plain tensor for parameter "
+            f"{fqn!r}. Distribute it first: distribute_module(model, mesh) replicates "
+            "every parameter; parallelize_module(model, mesh['tp'], plan) shards TP ones."
+        )
+    mesh = spmd.mesh
+    if param.device_mesh is not mesh:
+        raise ValueError(
+            "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but "
+            f"got different mesh objects: {fqn!r} is on {param.device_mesh}, fully_shard "
+            f"got {mesh}. Pass the mesh the parameters were distributed over."
+        )
+    names = mesh.mesh_dim_names
+    assert names is not None
+    placements = tuple(param.placements)
+    for kind, idx in (("shard", spmd.shard_dims), ("replicate", spmd.replicate_dims)):
+        for i in idx:
+            if not isinstance(placements[i], Replicate):
+                raise ValueError(
+                    f"Expected Replicate() on DP {kind} dim '{names[i]}' (index {i}) but "
+                    f"got {placements[i]} for parameter {fqn!r} (placements {placements}). "
+                    "FSDP shards over the data-parallel dims itself: distribute the "
+                    "parameter with Replicate() on them."
+                )
+    dp = set(spmd.shard_dims) | set(spmd.replicate_dims)
+    for i, pl in enumerate(placements):
+        if i not in dp and isinstance(pl, (Partial, _StridedShard)):
+            raise ValueError(
+                f"Parameter {fqn!r} is a DTensor with placement {pl!r} on mesh dim "
+                f"'{names[i]}' (placements {placements}); fully_shard shards parameters "
+                "laid out with Shard or Replicate on the other dims only. Redistribute "
+                "it first: param.redistribute(mesh, [Shard(d) or Replicate() per dim])."
             )

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 
 from ._common import TrainingState, compiling, unit_forward
 from ._compile_checks import (
@@ -48,6 +49,7 @@ from ._compile_checks import (
     pre_forward_untraced,
     refuse_checkpoint_around_unit,
     refuse_held_after_sync,
+    refuse_spmd_tp_compiled,
     refuse_unused_params_compiled,
 )
 from ._param import FSDPParam, UserChange
@@ -197,6 +199,14 @@ class FSDPState:
         # Where the root found this unit's modules (set by adopt_nested): the module
         # holding each, its path under the root, and the name it holds it by.
         self.slots: list[tuple[nn.Module, str, str]] = []
+        # dp_mesh_dims with a non-data-parallel mesh dim of more than one rank (TP):
+        # refused compiled. See [Note: The SPMD-mesh form] (_param.py).
+        spmd = options.spmd
+        self.spmd_model_parallel = spmd is not None and any(
+            spmd.mesh.size(i) > 1
+            for i in range(spmd.mesh.ndim)
+            if i not in spmd.shard_dims and i not in spmd.replicate_dims
+        )
         # Root only: the units of its tree that either can mark (set by adopt_nested).
         self.checkpoint_suspects: list[FSDPState] = []
         # Root only; see [Note: A compile region inside a unit].
@@ -326,6 +336,9 @@ class FSDPState:
     def forward(self, orig_forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs the unit's forward between its pre- and post-forward.
         See [Note: Forward wrapper, not module hooks]."""
+        if self.spmd_model_parallel and compiling():
+            # See [Note: The SPMD-mesh form] (_param.py).
+            refuse_spmd_tp_compiled(f"Unit: {self.kind}.")
         if (
             compiling()
             and not compiled_autograd.compiled_autograd_enabled
@@ -396,8 +409,11 @@ class FSDPState:
         [Note: When a unit's backward is done]."""
         if not t.requires_grad:
             return t
-        alias = t.view_as(t)
-        alias.register_hook(self._input_grad_hook)
+        if _traced_dtensor(t):
+            alias = _hooked_dtensor(t, self._input_grad_hook)
+        else:
+            alias = t.view_as(t)
+            alias.register_hook(self._input_grad_hook)
         assert self.param_group is not None
         self.param_group.input_grad_hooks += 1
         return alias
@@ -502,7 +518,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         output = self._cast_output(output)
         if torch.is_grad_enabled():
-            self._register_pre_backward_hooks(output, inputs)
+            output = self._register_pre_backward_hooks(output, inputs)
         return output
 
     # [Note: An output that is a view]
@@ -523,13 +539,19 @@ class FSDPState:
     # the first to run records it on the group, the group's finish raises every flag it
     # recorded, and a hook whose flag is up does nothing. Each pipeline micro-batch's
     # forward has its own flag.
-    def _register_pre_backward_hooks(self, output: Any, inputs: Any) -> None:
+    def _register_pre_backward_hooks(self, output: Any, inputs: Any) -> Any:
         """See [Note: An output that is a view] and [Note: Output hooks after the
-        unit's backward]."""
+        unit's backward]. Returns ``output``, its traced DTensors replaced: see [Note:
+        Hooks on DTensor activations, traced]."""
         call = [False]
+        if compiling() and any(_traced_dtensor(t) for t in _tensors(output)):
+            hook = functools.partial(self._output_pre_backward, call, None)
+            output = _map_tensors(
+                output, lambda t: _hooked_dtensor(t, hook) if _traced_dtensor(t) else t
+            )
         input_bases: list[torch.Tensor] | None = None
         for t in _tensors(output):
-            if not t.requires_grad:
+            if not t.requires_grad or _traced_dtensor(t):
                 continue
             base = t._base
             if base is not None and not base.is_leaf:
@@ -541,6 +563,7 @@ class FSDPState:
                     base.register_hook(functools.partial(self._base_pre_backward, call, ran))
                     continue
             t.register_hook(functools.partial(self._output_pre_backward, call, None))
+        return output
 
     def _output_pre_backward(
         self, call: list[bool], ran: list[bool] | None, grad: torch.Tensor
@@ -704,6 +727,39 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
             for field in dataclasses.fields(leaf):
                 out.extend(_tensors(getattr(leaf, field.name)))
     return out
+
+
+# [Note: Hooks on DTensor activations, traced]
+# A unit's outputs (and, with a frozen parameter, its inputs) get gradient hooks. Under
+# the SPMD-mesh form ([Note: The SPMD-mesh form] in _param.py) they are DTensors, and
+# AOTAutograd has no rule for a hook on a DTensor (the ``trace_wrapped`` higher-order
+# op of compiled autograd's hooks). So, traced, such a DTensor is replaced by a
+# ``from_local`` of its ``to_local()`` with the hook on the plain local tensor, the
+# gradient placements pinned to the DTensor's own (``grad_placements``): a gradient
+# laid out as the activation passes through unchanged, any other is redistributed to
+# that layout, value-preserving. Eagerly the hook goes on the DTensor itself, as
+# torch's. tests/test_dp_mesh_dims.py: compiled bitwise equal to eager (aot_eager).
+
+
+def _traced_dtensor(t: torch.Tensor) -> bool:
+    """A DTensor that requires grad, while tracing. See [Note: Hooks on DTensor
+    activations, traced]."""
+    return t.requires_grad and compiling() and isinstance(t, DTensor)
+
+
+def _hooked_dtensor(t: DTensor, hook: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
+    """``t`` again, with ``hook`` on its local gradient. See [Note: Hooks on DTensor
+    activations, traced]."""
+    local = t.to_local()
+    local.register_hook(hook)
+    return DTensor.from_local(
+        local,
+        t.device_mesh,
+        t.placements,
+        shape=t.shape,
+        stride=t.stride(),
+        grad_placements=t.placements,
+    )
 
 
 def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
