@@ -385,30 +385,21 @@ class FSDPModule(_TorchFSDPModule):
     # what already happens.
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """Issues this unit's eager all-gather through ``comm`` (torch's ``AllGather``:
-        ``allocate`` and ``__call__``). A compiled step refuses it. See [Note: Custom
+        """Issues this unit's eager all-gather through ``comm`` (torch's ``AllGather``).
+        See :meth:`set_custom_reduce_scatter`."""
+        _set_comm(self, "set_custom_all_gather", "all_gather_comm", comm)
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Issues this unit's eager reduce-scatter through ``comm`` (torch's
+        ``ReduceScatter``: ``allocate`` and ``__call__``), with ``ReduceOp.SUM`` and an
+        average divided after. A compiled step refuses a comm. See [Note: Custom
         collectives] in ``_custom_comm.py``.
 
         Raises:
             TypeError: ``comm`` has no ``allocate`` or is not callable.
             ValueError: the unit's parameters span meshes, as in torch.
         """
-        group = _comm_group(self, "set_custom_all_gather", comm)
-        if group is not None:
-            group.all_gather_comm = comm
-
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Issues this unit's eager reduce-scatter through ``comm`` (torch's
-        ``ReduceScatter``), with ``ReduceOp.SUM`` and an average divided after. A
-        compiled step refuses it. See [Note: Custom collectives] in ``_custom_comm.py``.
-
-        Raises:
-            TypeError: ``comm`` has no ``allocate`` or is not callable.
-            ValueError: the unit's parameters span meshes, as in torch.
-        """
-        group = _comm_group(self, "set_custom_reduce_scatter", comm)
-        if group is not None:
-            group.reduce_scatter_comm = comm
+        _set_comm(self, "set_custom_reduce_scatter", "reduce_scatter_comm", comm)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Whether this unit's eager all-gather and reduce-scatter buffers come from
@@ -495,13 +486,14 @@ class FSDPModule(_TorchFSDPModule):
         _check_bool("async_op", async_op)
 
 
-def _comm_group(module: nn.Module, method: str, comm: Any) -> FSDPParamGroup | None:
-    """The unit's parameter group, after checking ``comm`` for it (torch's checks)."""
+def _set_comm(module: nn.Module, method: str, attr: str, comm: Any) -> None:
+    """Sets the unit's comm ``attr`` after torch's checks of ``comm``."""
     group = require_state(module).param_group
     custom_comm.check_comm(
         method, comm, [] if group is None else [fp.mesh_info for fp in group.fsdp_params]
     )
-    return group
+    if group is not None:
+        setattr(group, attr, comm)
 
 
 def _not_supported(method: str, why: str) -> None:
