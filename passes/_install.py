@@ -105,7 +105,7 @@ from ._graph import (
     is_placeholder_op,
     is_resize,
 )
-from .._torch_internals import owner
+from .._torch_internals import cancel_when_inductor_loads, owner, when_inductor_loads
 from ._registry import ALIASES, PASSES, PassEntry, switched
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB
 
@@ -480,6 +480,8 @@ def _install_layout_opt_decision() -> None:
 
 
 def _uninstall_layout_opt_decision() -> None:
+    if cancel_when_inductor_loads(_install_layout_opt_decision):
+        return  # it was still waiting for Inductor to load
     lowering, name = owner(_DECIDE_LAYOUT_OPT)
     current = getattr(lowering, name)
     if isinstance(current, _LayoutOptDecision):
@@ -511,7 +513,9 @@ def install(config: PassConfig | None = None) -> None:
         # See [Note: Overlap and Inductor's scheduler] (overlap.py).
         _switch(inductor_config, "reorder_for_peak_memory", False)
         log.info("traceable_hsdp: torch._inductor.config.reorder_for_peak_memory = False (overlap)")
-    _install_layout_opt_decision()  # See [Note: Layout optimization and the placeholders].
+    # See [Note: Layout optimization and the placeholders], and [Note: Inductor's
+    # internals, checked when Inductor loads] (traceable_hsdp/_torch_internals.py).
+    when_inductor_loads(_install_layout_opt_decision)
     current = inductor_config.post_grad_custom_pre_pass
     if _is_ours(current):
         return

@@ -33,6 +33,7 @@ from traceable_hsdp._torch_internals import (
     resolve,
     undo,
 )
+from _dist import run_child
 
 # Changes that install() makes whatever the environment says (each switch unset).
 _ALWAYS_CHANGED = (
@@ -226,3 +227,28 @@ def test_exit_hook_empties_only_our_meshes() -> None:
     assert not ours._pg_registry and not copy._pg_registry
     assert theirs._pg_registry  # not ours to change
     theirs._pg_registry.clear()
+
+
+def test_an_eager_job_leaves_inductor_unimported() -> None:
+    """[Note: Inductor's internals, checked when Inductor loads]: a fully_shard step
+    run eagerly, in a fresh interpreter, imports no Inductor lowering (about 45 MiB a
+    rank); importing it then checks Inductor's entries and makes their changes, and
+    the import hook is gone."""
+    run_child(
+        "import sys, tempfile, torch, torch.distributed as dist\n"
+        "from torch import nn\n"
+        "import traceable_hsdp as th\n"
+        "from traceable_hsdp import _torch_internals as ti\n"
+        "d = tempfile.mkdtemp()\n"
+        "dist.init_process_group('gloo', init_method=f'file://{d}/s', rank=0, world_size=1)\n"
+        "m = th.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))\n"
+        "m(torch.randn(3, 4)).sum().backward()\n"
+        "assert 'torch._inductor.graph' not in sys.modules\n"
+        "assert 'torch._inductor.lowering' not in sys.modules\n"
+        "assert ti._INDUCTOR_HOOK in sys.meta_path\n"
+        "from torch._inductor.graph import GraphLowering\n"
+        "assert type(GraphLowering.__dict__['decide_layout_opt']).__name__ == '_LayoutOptDecision'\n"
+        "assert ti._INDUCTOR_HOOK not in sys.meta_path\n"
+        "dist.destroy_process_group()\n",
+        AssertionError,
+    )

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -314,8 +316,88 @@ def _changes(kind: str) -> list[str]:
     return list(dict.fromkeys(fns))
 
 
+# [Note: Inductor's internals, checked when Inductor loads]
+# Importing Inductor's lowering modules (``torch._inductor.graph``, ``.ir``,
+# ``.lowering``) costs an eager job about 45 MiB a rank, for code it never runs. So the
+# entries under ``torch._inductor`` (its config aside) are checked, and the changes
+# that need them made (:func:`when_inductor_loads`), as soon as
+# ``torch._inductor.graph`` is imported: at once if it is, else right after its import,
+# through an import hook first on ``sys.meta_path`` that removes itself then (and
+# :func:`undo` removes). Every compile imports that module before it lowers a graph,
+# freezing's layout decision included, so no graph misses a change, and a missing
+# entry still raises, at the first compile. tests/test_torch_internals.py resolves
+# every entry on every CI torch and checks that an eager fully_shard step leaves
+# Inductor's lowering unimported.
+INDUCTOR_GRAPH = "torch._inductor.graph"
+
+
+def _after_inductor_loads(target: str) -> bool:
+    return target.startswith("torch._inductor.") and not target.startswith("torch._inductor.config.")
+
+
+class _InductorImportHook(importlib.abc.MetaPathFinder):
+    """Runs its callbacks right after ``torch._inductor.graph`` is executed."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != INDUCTOR_GRAPH or not self.callbacks:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_call(module: types.ModuleType) -> None:
+            exec_module(module)
+            self.remove()
+            callbacks, self.callbacks = self.callbacks, []
+            for fn in callbacks:
+                fn()
+
+        spec.loader.exec_module = exec_then_call  # type: ignore[method-assign]
+        return spec
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+_INDUCTOR_HOOK = _InductorImportHook()
+
+
+def when_inductor_loads(fn: Callable[[], None]) -> None:
+    """Calls ``fn`` now if Inductor's lowering is imported, else right after its import
+    (once). See [Note: Inductor's internals, checked when Inductor loads]."""
+    if sys.modules.get(INDUCTOR_GRAPH) is not None:
+        fn()
+        return
+    if fn not in _INDUCTOR_HOOK.callbacks:
+        _INDUCTOR_HOOK.callbacks.append(fn)
+    if _INDUCTOR_HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _INDUCTOR_HOOK)
+
+
+def cancel_when_inductor_loads(fn: Callable[[], None]) -> bool:
+    """Drops ``fn`` if it still waits for Inductor to load; whether it did."""
+    if fn in _INDUCTOR_HOOK.callbacks:
+        _INDUCTOR_HOOK.callbacks.remove(fn)
+        if not _INDUCTOR_HOOK.callbacks:
+            _INDUCTOR_HOOK.remove()
+        return True
+    return False
+
+
+def _check_inductor_entries() -> None:
+    for entry in INTERNALS:
+        if _after_inductor_loads(entry.target):
+            resolve(entry.target)
+
+
 def install() -> None:
-    """Checks every entry of :data:`INTERNALS` on this torch, then makes every
+    """Checks every entry of :data:`INTERNALS` on this torch (Inductor's when Inductor
+    loads: [Note: Inductor's internals, checked when Inductor loads]), then makes every
     process-wide change (each one's environment switch still decides). Idempotent.
     See [Note: Torch internals].
 
@@ -323,13 +405,18 @@ def install() -> None:
         TorchInternalError: an entry is missing or changed on this torch.
     """
     for entry in INTERNALS:
-        resolve(entry.target)
+        if not _after_inductor_loads(entry.target):
+            resolve(entry.target)
+    when_inductor_loads(_check_inductor_entries)
     for fn in _changes("install"):
         _call(fn)
 
 
 def undo() -> None:
-    """Undoes every process-wide change :func:`install` made, last first. Idempotent."""
+    """Undoes every process-wide change :func:`install` made, last first, and drops
+    the changes still waiting for Inductor to load. Idempotent."""
+    _INDUCTOR_HOOK.callbacks.clear()
+    _INDUCTOR_HOOK.remove()
     for fn in reversed(_changes("undo")):
         _call(fn)
 
