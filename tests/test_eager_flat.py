@@ -24,12 +24,12 @@ import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import traceable_hsdp as th
-from _dist import full_tensor, run_ranks
-from _workers import CFG, _data, _loss, _placeholder_bytes, dp_mesh
+from _dist import run_ranks
+from _workers import CFG, _data, _loss, _placeholder_bytes, dp_mesh, full_state
 from traceable_hsdp._annotate import ANNOTATION_KEY
 from traceable_hsdp.demo.models import Llama
 
@@ -119,11 +119,6 @@ class CollectiveLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: full_tensor(v) if isinstance(v, DTensor) else v.detach().clone()
-            for k, v in model.state_dict().items()}
-
-
 def _build(
     lib: str,
     mesh: Any,
@@ -173,7 +168,7 @@ def _train(
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return dict(losses=losses, params=_full(model), calls=per_step)
+    return dict(losses=losses, params=full_state(model), calls=per_step)
 
 
 def _units(model: torch.nn.Module) -> dict[str, dict[str, list[str]]]:

@@ -24,8 +24,17 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
 import traceable_hsdp as th
-from _dist import full_tensor, run_ranks
-from _workers import CFG, GraphRecorder, _data, _loss, _mean_over_ranks, _placeholder_bytes, dp_mesh
+from _dist import run_ranks
+from _workers import (
+    CFG,
+    GraphRecorder,
+    _data,
+    _loss,
+    _mean_over_ranks,
+    _placeholder_bytes,
+    dp_mesh,
+    full_state,
+)
 from traceable_hsdp.demo.models import Llama
 
 # Managed parameters: every parameter but the token embedding (ignored_params).
@@ -108,12 +117,6 @@ def _train(
     return losses, grads_after_nosync, kept_bytes
 
 
-def _full(model: Llama) -> dict[str, torch.Tensor]:
-    """Every parameter whole: DTensors gathered, plain (ignored) ones as they are."""
-    return {k: full_tensor(v) if isinstance(v, DTensor) else v.detach().clone()
-            for k, v in model.state_dict().items()}
-
-
 def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: str) -> dict[str, Any]:
     mesh = dp_mesh(mesh_shape)
     mp = th.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -130,7 +133,7 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
     ref = _build("torch", mesh, tmp)
     keep = mode in ("eager", "compiled_keep")
     ref_losses, _, _ = _train(ref, rank, world, eager_step(ref), keep)
-    ref_params = _full(ref)
+    ref_params = full_state(ref)
 
     ours = _build("ours", mesh, mp)
     rec = GraphRecorder()
@@ -150,7 +153,7 @@ def features_vs_torch(rank: int, world: int, mesh_shape: tuple[int, ...], mode: 
     return dict(
         losses=losses,
         ref_losses=ref_losses,
-        params=_full(ours),
+        params=full_state(ours),
         ref_params=ref_params,
         nosync_grads_none=nosync,
         bytes_after=_placeholder_bytes(ours),
