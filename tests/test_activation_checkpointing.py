@@ -402,10 +402,9 @@ def test_checkpoint_around_a_unit_refused_compiled_without_the_dynamo_flag(one_r
     """A checkpoint around a unit's whole call (HF's gradient_checkpointing_enable(),
     checkpoint_wrapper applied after fully_shard, before or after the root's) puts
     the unit's hooks inside the region. Compiled without dynamo's
-    skip_fwd_side_effects_in_bwd_under_checkpoint, that ended in a compiled-autograd
-    AttributeError, or (the wrapper put in after the root's fully_shard, before it
-    was checked for) in minutes of compiling graph breaks; the root's compiled pre-forward
-    refuses it, naming the unit and the fix (see [Note: A checkpoint around a unit's
+    skip_fwd_side_effects_in_bwd_under_checkpoint, that ends in a compiled-autograd
+    AttributeError, or (the wrapper put in after the root's fully_shard) in minutes of
+    compiling graph breaks; the root's compiled pre-forward refuses it, naming the unit and the fix (see [Note: A checkpoint around a unit's
     call] in traceable_hsdp/_state.py). Eager and forward-only it runs: the root's
     pre-forward checks only when a backward can follow (one check, the same for the
     three models), so the forward-only compile (under no_grad) is made for one

@@ -363,7 +363,7 @@ def _check_compiled_graphs(loop: dict[str, Any], step: dict[str, Any]) -> None:
     ``step`` (forward, loss and backward in one compiled function under
     ``compiled_autograd = True``): the only graph break is backward() (see [Note: The
     forward reads the local shard, not the DTensor] in traceable_hsdp/_param.py for
-    the two that lifting a DTensor into the backward graph used to add); the
+    the two that lifting a DTensor into the backward graph would add); the
     forward+loss graph holds the gathers and the backward graph the reduce-scatters;
     every placeholder is freed after each step."""
     assert loop["graph_breaks"] == {}, loop["graph_breaks"]
@@ -388,9 +388,8 @@ def test_clip_grad_hsdp_2x2() -> None:
     """2x2 (replicate, shard) mesh, 4 ranks: fully_shard eager bitwise against torch's;
     hsdp() with replicated parameters eager and in the compiled loop, tolerant against
     torch's, the compiled loop bitwise against hsdp() eager. The whole compiled step
-    is checked on the 1-D mesh only: here it would add a compile (~40 s on 2 loaded
-    cores) and nothing the clipping sees (the same DTensor gradients after backward;
-    it matched hsdp() eager bitwise when we ran it)."""
+    is checked on the 1-D mesh only: here it would add a compile and nothing the
+    clipping sees (the same DTensor gradients after backward)."""
     runs = [("torch", "eager"), ("ours", "eager"), ("hsdp", "eager"), ("hsdp", "compiled")]
     results = run_ranks(clip_worker, 4, (2, 2), runs)
     _check(results, 4, "(Replicate(), Replicate())", "(Replicate(), Shard(dim=0))",

@@ -432,8 +432,8 @@ def test_fsdp_tp_compiled() -> None:
     per process group from dynamo's graphs (FSDP's over dp only, TP's over tp only,
     one forward and one backward graph, no graph break). Bitwise equality of the
     compiled graphs with eager (aot_eager) is checked on the 3-D mesh below, which
-    composes the same FSDP x TP with a replicate dim; a second compile of this
-    model for it here cost 15-20 s (4 ranks on 2 cores, warm kernel cache)."""
+    composes the same FSDP x TP with a replicate dim (a second compile here would
+    add time and no check)."""
     results = run_ranks(tp_compiled_worker, 4)
     for rank, r in enumerate(results):
         n = r["n_params"]
@@ -509,11 +509,9 @@ def test_hsdp_tp_3d(tmp_path) -> None:
     and our DCP checkpoint loads into torch's model. Compiled whole with aot_eager:
     bitwise equal to eager, one forward and one backward graph, no graph break,
     FSDP's collectives over dp_shard, the replicas' all-reduce over dp_replicate and
-    TP's over tp, counted from the graphs. Inductor is not run here: 8 ranks compiling
-    on 2 cores cost 45 s more; the 2-D test above runs FSDP x TP under Inductor, and
-    HSDP runs under Inductor in test_inductor_features.py. (Run once on this mesh:
-    losses and norms within 2e-7 relative of eager, parameters within 1.9e-4, AdamW
-    on gradients near its eps.)"""
+    TP's over tp, counted from the graphs. Inductor is not run here (8 ranks
+    compiling on 2 cores): the 2-D test above runs FSDP x TP under Inductor, and
+    HSDP runs under Inductor in test_inductor_features.py."""
     results = run_ranks(hsdp_tp_worker, 8, str(tmp_path / "ckpt"))
     for rank, r in enumerate(results):
         ours, ref = r["ours"], r["torch"]
