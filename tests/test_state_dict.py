@@ -438,10 +438,10 @@ def test_dcp_round_trip_and_tied_weights_fsdp_compiled() -> None:
     )
 
 
+# ------------------------------------------------------------------- tied weights
 TIED_STEPS = N_SAVE + N_RESUME  # the compiled DCP run doubles as tied parity
 
 
-# ------------------------------------------------------------------- tied weights
 def tied_reference(world: int) -> dict[str, Any]:
     """Single-process tied Llama on the global batches, and the tied gradient of the
     first step computed two ways: tied, and as the sum of an untied twin's two."""
@@ -469,7 +469,6 @@ def tied_reference(world: int) -> dict[str, Any]:
     )
 
 
-# -------------------------------------------------------------------- tied weights
 def _check_tied(results: list[dict]) -> None:
     ref = tied_reference(2)
     # The tied gradient is the sum of both uses: the untied twin's two gradients add
