@@ -53,7 +53,7 @@ class FSDPModule(_TorchFSDPModule):
         dispatch_compiled_call(self)
 
     def _get_fsdp_state(self) -> TorchStateView:
-        """torch's private accessor, for torch's helpers (see the Note above)."""
+        """torch's private accessor, for its helpers ([Note: A subclass of torch's FSDPModule])."""
         return TorchStateView(require_state(self))
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
