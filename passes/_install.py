@@ -2,82 +2,57 @@
 traceable_hsdp makes to torch's compile configuration.
 
 [Note: Installing the passes]
-:func:`install` (called by ``fully_shard``) sets
-``torch._inductor.config.post_grad_custom_pre_pass`` to a :class:`TraceableHSDPPass`,
-which runs on every post-grad graph (forward and compiled-autograd backward) before
-Inductor's own post-grad passes. Around the switched passes (:func:`run_passes`), and
-whatever :class:`PassConfig` says, :func:`free_after_last_read` runs first ([Note:
-Frees after the last read]) and :func:`gather_into_buffers` after ([Note: CPU
-all-gathers into buffers]); last, a graph the C++ wrapper cannot call is refused
-([Note: Inductor's C++ wrapper]).
-
-It composes (a user pass already set runs after ours, and the cache key hashes both),
-is idempotent, and is cache-safe (``uuid()`` hashes every ``passes/*.py`` source and
-the current :class:`PassConfig`).
-
-:func:`install` also sets ``torch._functorch.config.joint_custom_pass`` to a
-:class:`TraceableHSDPJointPass` running :func:`save_checkpoint_outputs` and
-:func:`recompute_placeholder_views` on every joint graph before partitioning, for every
-backend: correctness fixes, so :class:`PassConfig` does not switch them ([Note:
-Checkpoint outputs are saved], [Note: Views of a placeholder are recomputed]). A joint
-pass already set runs first. It changes only graphs with a ``BackwardState`` input,
-which bypass AOTAutograd's cache (whose key ignores ``joint_custom_pass``).
+:func:`install` (called by ``fully_shard``) sets Inductor's
+``post_grad_custom_pre_pass`` to a :class:`TraceableHSDPPass`, which runs on every
+post-grad graph (forward and compiled-autograd backward) before Inductor's own passes:
+:func:`free_after_last_read` ([Note: Frees after the last read]), the passes
+:class:`PassConfig` switches (:func:`run_passes`), :func:`gather_into_buffers` ([Note:
+CPU all-gathers into buffers]), then the refusal of a graph the C++ wrapper cannot
+call ([Note: Inductor's C++ wrapper]). A user pass already set runs after ours; the
+cache key (``uuid()``) hashes both, every ``passes/*.py`` source and the
+:class:`PassConfig`. It also sets functorch's ``joint_custom_pass`` to a
+:class:`TraceableHSDPJointPass`, which runs the correctness fixes
+:func:`save_checkpoint_outputs` and :func:`recompute_placeholder_views` on every joint
+graph, for every backend, unswitched. A joint pass already set runs first. It changes
+only graphs with a ``BackwardState`` input, which bypass AOTAutograd's cache (whose
+key ignores ``joint_custom_pass``).
 
 [Note: Pass configuration]
 ``traceable_hsdp.passes.config`` is the :class:`PassConfig` in effect, read when a graph
-is compiled (the cache key follows it). Its initial value comes from the environment:
-
-``TRACEABLE_HSDP_PASSES``
-    Comma-separated pass names to run (``bucket`` for both bucketing passes), ``all``
-    (default) or ``none``; an unknown name raises ``ValueError``.
-``TRACEABLE_HSDP_BUCKET_CAP_MB``
-    MiB >= 0, or ``none`` for one bucket per unit ([Note: Bucket size cap] in
-    ``bucket_collectives.py``).
-
-In code: ``set_config(PassConfig(...))`` or ``install(config=...)``. A unit's own
+is compiled (the cache key follows it). It starts from ``TRACEABLE_HSDP_PASSES``
+(comma-separated pass names, ``bucket`` for both bucketing passes, ``all`` (default)
+or ``none``) and ``TRACEABLE_HSDP_BUCKET_CAP_MB`` (MiB >= 0, or ``none`` for one
+bucket per unit); in code, ``set_config`` or ``install(config=...)``. A unit's own
 options (``hsdp(comm_fusion=...)``) travel in its collective annotations instead
 ([Note: Per-unit pass options] in ``bucket_collectives.py``).
 
 [Note: Global switches]
-Everything traceable_hsdp changes in torch's process-wide compile configuration is
-changed here by :func:`install` and restored by :func:`uninstall` to the value from
-before the first change:
-
-- ``torch._inductor.config.post_grad_custom_pre_pass`` ([Note: Installing the passes]);
-- ``torch._functorch.config.joint_custom_pass``;
-- ``torch._inductor.config.reorder_for_peak_memory = False`` when ``overlap`` is on
-  ([Note: Overlap and Inductor's scheduler] in ``overlap.py``);
-- ``torch._functorch.config.recompute_views = True`` ([Note: Saved views of the
-  placeholder]);
-- ``GraphLowering.decide_layout_opt``, wrapped ([Note: Layout optimization and the
-  placeholders]).
-
-These are entries of [Note: Torch internals]. Nothing else writes process-wide
-configuration, but ``dump_graphs`` for the length of its block.
+Every change traceable_hsdp makes to torch's process-wide compile configuration is made
+by :func:`install` and restored by :func:`uninstall` (entries of [Note: Torch
+internals]): the two custom-pass hooks above; ``reorder_for_peak_memory = False`` when
+``overlap`` is on ([Note: Overlap and Inductor's scheduler] in ``overlap.py``);
+``recompute_views = True`` and the wrapped ``GraphLowering.decide_layout_opt`` (the
+two Notes below). Only ``dump_graphs`` also writes configuration, for its block.
 
 [Note: Saved views of the placeholder]
-AOTAutograd's partitioner may save a view of a placeholder for backward and compute it
-at the end of the forward, after the placeholder was freed: aot_eager fails its
-bounds check, Inductor is right only by accident. ``recompute_views = True`` makes the
-partitioner recompute views in the backward, after the re-gather. It does not cover a
-view whose base is not saved; :func:`recompute_placeholder_views` does ([Note: Views of
-a placeholder are recomputed]).
+AOTAutograd's partitioner may save a view of a placeholder for backward, computed at
+the end of the forward after the placeholder was freed. ``recompute_views = True``
+recomputes such views in the backward, after the re-gather; one whose base is not
+saved is [Note: Views of a placeholder are recomputed].
 
 [Note: Layout optimization and the placeholders]
 For a graph with a convolution Inductor lays tensors out channels-last, copying a
-placeholder input into a channels-last buffer at the top of the graph, while it still
-has 0 bytes, and resizing the copy instead of the input: a segfault in the first
-forward. So :func:`install` wraps ``GraphLowering.decide_layout_opt``: a graph that
-still holds a resize or ``fsdp.copy_`` after our passes gets no layout optimization;
-any other is decided by Inductor. The decision is a function of the hashed graph, so
-the cache stays consistent. Cost: such graphs' convolutions run contiguous.
+placeholder input into a channels-last buffer while it still has 0 bytes and resizing
+the copy instead: a segfault in the first forward. The wrapped ``decide_layout_opt``
+refuses layout optimization to a graph still holding a resize or ``fsdp.copy_`` after
+our passes, a function of the hashed graph (cache-consistent); such convolutions run
+contiguous.
 
 [Note: Per-unit options and the FX graph cache]
-The FX graph cache key does not hash node metadata, so it would not see the pass
-options a unit carries in its annotations. So ``uuid()`` also hashes the sorted
-``label=options`` of every live unit with options of its own
-(:func:`track_unit_options`, called by ``hsdp()``); labels are module paths, the same
-in every process of a job, so a restarted job still hits.
+The FX graph cache key does not hash node metadata, where a unit's pass options
+travel. So ``uuid()`` also hashes the sorted ``label=options`` of every live unit with
+options of its own (:func:`track_unit_options`, called by ``hsdp()``); labels are
+module paths, the same in every process of a job, so a restarted job still hits.
 """
 
 from __future__ import annotations
@@ -130,8 +105,7 @@ _ALIASES = {"all": _PASS_NAMES, "none": (), **ALIASES}
 _POST_GRAD = tuple(e for e in PASSES if e.stage == "post_grad")
 _JOINT = tuple(e for e in PASSES if e.stage == "joint")
 
-# One bool field per switched pass of the registry, named as the pass, default True,
-# in run order; PassConfig adds its other fields after them.
+# One bool field per switched pass, default True, in run order.
 _PassSwitches = make_dataclass(
     "_PassSwitches", [(name, bool, True) for name in _PASS_NAMES], frozen=True,
     namespace={"__module__": __name__},
@@ -143,17 +117,12 @@ class PassConfig(_PassSwitches):  # type: ignore[misc, valid-type]
     """Which passes run on traceable_hsdp's compiled graphs.
 
     Args:
-        <pass name>: one bool per pass of ``_registry.PASSES`` that can be switched
-            off, in run order (default ``True``): ``remove_resize_copy``,
-            ``bucket_all_gathers``, ``bucket_reduce_scatters``, ``overlap``,
-            ``reduce_scatter_by_exchange``, ``all_gather_by_exchange``; docs/passes.md
-            says what each does.
-        pool_exchange_outputs: the exchanges' outputs come from a pool of buffers
-            kept across steps (default ``True``); see [Note: Exchange outputs from a
-            pool] in ``gloo/_pool.py``.
+        <pass name>: one bool per switched pass of ``_registry.PASSES``, in run order
+            (default ``True``); docs/passes.md says what each does.
+        pool_exchange_outputs: the exchanges' outputs come from buffers kept across
+            steps (default ``True``; [Note: Exchange outputs from a pool]).
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
-            (default ``DEFAULT_BUCKET_CAP_MB``, 4; see [Note: The default bucket
-            cap]); ``None`` keeps one bucket per unit.
+            (default 4, [Note: The default bucket cap]); ``None``: one bucket per unit.
 
     Raises:
         TypeError: a switch is not a bool, or the cap is not a number or ``None``.
@@ -193,16 +162,10 @@ class PassConfig(_PassSwitches):  # type: ignore[misc, valid-type]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PassConfig:
-        """Reads ``TRACEABLE_HSDP_PASSES`` and ``TRACEABLE_HSDP_BUCKET_CAP_MB``.
-        See [Note: Pass configuration].
-
-        Args:
-            environ: the environment to read (default ``os.environ``).
-
-        Raises:
-            ValueError: an unknown pass name, ``none`` mixed with names, or a cap
-                that is not a number >= 0.
-        """
+        """Reads ``TRACEABLE_HSDP_PASSES`` and ``TRACEABLE_HSDP_BUCKET_CAP_MB`` from
+        ``environ`` (default ``os.environ``); see [Note: Pass configuration]. Raises
+        ``ValueError`` for an unknown pass name, ``none`` mixed with names, or a cap
+        that is not a number >= 0."""
         env = os.environ if environ is None else environ
         raw = env.get(ENV_PASSES, "").strip()
         on: set[str] = set(_PASS_NAMES)
@@ -250,11 +213,8 @@ def get_config() -> PassConfig:
 
 
 def set_config(config: PassConfig) -> None:
-    """Replaces the configuration for every later compile.
-
-    Raises:
-        TypeError: ``config`` is not a :class:`PassConfig`.
-    """
+    """Replaces the configuration for every later compile (``TypeError`` unless
+    ``config`` is a :class:`PassConfig`)."""
     global _config
     if not isinstance(config, PassConfig):
         raise TypeError(
@@ -265,24 +225,16 @@ def set_config(config: PassConfig) -> None:
 
 
 def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str, int]:
-    """Runs the enabled switched passes on ``gm`` in the registry's order ([Note:
-    Removing resize/copy regions], bucketing, [Note: Overlap], then [Note: gloo
-    reduce-scatters as an exchange]).
-
-    Args:
-        gm: a post-grad graph module, changed in place.
-        config: default ``None``: :func:`get_config`.
-
-    Returns:
-        What each pass reported (regions removed, buckets made), by pass name.
-    """
+    """Runs the enabled switched passes on the post-grad ``gm`` in place, in the
+    registry's order, under ``config`` (default: :func:`get_config`); returns what
+    each reported (regions removed, buckets made) by pass name."""
     cfg = get_config() if config is None else config
     return _run(gm, cfg, tuple(e for e in _POST_GRAD if e.switch))
 
 
 def _run(gm: fx.GraphModule, cfg: PassConfig, entries: tuple[PassEntry, ...]) -> dict[str, int]:
-    """Runs ``entries`` in order: unswitched ones always, switched ones when on, and
-    ``per_unit`` ones always ([Note: Per-unit pass options])."""
+    """Runs ``entries`` in order: switched ones when on, the others (and ``per_unit``
+    ones, [Note: Per-unit pass options]) always."""
     done: dict[str, int] = {}
     for e in entries:
         on = not e.switch or getattr(cfg, e.name)
@@ -301,15 +253,9 @@ _units_with_options: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def track_unit_options(holder: Any) -> None:
-    """Notes a unit that carries its own pass options, for as long as ``holder`` is
-    alive: its ``pass_options_key()`` (a string naming the unit and its options) then
-    enters the FX graph cache key. See [Note: Per-unit options and the FX graph
-    cache].
-
-    Args:
-        holder: a weakly referenceable object with a ``pass_options_key() -> str``
-            method, read when a graph is compiled.
-    """
+    """While ``holder`` (weakly referenced) is alive, its ``pass_options_key()``
+    (the unit and its options) enters the FX graph cache key; see [Note: Per-unit
+    options and the FX graph cache]."""
     if not callable(getattr(holder, "pass_options_key", None)):
         raise TypeError(
             f"track_unit_options: {type(holder).__name__} has no pass_options_key() "
@@ -326,9 +272,8 @@ _warned_options_lost = False
 
 
 def _warn_if_options_lost(graph: fx.Graph) -> None:
-    """Warns once per process when units with their own pass options are alive and a
-    graph's collectives carry no annotation (a compiled-autograd backward on torch
-    2.13): the ``PassConfig`` decides there. See [Note: Per-unit pass options]."""
+    """Warns once when units with pass options of their own are alive and a graph's
+    collectives carry no annotation (torch 2.13's compiled-autograd backward)."""
     global _warned_options_lost
     if _warned_options_lost or not len(_units_with_options):
         return
@@ -349,14 +294,12 @@ _UserPass = Any  # a CustomGraphPass, a callable on fx.Graph, or a list/tuple of
 
 
 # [Note: Inductor's C++ wrapper]
-# Inductor's C++ wrapper (``cpp_wrapper``) has no C++ call for
-# ``inductor.resize_storage_bytes_`` nor for the exchanges' all-to-all ([Note: Exchange
-# outputs from a pool] in ``gloo/_pool.py``), and a default root holds a resize in both
-# graphs. Rather than let Inductor fail on a name the user never wrote, the pass refuses
-# the graph, naming the switch and the fix.
+# Inductor's C++ wrapper (``cpp_wrapper``) has no call for
+# ``inductor.resize_storage_bytes_`` nor the exchanges' all-to-all, and a default root
+# holds a resize in both graphs. Rather than let Inductor fail on a name the user never
+# wrote, the pass refuses the graph, naming the switch and the fix.
 def _refuse_cpp_wrapper(graph: fx.Graph) -> None:
-    """Raises ``RuntimeError`` if Inductor's C++ wrapper is on and ``graph`` holds an
-    op that it cannot call. See [Note: Inductor's C++ wrapper]."""
+    """``RuntimeError`` if the C++ wrapper is on and ``graph`` holds an op it cannot call."""
     if not inductor_config.cpp_wrapper:
         return
     found = sorted(
@@ -378,12 +321,9 @@ def _refuse_cpp_wrapper(graph: fx.Graph) -> None:
 
 
 class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-type]
-    """The post-grad pre-pass :func:`install` sets: our passes, then the pass the
-    user had set (``user_pass``), if any. See [Note: Installing the passes].
-
-    Args:
-        user_pass: what ``post_grad_custom_pre_pass`` held before (default ``None``).
-    """
+    """The post-grad pre-pass :func:`install` sets: our passes, then ``user_pass``
+    (what ``post_grad_custom_pre_pass`` held, default ``None``). See [Note:
+    Installing the passes]."""
 
     def __init__(self, user_pass: _UserPass = None) -> None:
         self.user_pass = user_pass
@@ -392,7 +332,6 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
         gm = graph.owning_module
         if isinstance(gm, fx.GraphModule):
             _warn_if_options_lost(graph)
-            # Unswitched passes run whatever the configuration.
             _run(gm, get_config(), _POST_GRAD)
             _refuse_cpp_wrapper(graph)
         else:
@@ -416,15 +355,9 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
 
 
 class TraceableHSDPJointPass:
-    """The ``joint_custom_pass`` :func:`install` sets: the pass that was there
-    (``user_pass``), if any, then :func:`save_checkpoint_outputs` and
-    :func:`recompute_placeholder_views`. See
-    [Note: Installing the passes].
-
-    Args:
-        user_pass: what ``torch._functorch.config.joint_custom_pass`` held before
-            (default ``None``): a callable ``(joint_gm, joint_inputs) -> joint_gm``.
-    """
+    """The ``joint_custom_pass`` :func:`install` sets: ``user_pass`` (what was there,
+    a callable ``(joint_gm, joint_inputs) -> joint_gm``; default ``None``), then the
+    joint passes. See [Note: Installing the passes]."""
 
     def __init__(self, user_pass: Any = None) -> None:
         self.user_pass = user_pass
@@ -456,9 +389,8 @@ def _holds_placeholder_ops(gm: fx.GraphModule) -> bool:
 
 
 class _LayoutOptDecision:
-    """``GraphLowering.decide_layout_opt`` that answers ``False`` for a graph
-    holding a placeholder's resize or ``fsdp.copy_``, and asks torch's (``wrapped``)
-    otherwise. See [Note: Layout optimization and the placeholders]."""
+    """``decide_layout_opt``: ``False`` for a graph holding a placeholder op, else
+    ``wrapped``'s answer ([Note: Layout optimization and the placeholders])."""
 
     def __init__(self, wrapped: Any) -> None:
         self.wrapped = wrapped
@@ -489,18 +421,9 @@ def _uninstall_layout_opt_decision() -> None:
 
 
 def install(config: PassConfig | None = None) -> None:
-    """Makes Inductor run the passes on every post-grad graph, and AOTAutograd run
-    :func:`save_checkpoint_outputs` on every joint graph; sets the other switches of
-    [Note: Global switches]. Idempotent; keeps and runs a user's
-    ``post_grad_custom_pre_pass`` after ours (a user's ``joint_custom_pass`` before
-    ours). See [Note: Installing the passes].
-
-    Args:
-        config: if given, :func:`set_config` it first (default ``None``: keep).
-
-    Raises:
-        TypeError: ``config`` is not a :class:`PassConfig`.
-    """
+    """Installs the passes and the other switches of [Note: Global switches]; see
+    [Note: Installing the passes]. Idempotent. ``config`` (default ``None``: keep)
+    is :func:`set_config` first (``TypeError`` unless a :class:`PassConfig`)."""
     if config is not None:
         set_config(config)
     if not isinstance(functorch_config.joint_custom_pass, TraceableHSDPJointPass):
@@ -524,9 +447,8 @@ def install(config: PassConfig | None = None) -> None:
 
 
 def uninstall() -> None:
-    """Undoes :func:`install`: the hooks and ``decide_layout_opt`` get back what ours
-    wraps (a hook replaced since is left), and every flag of [Note: Global switches]
-    its value from before. Does nothing where nothing is installed."""
+    """Undoes :func:`install` ([Note: Global switches]); a hook replaced since is
+    left. Does nothing where nothing is installed."""
     current = inductor_config.post_grad_custom_pre_pass
     if isinstance(current, TraceableHSDPPass):
         inductor_config.post_grad_custom_pre_pass = current.user_pass

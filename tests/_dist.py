@@ -22,18 +22,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # [Note: Rank processes from a preloaded fork server]
 # A spawned rank is a fresh interpreter that imports torch, dynamo, Inductor, the
-# runtime and the test's worker module before its first line of test code: 3-5 s of
-# CPU per rank, paid by every rank of every multi-process test. Ranks are instead
+# runtime, pytest and the shared test helpers before its first line of test code: 3-5
+# s of CPU per rank, paid by every rank of every multi-process test. Ranks are instead
 # forked from multiprocessing's fork server, which imports those modules once
 # (``set_forkserver_preload``) and runs nothing else, so each rank starts in the state
-# right after the imports, as a spawned one would, without paying for them. Some
-# modules read environment variables at import (``TRACEABLE_HSDP_BUCKET_CAP_MB`` in the
-# passes, Inductor's config), and a forked rank has the server's environment, not the
-# test's. So the server is restarted whenever the environment differs from the one it
+# right after the imports, as a spawned one would, without paying for them. The rank
+# function lives in its test file, beside the assertions on its result; a rank
+# unpickles it by module name and so imports that test module itself (little on
+# top of the preload, which holds the heavy imports). Some modules read environment
+# variables at import (``TRACEABLE_HSDP_BUCKET_CAP_MB`` in the passes, Inductor's
+# config), and a forked rank has the server's environment, not the test's. So the server is restarted whenever the environment differs from the one it
 # started with (tests that set variables come in runs: one restart per run). Pytest's
 # PYTEST_CURRENT_TEST, which names the running test, is left out of that comparison:
-# counted, it restarted the server for every test and paid the preload (about 5 s)
-# each time; three eager test files took 67 s with it and 38 s without.
+# counted, it would restart the server, and pay the preload (seconds), for every test.
 # Forked ranks also share what a fresh interpreter draws anew: the string hash seed and
 # the memory layout (object ids). Tests of keys that must agree between unrelated
 # processes (the compile-cache tests) would pass by that coincidence, so they ask for
@@ -45,9 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # (``_stop`` is the fork server's private method; Python has no public restart.)
 # The server also answers Inductor's once-per-process questions before it forks
 # (_warm_inductor.py): which vector instruction sets build and load on this machine
-# (a C++ build and a child interpreter per set; 2.4-3.5 s in each of two forked ranks
-# side by side on 2 cores, at the rank's first Inductor compile) and the hash of
-# torch's sources that every cache key holds. Those answers are functools caches, so
+# (a C++ build and a child interpreter per set: seconds in every rank, at its first
+# Inductor compile) and the hash of torch's sources that every cache key holds. Those answers are functools caches, so
 # a forked rank inherits them. A spawned one is told the first answer through the
 # environment when the session's probe passed ([Note: Inductor's vector-ISA probe,
 # answered once per session] in conftest.py), and computes the hash. For the server
@@ -60,6 +60,7 @@ _PRELOAD = [
     "torch._dynamo",
     "torch._inductor.compile_fx",
     "traceable_hsdp._fully_shard",
+    "pytest",
     "_workers",
     "_warm_inductor",
 ]

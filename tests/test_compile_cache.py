@@ -26,6 +26,7 @@ and is not compiled here. Counts come from ``torch._dynamo.utils.counters``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from _dist import Ranks, gather, start_ranks
@@ -230,13 +233,57 @@ def _start(monkeypatch: pytest.MonkeyPatch, fn: Any, world: int, *args: Any,
         return start_ranks(fn, world, *args, spawn=spawn)
 
 
+DIM = 16
+
+
+def _tiny(dim: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+
+
+def compile_step(rank: int, world: int, mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Shards a 2-linear model (each linear and the root) over a mesh of
+    ``mesh_shape`` (default ``(world,)``; two dims: HSDP), compiles it with Inductor
+    and compiled autograd, runs one step; returns what the caches did (the
+    ``CacheCounts`` fields)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import traceable_hsdp
+    from traceable_hsdp._cache import CacheCounts
+
+    mesh = init_device_mesh("cpu", mesh_shape or (world,))
+    torch.manual_seed(0)
+    model = _tiny(DIM)
+    for m in (model[0], model[2], model):
+        traceable_hsdp.fully_shard(m, mesh=mesh)
+    before = CacheCounts.now()
+    with traceable_hsdp.compiled_autograd():
+        torch.compile(model, fullgraph=True)(torch.randn(4, DIM)).sum().backward()
+    return dataclasses.asdict(CacheCounts.now() - before)
+
+
+def mega_cache_save(rank: int, world: int, path: str) -> dict[str, Any]:
+    """:func:`compile_step`, then ``torch.compiler.save_cache_artifacts()`` to ``path``."""
+    counts = compile_step(rank, world)
+    saved = torch.compiler.save_cache_artifacts()
+    assert saved is not None, "save_cache_artifacts() returned None: nothing was cached"
+    with open(path, "wb") as f:
+        f.write(saved[0])
+    return counts
+
+
+def mega_cache_load(rank: int, world: int, path: str) -> dict[str, Any]:
+    """``torch.compiler.load_cache_artifacts()`` from ``path``, then :func:`compile_step`."""
+    with open(path, "rb") as f:
+        info = torch.compiler.load_cache_artifacts(f.read())
+    assert info is not None, "load_cache_artifacts() found no artifacts"
+    return compile_step(rank, world)
+
+
 @pytest.mark.slow
 def test_mega_cache_second_process_hits(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the reducer and without it (the control: the artifacts then carry a key
     that the next process cannot compute), side by side: each is one rank on one
     core, with its own cache dir."""
-    import _cache_workers as W
-
     runs = {"reducer": "1", "no_reducer": "0"}
     dirs = {name: fresh_cache / name for name in runs}
     for d in dirs.values():
@@ -247,14 +294,14 @@ def test_mega_cache_second_process_hits(fresh_cache: Path, monkeypatch: pytest.M
                       TORCHINDUCTOR_CACHE_DIR=str(dirs[name] / "inductor"),
                       **{_cache.ENV_STABLE_MESH_KEY: runs[name]})
 
-    saved = dict(zip(runs, gather([start(name, W.mega_cache_save) for name in runs])))
+    saved = dict(zip(runs, gather([start(name, mega_cache_save) for name in runs])))
     for name, (counts,) in saved.items():
         assert counts["fx_miss"] == 2 and counts["fx_hit"] == 0, (name, counts)
         # A fresh process, and the FX graph cache emptied: only the artifacts can carry
         # the entry. (The C++ kernel files stay, to save their compile: on the CPU the
         # artifacts do not carry them; see docs/compile.md, Mega-Cache.)
         shutil.rmtree(dirs[name] / "inductor" / "fxgraph")
-    loaded = dict(zip(runs, gather([start(name, W.mega_cache_load) for name in runs])))
+    loaded = dict(zip(runs, gather([start(name, mega_cache_load) for name in runs])))
     for name, (counts,) in loaded.items():
         assert counts["fx_bypass"] == 0, (name, counts)  # the forward keyed too (_cache.py)
     # Both graphs from the artifacts; without the reducer the backward (whose inputs
@@ -274,13 +321,11 @@ def test_changed_configuration_shape_or_world_misses(
     # do not depend on each other's entries run side by side: a changed compile can
     # only hit an entry written before it started, so each starts after the compile
     # it must not hit has finished.
-    import _cache_workers as W
-
     def start(world: int = 1, **env: str) -> Ranks:
-        return _start(monkeypatch, W.compile_step, world, **env)
+        return _start(monkeypatch, compile_step, world, **env)
 
     def fork(world: int = 1, *args: Any) -> Ranks:
-        return _start(monkeypatch, W.compile_step, world, *args, spawn=False)
+        return _start(monkeypatch, compile_step, world, *args, spawn=False)
 
     # Two graphs a compile: the forward and the compiled-autograd backward.
     def all_miss(runs: list[dict[str, int]]) -> bool:

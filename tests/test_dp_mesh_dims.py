@@ -52,7 +52,7 @@ from torch.distributed.tensor import (
 
 import traceable_hsdp as th
 from _dist import full_tensor, run_ranks
-from _tp_workers import GroupRecorder
+from _workers import GroupRecorder
 
 DIM, HEAD, STEPS, LR = 8, 5, 3, 1e-2
 

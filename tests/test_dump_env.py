@@ -14,12 +14,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+import traceable_hsdp
+from _dist import run_ranks
+from traceable_hsdp import fully_shard
 from traceable_hsdp.debug import _dump_env
 from traceable_hsdp.demo import cli
-
-from _dist import run_ranks
-from _dump_env_workers import compiled_train_worker
 
 pytest.importorskip("depyf")
 
@@ -56,6 +58,33 @@ def test_dump_command_refuses_the_switch(monkeypatch: pytest.MonkeyPatch, tmp_pa
         cli.main(["dump", str(tmp_path / "out")])
     assert exc.value.code == 2
     assert "TRACEABLE_HSDP_DUMP is set: traceable-hsdp dump writes its own" in capsys.readouterr().err
+
+
+def compiled_train_worker(rank: int, world: int, steps: int) -> list[float]:
+    """A program with no dump code: two blocks and a root, compiled with aot_eager,
+    ``steps`` training steps; returns the losses. The dump is written when the rank's
+    process exits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU()),
+        nn.Sequential(nn.Linear(16, 8), nn.ReLU()),
+    )
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    traceable_hsdp.enable_compiled_autograd(backend="aot_eager")
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for _ in range(steps):
+        loss = compiled(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    traceable_hsdp.disable_compiled_autograd()
+    return losses
 
 
 @pytest.mark.slow

@@ -623,7 +623,7 @@ def test_comm_fusion_off_per_model_and_placeholder_ops_before_passes(
     per_unit_buckets: None,
 ) -> None:
     """hsdp(comm_fusion=False) keeps its own units' collectives one per parameter and
-    no longer switches bucketing off for a model compiled later in the same process
+    leaves bucketing on for a model compiled later in the same process
     (counted from the post-grad graphs after our passes, Inductor, 2 ranks). Two
     units of two parameters each (weight, bias) per model, under a root that holds
     none.

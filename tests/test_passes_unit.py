@@ -12,6 +12,7 @@ same elements in the same rank order).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from typing import Any
@@ -23,11 +24,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import traceable_hsdp as th
 import traceable_hsdp.passes as passes
+from _workers import FunctionalCollectiveOps
+from traceable_hsdp.debug._recorder import PostGradRecorder
+from traceable_hsdp.debug._table import family_counts, graph_counts
 from traceable_hsdp.passes import (
     PassConfig,
     bucket_all_gathers,
-    free_after_last_read,
     bucket_reduce_scatters,
+    free_after_last_read,
     overlap,
     remove_resize_copy,
 )
@@ -38,6 +42,9 @@ from traceable_hsdp.passes._graph import (
     REDUCE_SCATTER,
     RESIZE,
     WAIT,
+    UnitPassOptions,
+    annotation_of,
+    annotation_value,
     is_all_gather,
     is_all_reduce,
     is_collective,
@@ -45,14 +52,8 @@ from traceable_hsdp.passes._graph import (
     is_reduce_scatter,
     is_resize,
     is_wait,
-)
-from traceable_hsdp.passes._graph import (
-    UnitPassOptions,
-    annotation_of,
-    annotation_value,
     set_annotation,
 )
-from traceable_hsdp.debug._table import family_counts
 from traceable_hsdp.passes._ops import SPLIT_COLUMNS
 from traceable_hsdp.passes._rewrite import alias_closure, set_fake_val
 
@@ -1336,6 +1337,162 @@ def test_gather_into_buffers_rewrites_cpu_all_gathers(one_rank_group) -> None:
     assert [n.target for n in gpu_gm.graph.nodes if n.op == "call_function"] == [ALL_GATHER, WAIT]
 
 
+def _inputs_on_a_fake_gpu(gm: torch.fx.GraphModule) -> None:
+    """Records every input of ``gm`` as a fake GPU tensor of its shape and dtype: the
+    same graph, as the passes would see it on CUDA, for the cases they leave alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                v = n.meta["val"]
+                n.meta["val"] = torch.empty(v.shape, dtype=v.dtype, device="cuda")
+
+
+def _gather_times_3(world: int, group: str) -> Any:
+    c10d = torch.ops._c10d_functional
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        bucket = torch.cat([a.reshape(-1), b])  # a bucket of two shards, as the passes make
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(bucket, world, group)) * 3
+
+    return fn
+
+
+def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
+    """The all-gather-as-exchange rewrite on 2 gloo ranks (see [Note: gloo all-gathers
+    as an exchange] in passes/gloo/exchange.py): for float32 and
+    bfloat16, a traced graph of one all-gather of a bucket (a ``cat`` of a 2-D and a
+    1-D shard) and of one of a 2-D shard gives the same bits before and after the
+    pass; the float32 bucket compiled by Inductor (the pass installed, a reader
+    fused after it) gives the bits of the uncompiled op. Records the rewritten
+    graph's op counts, what the exchange reads, and the cases left alone (no wait, a
+    fake GPU input). Returns what each check found; the test asserts."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from traceable_hsdp import passes
+    from traceable_hsdp.passes import all_gather_by_exchange
+    from traceable_hsdp.passes._graph import AG_EXCHANGE_COUNT, ALL_GATHER
+    from traceable_hsdp.passes.gloo._pool import POOLED_ALL_TO_ALL
+
+    c10d = torch.ops._c10d_functional
+    group = torch.distributed.group.WORLD.group_name
+    out: dict[str, Any] = {"bitwise": {}, "counts": {}, "exchange_input": {}, "left_alone": {}}
+    gen = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(3, 4, generator=gen).to(dtype)
+        b = torch.randn(5, generator=gen).to(dtype)
+        cases = {
+            "bucket": (_gather_times_3(world, group), (a, b)),
+            "2-D": (lambda t: c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group)), (a,)),
+        }
+        for name, (fn, args) in cases.items():
+            gm = make_fx(fn, tracing_mode="fake")(*args)  # one fake mode for all values
+            ref = gm(*args)
+            n = all_gather_by_exchange(gm)
+            got = gm(*args)
+            key = f"{dtype}/{name}"
+            out["bitwise"][key] = (n, torch.equal(got, ref) and got.shape == ref.shape)
+            out["counts"][key] = graph_counts(gm)
+            (ex,) = [x for x in gm.graph.nodes if x.target is POOLED_ALL_TO_ALL]
+            cat = ex.args[0]
+            out["exchange_input"][key] = (
+                str(cat.target), [str(p.target) for p in cat.args[0]], list(ex.args[1:3]),
+            )
+    passes.install()  # as fully_shard does: the pass runs on Inductor's graphs
+    compiled = PostGradRecorder()  # the graphs Inductor compiled, after the passes
+    torch._inductor.config.post_grad_custom_post_pass = compiled
+    a, b = torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen)
+    fn = _gather_times_3(world, group)
+    torch._dynamo.reset()
+    same = torch.equal(torch.compile(fn, fullgraph=True)(a, b), fn(a, b))
+    out["inductor"] = (same, graph_counts(compiled.graphs[-1].final_graph()))
+    torch._inductor.config.post_grad_custom_post_pass = None
+    x = torch.randn(8)
+    gm = make_fx(lambda t: c10d.all_gather_into_tensor(t, world, group))(x)
+    out["left_alone"]["no_wait"] = all_gather_by_exchange(gm)
+    gm = make_fx(lambda t: c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group)))(x)
+    _inputs_on_a_fake_gpu(gm)  # NCCL writes the output
+    out["left_alone"]["gpu"] = all_gather_by_exchange(gm)
+    out["left_alone"]["all_gathers"] = sum(n.target is ALL_GATHER for n in gm.graph.nodes)
+    out["exchange_key"] = AG_EXCHANGE_COUNT
+    out["pool"] = _exchange_pool_checks(world, group, gen)
+    return out
+
+
+def _pool_frees(key: tuple[Any, ...], n: int, timeout_s: float = 10.0) -> bool:
+    """Waits until the exchange pool holds ``n`` buffers of ``key`` that nothing else
+    references; whether it did within ``timeout_s``."""
+    import time
+
+    from traceable_hsdp.passes.gloo import _pool
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _pool._pool_lock:
+            free = sum(_pool._unused(st) for st in _pool._pool.get(key, []))
+        if free >= n or time.monotonic() > deadline:
+            return free >= n
+        time.sleep(0.001)
+
+
+def _exchange_pool_checks(world: int, group: str, gen: torch.Generator) -> dict[str, Any]:
+    """The exchange's pooled output ([Note: Exchange outputs from a pool] in
+    passes/gloo/_pool.py), on one all-gather graph run op by op: a result the caller still
+    holds is never written again, a freed one is reused, the pool's bytes, what
+    :func:`release_exchange_buffers` drops, and torch's op with the pool off."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from traceable_hsdp.passes import (
+        all_gather_by_exchange, exchange_pool_bytes, release_exchange_buffers,
+    )
+    from traceable_hsdp.passes.gloo import _pool
+
+    c10d = torch.ops._c10d_functional
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(t, world, group))
+
+    key = ((2 * 6,), torch.float32, torch.device("cpu"))  # this graph's output only
+
+    def pooled_here() -> int:
+        with _pool._pool_lock:
+            return sum(st.nbytes() for st in _pool._pool.get(key, []))
+
+    x1, x2 = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    gm = make_fx(fn, tracing_mode="fake")(x1)
+    all_gather_by_exchange(gm)
+    total = exchange_pool_bytes()
+    kept = gm(x1)  # a view of its pooled buffer, held
+    before = kept.clone()
+    again = gm(x2)
+    res: dict[str, Any] = {
+        "held_intact": torch.equal(kept, before),
+        "distinct": kept.data_ptr() != again.data_ptr(),
+        "values": torch.equal(again, fn(x2)),
+    }
+    ptr = again.data_ptr()
+    del again
+    # gloo's worker can still hold a finished all-to-all's work (and so its output)
+    # for a moment after the wait: the pool then hands out a new buffer, as it must.
+    res["freed_in_time"] = _pool_frees(key, 1)
+    third = gm(x1)
+    res["reused"] = third.data_ptr() == ptr and torch.equal(third, before)
+    res["bytes"] = pooled_here()
+    res["total_grew_by_it"] = exchange_pool_bytes() - total == res["bytes"]
+    del kept, third
+    res["freed_in_time"] &= _pool_frees(key, 2)
+    # The earlier cases' buffers may be dropped too, so at least this shape's bytes.
+    res["released_all_of_it"] = release_exchange_buffers() >= res["bytes"]
+    res["after"] = pooled_here()
+    gm = make_fx(fn, tracing_mode="fake")(x1)
+    all_gather_by_exchange(gm, pooled=False)
+    res["unpooled"] = sorted(
+        str(n.target) for n in gm.graph.nodes if str(n.target).endswith("all_to_all_single.default")
+    )
+    return res
+
+
 # ------------------------------------------------------- all_gather_by_exchange
 def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
     """On 2 gloo ranks, an all-gather of a bucket (a ``cat`` of a 2-D and a 1-D
@@ -1349,7 +1506,6 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
     pool off the pass issues torch's op. See [Note: gloo all-gathers as an exchange]
     in passes/gloo/exchange.py and [Note: Exchange outputs from a pool] in passes/gloo/_pool.py."""
     from _dist import run_ranks
-    from _workers import gather_exchange_worker
 
     reshape, view = str(aten.reshape.default), str(aten.view.default)
     for r in run_ranks(gather_exchange_worker, 2):
@@ -1383,6 +1539,84 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
         }, r["pool"]
 
 
+def _reduce_scatter_times_3(op: str, world: int, group: str) -> Any:
+    c10d = torch.ops._c10d_functional
+    return lambda t: c10d.wait_tensor(c10d.reduce_scatter_tensor(t, op, world, group)) * 3
+
+
+def exchange_worker(rank: int, world: int) -> dict[str, Any]:
+    """The reduce-scatter-as-exchange rewrite on 2 gloo ranks (see [Note: gloo
+    reduce-scatters as an exchange] in passes/gloo/exchange.py): for
+    float32 and bfloat16, "sum" and "avg", a 1-D and a 2-D gradient, a traced graph
+    of one reduce-scatter gives the same bits before and after the pass, and so does
+    the eager runtime's ``reduce_scatter`` against the functional op; for each
+    (dtype, op), one of the two shapes compiled by Inductor gives the bits of the
+    uncompiled op. Cases the pass must leave alone ("max", no wait, a fake GPU input)
+    are counted. Returns what each check found; the test asserts."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from traceable_hsdp import passes
+    from traceable_hsdp._collectives import reduce_scatter
+    from traceable_hsdp.passes import reduce_scatter_by_exchange
+    from traceable_hsdp.passes._graph import EXCHANGE_COUNT, REDUCE_SCATTER
+
+    c10d = torch.ops._c10d_functional
+    group = torch.distributed.group.WORLD.group_name
+    out: dict[str, Any] = {"bitwise": {}, "inductor": {}, "eager": {}, "counts": {},
+                           "left_alone": {}}
+    passes.install()  # as fully_shard does: the pass runs on Inductor's graphs
+    compiled = PostGradRecorder()  # the graphs Inductor compiled, after the passes
+    torch._inductor.config.post_grad_custom_post_pass = compiled
+    gen = torch.Generator().manual_seed(rank)
+    shapes = ((10,), (6, 5))
+    for i, dtype in enumerate((torch.float32, torch.bfloat16)):
+        for j, op in enumerate(("sum", "avg")):
+            for k, shape in enumerate(shapes):
+                x = torch.randn(shape, generator=gen).to(dtype)
+                gm = make_fx(_reduce_scatter_times_3(op, world, group))(x)
+                ref = gm(x)
+                n = reduce_scatter_by_exchange(gm)
+                key = f"{dtype}/{op}/{shape}"
+                out["bitwise"][key] = (n, torch.equal(gm(x), ref))
+                out["counts"][key] = graph_counts(gm)
+                # Compiled by Inductor with a reader after it: bfloat16 is left alone
+                # ([Note: Low-precision sums and fusion]), float32 gives the same bits.
+                # One shape per (dtype, op), the two shapes alternating so that each
+                # is compiled with each dtype and each op: the pass treats them alike
+                # (both split evenly on dim 0), and a compile is the cost here.
+                if k == (i + j) % len(shapes):
+                    fn = _reduce_scatter_times_3(op, world, group)
+                    torch._dynamo.reset()
+                    same = torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x))
+                    final = graph_counts(compiled.graphs[-1].final_graph())
+                    out["inductor"][key] = (same, final.get(EXCHANGE_COUNT, 0))
+                eager = reduce_scatter(x, op, world, group, rank)
+                plain = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, op, world, group))
+                out["eager"][key] = torch.equal(eager, plain) and eager.dtype == plain.dtype
+    x = torch.randn(8)
+    gm = make_fx(lambda t: c10d.wait_tensor(c10d.reduce_scatter_tensor(t, "max", world, group)))(x)
+    out["left_alone"]["max"] = reduce_scatter_by_exchange(gm)
+    gm = make_fx(lambda t: c10d.reduce_scatter_tensor(t, "sum", world, group))(x)
+    out["left_alone"]["no_wait"] = reduce_scatter_by_exchange(gm)
+    gm = make_fx(lambda t: c10d.wait_tensor(c10d.reduce_scatter_tensor(t, "sum", world, group)))(x)
+    _inputs_on_a_fake_gpu(gm)  # NCCL has a real reduce-scatter
+    out["left_alone"]["gpu"] = reduce_scatter_by_exchange(gm)
+    out["left_alone"]["reduce_scatters"] = sum(n.target is REDUCE_SCATTER for n in gm.graph.nodes)
+    out["exchange_key"] = EXCHANGE_COUNT
+
+    # Eagerly the PassConfig switch turns the exchange off too.
+    config = passes.get_config()
+    out["eager_ops"] = {}
+    for on in (True, False):
+        passes.set_config(dataclasses.replace(config, reduce_scatter_by_exchange=on))
+        with FunctionalCollectiveOps() as ops:
+            reduce_scatter(torch.randn(8), "avg", world, group, rank)
+        out["eager_ops"][on] = ops.names
+    passes.set_config(config)
+    torch._inductor.config.post_grad_custom_post_pass = None
+    return out
+
+
 # ---------------------------------------------------- reduce_scatter_by_exchange
 def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     """On 2 gloo ranks, each float32 reduce-scatter ("sum" and "avg"; a 1-D and a 2-D
@@ -1396,7 +1630,6 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     reduce-scatter. A "max", one with no wait and a GPU one are left alone. See
     [Note: gloo reduce-scatters as an exchange] in passes/gloo/exchange.py."""
     from _dist import run_ranks
-    from _workers import exchange_worker
 
     for r in run_ranks(exchange_worker, 2):
         assert len(r["bitwise"]) == 8, r

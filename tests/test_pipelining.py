@@ -14,14 +14,99 @@ process sums; Inductor's kernels sum in their own order too).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import traceable_hsdp as th
-from _dist import run_ranks
-from _pp_workers import pipelined_fsdp
+from _dist import full_tensor, run_ranks
+
+
+DIM, ROWS, MICROBATCHES, STEPS, LR = 8, 8, 4, 3, 0.1
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum()
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
+
+
+def pipelined_fsdp(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """A (pp=2, dp=2) mesh: stage ``pp`` holds half of the model, fully_shard over
+    ``dp`` (the first Linear its own unit, the chunk the root), trained with
+    torch.distributed.pipelining's GPipe schedule (2 micro-batches, gradients scaled
+    by their count) and SGD; ``mode`` ``"inductor"`` compiles the stage module
+    (``module.compile()``) with compiled autograd on, both with Inductor. The
+    one-process reference trains the whole model on the mean of the same
+    per-micro-batch losses over every dp rank's rows. Returns the stage's parameters
+    after each step, both runs, and, after each step, dynamo's graph breaks, the
+    graphs dynamo compiled and the compiled-autograd captures (counted from
+    ``torch._dynamo.utils.counters``)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    full = _model()
+    ref = _model()
+    chunk = nn.Sequential(*list(full)[:2]) if pp == 0 else nn.Sequential(*list(full)[2:])
+    ref_chunk = list(ref)[:2] if pp == 0 else list(ref)[2:]
+    th.fully_shard(chunk[0], mesh=mesh["dp"])
+    th.fully_shard(chunk, mesh=mesh["dp"])
+    if mode == "inductor":
+        torch._dynamo.reset()
+        th.enable_compiled_autograd()
+        chunk.compile()
+    stage = PipelineStage(chunk, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, MICROBATCHES, loss_fn=_loss, scale_grads=True)
+    opt = torch.optim.SGD(chunk.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    params, ref_params = [], []
+    counts: list[dict[str, int]] = []
+    counters = torch._dynamo.utils.counters
+    for step in range(STEPS):
+        x, y = _data(step)
+        xs, ys = x.chunk(2)[dp], y.chunk(2)[dp]
+        if pp == 0:
+            schedule.step(xs)
+        else:
+            schedule.step(target=ys)
+        opt.step()
+        opt.zero_grad()
+        counts.append({
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"],
+            "captures": counters["compiled_autograd"]["captures"],
+        })
+        params.append([full_tensor(p).clone() for p in chunk.parameters()])
+        losses = [
+            _loss(ref(xm), ym)
+            for r in range(2)
+            for xm, ym in zip(x.chunk(2)[r].chunk(MICROBATCHES), y.chunk(2)[r].chunk(MICROBATCHES))
+        ]
+        (sum(losses) / len(losses)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_params.append([p.detach().clone() for m in ref_chunk for p in m.parameters()])
+    th.disable_compiled_autograd()
+    all_freed = all(
+        fp.unsharded_param.untyped_storage().size() == 0
+        for s in th.fully_shard.state(chunk).states
+        if s.param_group is not None
+        for fp in s.param_group.fsdp_params
+    )
+    return {"params": params, "ref_params": ref_params, "all_freed": all_freed, "counts": counts}
 
 
 @pytest.mark.parametrize("mode", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])

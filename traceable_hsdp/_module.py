@@ -22,20 +22,14 @@ __all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
 
 # [Note: A subclass of torch's FSDPModule]
-# The mixin subclasses ``torch.distributed.fsdp.FSDPModule``, so code written against
-# torch's FSDP2 (``isinstance`` checks in torchtitan, accelerate, and torch's
-# ``register_fsdp_forward_method``, a silent no-op otherwise) recognises our units. Every
-# public method of torch's class is overridden (tests/test_module_methods.py checks it),
-# so none of torch's runtime runs on them. ``_get_fsdp_state()`` returns a
-# ``TorchStateView`` offering only the entries torch's helpers call (``_pre_forward``,
-# ``_post_forward``) and an ``AttributeError`` naming the way out for any other.
-#
-# torch.distributed.pipelining fetches an FSDP stage's state with torch's
-# ``fully_shard.state(module)`` and calls each group's ``post_backward()`` and the
-# root's ``_root_post_backward_final_callback()`` after the micro-batches. So the view
-# is also registered there (``expose_to_torch``) and maps those to our
-# ``end_of_backward`` and root end-of-backward. tests/test_pipelining.py checks a
-# 2-stage x 2-way FSDP schedule against one process.
+# The mixin subclasses torch's ``FSDPModule``, so code written against torch's FSDP2
+# (``isinstance`` checks in torchtitan and accelerate, ``register_fsdp_forward_method``)
+# recognises our units. Every public method is overridden (test_module_methods.py
+# checks it), so none of torch's runtime runs on them. ``_get_fsdp_state()`` returns a
+# ``TorchStateView`` with only the entries torch's helpers call. The view is also
+# registered as ``fully_shard.state(module)`` (``expose_to_torch``), where
+# torch.distributed.pipelining calls ``post_backward()`` and the root's final callback
+# after the micro-batches (test_pipelining.py).
 
 
 class FSDPModule(_TorchFSDPModule):
@@ -43,9 +37,8 @@ class FSDPModule(_TorchFSDPModule):
     subclass of torch's ``FSDPModule`` whose methods are all ours; see [Note: A
     subclass of torch's FSDPModule]."""
 
-    # The generated class's MRO: FSDP<Orig>, this mixin, torch's FSDPModule, Orig.
-    # torch's FSDPModule.__new__ reads it too: an entry of [Note: Torch internals],
-    # checked by _torch_internals.install().
+    # FSDP<Orig>, this mixin, torch's FSDPModule, Orig; torch's __new__ reads it too
+    # ([Note: Torch internals]).
     _orig_cls_mro_index: int = 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -56,28 +49,18 @@ class FSDPModule(_TorchFSDPModule):
         return self
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """``nn.Module.compile`` (compiles this module's call in place), for a unit:
-        see [Note: A unit compiled in place] (``_compiled_call.py``)."""
+        """``nn.Module.compile`` for a unit: see [Note: A unit compiled in place]."""
         nn.Module.compile(self, *args, **kwargs)
         dispatch_compiled_call(self)
 
     def _get_fsdp_state(self) -> TorchStateView:
-        """torch's private accessor, for torch's helpers that call it (see [Note: A
-        subclass of torch's FSDPModule]). Our own code uses ``fully_shard.state``."""
+        """torch's private accessor, for its helpers ([Note: A subclass of torch's FSDPModule])."""
         return TorchStateView(require_state(self))
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
-        """All-gathers this unit's parameters into their unsharded placeholders and
-        registers those on the modules, as before its forward.
-
-        Args:
-            async_op: if ``True``, issue the all-gathers and return a handle whose
-                ``wait()`` finishes the unshard (the next forward also waits for it);
-                default ``False`` waits before returning.
-
-        Returns:
-            An :class:`UnshardHandle` when ``async_op``, else ``None``.
-        """
+        """All-gathers this unit's parameters into their placeholders and registers
+        those, as before its forward. ``async_op`` (default ``False``: wait) returns an
+        :class:`UnshardHandle` whose ``wait()`` (or the next forward) finishes it."""
         state = require_state(self)
         param_group = state.param_group
         if param_group is None:
@@ -100,32 +83,21 @@ class FSDPModule(_TorchFSDPModule):
         self.reshard()
         # Past torch's FSDPModule, whose _apply reads torch's private state.
         out = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
-        # Devices are checked at the next forward: in a list unit, the other
-        # modules may not be converted yet.
+        # Devices are checked at the next forward (a list unit's other modules may
+        # not be converted yet).
         require_state(self)._apply_user_changes(check_device=False)
         return out
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Whether the next backwards reduce gradients. With ``False``, unsharded
-        gradients accumulate across backwards; the next backward with ``True``
-        reduces the sum (reduce-scatter and, for HSDP, all-reduce).
-
-        Args:
-            requires_gradient_sync: reduce gradients (``True``) or accumulate them
-                unsharded (``False``).
-            recurse: also set it on every fully_shard unit inside this module
-                (default ``True``).
-        """
+        """Whether the next backwards reduce gradients; with ``False`` unsharded
+        gradients accumulate until a backward with ``True`` reduces the sum.
+        ``recurse`` (default ``True``) also sets every unit inside."""
         _set_on_groups(self, recurse, "reduce_grads", "requires_gradient_sync", requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the next forwards free the unsharded parameters after use (and
-        re-gather them for backward).
-
-        Args:
-            reshard_after_forward: the new setting.
-            recurse: also set it on every fully_shard unit inside (default ``True``).
-        """
+        re-gather them for backward). ``recurse`` (default ``True``) also sets every
+        unit inside."""
         _check_bool("reshard_after_forward", reshard_after_forward)
         for state in _states(self, recurse):
             state.reshard_after_forward = reshard_after_forward
@@ -134,49 +106,31 @@ class FSDPModule(_TorchFSDPModule):
         """Whether backward frees the unsharded parameters when the unit's gradients
         are done. ``False`` keeps them for the next micro-batch; set ``True`` again
         before the last one (a kept copy goes stale at the optimizer step).
-
-        Args:
-            reshard_after_backward: the new setting.
-            recurse: also set it on every fully_shard unit inside (default ``True``).
-        """
+        ``recurse`` (default ``True``) also sets every unit inside."""
         _set_on_groups(
             self, recurse, "reshard_after_backward", "reshard_after_backward", reshard_after_backward
         )
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step, when the
-        root finishes every unit; ``False`` leaves them gathered for micro-batching.
-        Eager only (docs/compile.md)."""
+        """Whether the next backward is the last before the optimizer step (the root
+        then finishes every unit); ``False`` keeps them gathered. Eager only."""
         _check_bool("is_last_backward", is_last_backward)
         require_state(self).is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: "list[FSDPModule]") -> None:
         """All-gathers of these units are issued in this unit's pre-forward (after its
-        own), so they overlap this unit's forward; each waits in its own pre-forward.
-
-        Raises:
-            TypeError: an entry is not a fully_shard module.
-        """
+        own), to overlap its forward. Raises ``TypeError`` for a non-fully_shard entry."""
         require_state(self).forward_prefetch = _prefetch_states(modules, "forward")
 
     def set_modules_to_backward_prefetch(self, modules: "list[FSDPModule]") -> None:
-        """All-gathers of these units are issued in this unit's pre-backward, so they
-        overlap this unit's backward.
-
-        Raises:
-            TypeError: an entry is not a fully_shard module.
-        """
+        """All-gathers of these units are issued in this unit's pre-backward, to
+        overlap its backward. Raises ``TypeError`` for a non-fully_shard entry."""
         require_state(self).backward_prefetch = _prefetch_states(modules, "backward")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's gradients by ``factor`` after summing them over the
-        data-parallel ranks, instead of averaging (the default divides by the number
-        of ranks). This unit only, as torch's (no ``recurse``): call it on each unit
-        that should use the factor.
-
-        Raises:
-            ValueError: ``factor`` is not a positive number.
-        """
+        data-parallel ranks, instead of averaging. This unit only, as torch's. Raises
+        ``ValueError`` unless ``factor`` is a positive number."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}.")
         for state in _states(self, recurse=False):
@@ -193,8 +147,8 @@ class FSDPModule(_TorchFSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Sum in the collectives and divide locally instead of averaging in them. A
-        gradient divide factor takes precedence. This unit only, as torch's."""
+        """Sum in the collectives and divide locally (a gradient divide factor takes
+        precedence). This unit only, as torch's."""
         _set_on_groups(self, False, "force_sum", "enable", enable)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
@@ -204,10 +158,8 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether this unit re-gathers its parameters for backward (default
-        ``True``). ``False`` saves the re-gather for a unit whose backward does not
-        read its parameters, e.g. an embedding: its weight gradient needs only the
-        indices and the output gradient. A backward that does read a parameter that
-        was not re-gathered fails loudly (its storage has size 0)."""
+        ``True``). ``False`` suits a unit whose backward reads no parameter (an
+        embedding); one that does fails loudly (the storage has size 0)."""
         _set_on_groups(self, False, "unshard_in_backward", "unshard_in_backward", unshard_in_backward)
 
     def set_all_reduce_hook(
@@ -263,17 +215,10 @@ class FSDPModule(_TorchFSDPModule):
             param_group.all_reduce_hook_stream = stream if hook is not None else None
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Makes the root's next forward wait for ``event`` (recorded after an optimizer
-        step on another stream), once; set a new one each iteration. Eager and
-        compiled. See [Note: The post-optimizer event] in ``_post_optim.py``.
-
-        Args:
-            event: a ``torch.Event`` (or ``torch.cuda.Event``), or ``None`` (what a CPU
-                stream's ``record_event()`` returns), which clears it.
-
-        Raises:
-            TypeError: ``event`` is neither an event nor ``None``.
-        """
+        """Makes the root's next forward wait once for ``event`` (recorded after an
+        optimizer step on another stream); ``None`` (a CPU stream's
+        ``record_event()``) clears it. Eager and compiled; see [Note: The
+        post-optimizer event]. Raises ``TypeError`` for anything else."""
         if event is not None and not isinstance(event, (torch.Event, torch.cuda.Event)):
             raise TypeError(
                 "set_post_optim_event expects a torch.Event (or torch.cuda.Event) "
@@ -288,24 +233,15 @@ class FSDPModule(_TorchFSDPModule):
     def reset_iter_state(self) -> None:
         """Recovers from an exception that stopped a forward or backward midway: drops
         the all-gathers in flight and the unreduced gradients, reshards every unit and
-        sets it idle. Reduced ``.grad`` stays (``optimizer.zero_grad()`` drops it).
-        Every rank must call it at the same point.
-
-        Raises:
-            RuntimeError: called on a unit that is not the root (the outermost
-                ``fully_shard`` module).
-        """
+        sets it idle (reduced ``.grad`` stays). Every rank must call it at the same
+        point, on the root (else ``RuntimeError``)."""
         _require_root(self, "reset_iter_state").reset_iter()
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Whether resharding keeps the unsharded parameters' storage (torch 2.15's
         method): ``True`` keeps data pointers stable (for CUDA graphs) at the cost of
-        the memory; ``False`` (default) frees it at every reshard.
-
-        Args:
-            keep: keep the storage (``True``) or free it (``False``).
-            recurse: also set it on every fully_shard unit inside (default ``True``).
-        """
+        the memory; ``False`` (default) frees it. ``recurse`` (default ``True``) also
+        sets every unit inside."""
         _check_bool("keep", keep)
         for state in _states(self, recurse):
             if state.param_group is not None:
@@ -314,14 +250,9 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Whether the caller ends each backward iteration with
-        :meth:`finalize_backward` (torch 2.15's method), which then reduces the kept
-        gradients and reshards instead of the end of backward. See [Note: Manual
-        backward finalization] in ``_state.py``.
-
-        Raises:
-            RuntimeError: called on a unit that is not the root, or, to change the
-                mode, during a backward or while a finalization is pending.
-        """
+        :meth:`finalize_backward` (torch 2.15's method). See [Note: Manual backward
+        finalization]. Raises ``RuntimeError`` off the root, or when the mode changes
+        during a backward or with a reduction pending."""
         _check_bool("enabled", enabled)
         state = _require_root(self, "set_manual_backward_finalization")
         if enabled != state.manual_finalization:
@@ -338,17 +269,10 @@ class FSDPModule(_TorchFSDPModule):
 
     def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
         """Ends the backward iteration under manual finalization (torch 2.15's
-        method): reduces the kept gradients and reshards. Call it on the root, with
-        gradient sync on. See [Note: Manual backward finalization] in ``_state.py``.
-
-        Args:
-            async_op: return a :class:`GradientReductionHandle` (default ``False``
-                returns ``None``); the reduction is complete either way.
-
-        Raises:
-            RuntimeError: not the root; manual finalization is off; called inside a
-                backward; a previous ``async_op`` handle was not waited on.
-        """
+        method): reduces the kept gradients and reshards. ``async_op`` (default
+        ``False``) returns a :class:`GradientReductionHandle`; the reduction is
+        complete either way. Raises ``RuntimeError`` off the root, with manual
+        finalization off, inside a backward, or with an earlier handle not waited on."""
         _check_bool("async_op", async_op)
         state = _require_root(self, "finalize_backward")
         state.finalize_backward()
@@ -360,16 +284,10 @@ class FSDPModule(_TorchFSDPModule):
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Whether parameters that got no gradient still join the reduction, with
-        zeros, so ranks that took different branches issue the same collectives.
-        Eager backward only (a compiled one raises ``RuntimeError``). See [Note:
-        Unused parameters] in ``_param_group.py``.
-
-        Args:
-            reduce_scatter_unused_params: the new setting (default of a unit:
-                ``False``).
-            recurse: also set it on every fully_shard unit inside (default ``True``).
-        """
+        """Whether parameters that got no gradient join the reduction with zeros
+        (default ``False``), so ranks that took different branches issue the same
+        collectives. Eager backward only; see [Note: Unused parameters]. ``recurse``
+        (default ``True``) also sets every unit inside."""
         _set_on_groups(
             self, recurse, "reduce_scatter_unused_params", "reduce_scatter_unused_params",
             reduce_scatter_unused_params,
@@ -431,18 +349,10 @@ class FSDPModule(_TorchFSDPModule):
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """torch's cap on reduce-scatter copy-in buffers in flight. Checked and
-        recorded; it changes nothing here: eagerly one fresh buffer is in flight at a
-        time, and traced, the overlap pass sets that (docs/passes.md).
-
-        Args:
-            max_input_buffers: a positive int.
-            recurse: also set it on every fully_shard unit inside (default ``True``).
-
-        Raises:
-            TypeError: ``max_input_buffers`` is not an int (a bool included).
-            ValueError: ``max_input_buffers`` is below 1.
-        """
+        """torch's cap on reduce-scatter copy-in buffers in flight: checked (a
+        positive int, else ``TypeError``/``ValueError``) and recorded, and changes
+        nothing here (eagerly one buffer is in flight; traced, the overlap pass
+        decides). ``recurse`` (default ``True``) also sets every unit inside."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}."
@@ -456,8 +366,7 @@ class FSDPModule(_TorchFSDPModule):
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        """``True`` raises ``NotImplementedError``; ``False`` does nothing. See
-        [Note: torch's communication tuning methods]."""
+        """``True`` raises ``NotImplementedError``; ``False`` does nothing."""
         _check_bool("enable", enable)
         if enable:
             _not_supported(
@@ -469,8 +378,7 @@ class FSDPModule(_TorchFSDPModule):
             )
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """Not supported: raises ``NotImplementedError``. See [Note: torch's
-        communication tuning methods]."""
+        """Raises ``NotImplementedError`` ([Note: torch's communication tuning methods])."""
         _not_supported(
             "set_symm_mem_for_comm",
             "the all-gather output buffers are allocated by the compiled graph "
@@ -480,9 +388,8 @@ class FSDPModule(_TorchFSDPModule):
         )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        """torch's private switch to allocate the all-gathers on the current stream,
-        where ours always are: the argument is checked and nothing changes. See
-        [Note: torch's communication tuning methods]."""
+        """torch's private switch to all-gather on the current stream, where ours
+        always are: the argument is checked and nothing changes."""
         _check_bool("async_op", async_op)
 
 
@@ -522,18 +429,15 @@ _TorchGradientReductionHandle: type = getattr(
 
 class GradientReductionHandle(_TorchGradientReductionHandle):  # type: ignore[misc,valid-type]
     """Returned by ``finalize_backward(async_op=True)``: ``wait()`` ends the pending
-    reduction. See [Note: Manual backward finalization] in ``_state.py``."""
+    reduction ([Note: Manual backward finalization] in ``_state.py``)."""
 
     def __init__(self, state: FSDPState) -> None:
         self._state: FSDPState | None = state
         self._iteration = state.iteration
 
     def wait(self) -> None:
-        """Releases the reduction (already complete). Idempotent.
-
-        Raises:
-            RuntimeError: ``reset_iter_state`` invalidated this handle.
-        """
+        """Releases the reduction (already complete). Idempotent; ``RuntimeError``
+        once ``reset_iter_state`` invalidated the handle."""
         state = self._state
         if state is None:
             return
@@ -551,8 +455,7 @@ def _check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}.")
 
 
-# The parameter group's flags the public setters write; a name outside this set is a
-# typo that would otherwise create a new attribute and change nothing.
+# The parameter-group flags the setters write (another name would be a typo).
 _GroupFlag = Literal[
     "reduce_grads", "reshard_after_backward", "force_sum", "all_reduce_grads",
     "unshard_in_backward", "reduce_scatter_unused_params",
@@ -561,8 +464,8 @@ _GROUP_FLAGS = frozenset(get_args(_GroupFlag))
 
 
 def _set_on_groups(module: Any, recurse: bool, attr: _GroupFlag, name: str, value: object) -> None:
-    """The boolean setters' body: checks ``value`` is a bool and sets ``attr`` on this
-    unit's group (and, with ``recurse``, on every unit's inside)."""
+    """Checks ``value`` is a bool and sets ``attr`` on this unit's group (and, with
+    ``recurse``, on every unit's inside)."""
     if attr not in _GROUP_FLAGS:
         raise AssertionError(f"_set_on_groups: {attr!r} is not a parameter-group flag")
     _check_bool(name, value)

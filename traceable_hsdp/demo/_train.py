@@ -332,6 +332,11 @@ def _build_sharded(
     return model
 
 
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1 (the job's summary line)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -394,15 +399,16 @@ def train_rank(cfg: TrainConfig, device: torch.device, out: TextIO | None = None
 
     mode = "eager" if cfg.eager else f"compiled ({cfg.backend})"
     layout = (
-        f"FSDP over {world} rank{'s' if world > 1 else ''}" if cfg.replicate == 1
+        f"FSDP over {_count(world, 'rank')}" if cfg.replicate == 1
         else f"HSDP {cfg.replicate} replicas x {world // cfg.replicate} shards"
     )
     command = "train" if cfg.dump_dir is None else "dump"
     say(
-        f"traceable-hsdp {command}: Llama {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
+        f"traceable-hsdp {command}: Llama {_count(cfg.layers, 'layer')}, dim {cfg.dim}, "
+        f"{_count(cfg.heads, 'head')}, "
         f"{n_params / 1e6:.2f}M params; {layout} on {device.type} "
         f"({dist.get_backend()}); {mode}; batch {cfg.batch_size}/rank x seq {cfg.seq_len}; "
-        f"{cfg.steps} steps; init on {cfg.init}"
+        f"{_count(cfg.steps, 'step')}; init on {cfg.init}"
         + ("" if cfg.ac == "none" else f"; {cfg.ac} activation checkpointing")
         + ("" if cfg.clip is None else f"; clip grad norm {cfg.clip:g}")
         + ("" if cfg.mixed_precision == "none" else f"; {cfg.mixed_precision} mixed precision")
