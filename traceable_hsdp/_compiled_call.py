@@ -88,6 +88,7 @@ def _compiled_call(
     state = state_of(module)
     if (
         state is not None
+        and not state.per_block  # See [Note: Compiled per block] (_per_block.py).
         and not state.is_root
         and not compiled_autograd.compiled_autograd_enabled
         and not compiling()
