@@ -24,6 +24,10 @@ decoder layer):
   forward and backward compiled, one graph reused by every block;
 - ``ours_compiled``: ``traceable_hsdp.fully_shard`` per block and root,
   ``torch.compile(model, fullgraph=True)`` with ``enable_compiled_autograd()``;
+- ``ours_per_block``: ``traceable_hsdp.fully_shard`` per block and root, then
+  ``traceable_hsdp.compile_block(block, fullgraph=True)`` on each block, compiled
+  autograd off (the units' collectives in each block's forward and backward graphs,
+  one pair of graphs for every block; the root eager);
 - ``ours_compiled_nofix``: the same with ``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` (the
   ``DeviceMesh`` reducer off; see [Note: FX graph cache keys across processes] in
   ``traceable_hsdp/_cache.py``);
@@ -113,6 +117,8 @@ VARIANTS = (
     CompileVariant("plain_whole", "unsharded", "whole", compiled_autograd=True),
     CompileVariant("torch_block_compiled", "torch", "blocks", compiled_autograd=False),
     _ours("ours_compiled"),
+    CompileVariant("ours_per_block", "ours", "per_block", compiled_autograd=False,
+                   env=tuple((k, "1") for k in _SWITCHES)),
     _ours("ours_compiled_nofix", off="TRACEABLE_HSDP_STABLE_MESH_KEY"),
     _ours("ours_compiled_torch_fwd_key", off="TRACEABLE_HSDP_FORWARD_CACHE_KEY"),
     _ours("ours_compiled_side_effect_info", off="TRACEABLE_HSDP_QUIET_SIDE_EFFECTS"),

@@ -116,7 +116,7 @@ def compile_block(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
 
 def _check_options(state: FSDPState) -> None:
     """The options ``compile_block`` refuses at once. See [Note: Compiled per block]."""
-    where = f"compile_block({type(state.modules[0]).__name__})"
+    where = f"compile_block({state.kind})"
     raf = state.options.reshard_after_forward
     if raf is not None and not isinstance(raf, bool):
         raise NotImplementedError(
