@@ -536,7 +536,26 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.time()
     load_before = os.getloadavg()
+    loads: list[float] = []  # the 1-minute load average as each process ended
     runs: list[dict[str, Any]] = []
+
+    def report() -> tuple[dict[str, Any], str, str]:
+        """The report of what ran so far, written: a run stopped early keeps the
+        layer counts it finished."""
+        meta = dict(
+            code=R.code_state(), torch=torch.__version__, python=platform.python_version(),
+            cpu=R.cpu_name(), cpus=os.cpu_count(), machine=platform.platform(),
+            device=(torch.cuda.get_device_name(0) if args.device_type == "cuda" else "the CPU"),
+            wall_s=time.time() - t_start, loadavg_before=load_before,
+            loadavg_after=os.getloadavg(), loadavg_during=loads,
+        )
+        s = summarize(runs)
+        md = markdown(s, meta, args)
+        stem = R.write_report(args.out, f"compile_time_{args.model}", md, dict(
+            args={k: v for k, v in vars(args).items() if k != "variant_list"},
+            variants=[v.name for v in args.variant_list], meta=meta, summary=s, raw=runs))
+        return meta, md, stem
+
     with tempfile.TemporaryDirectory(prefix="compile_time_caches_") as caches:
         for layers in args.layers:
             for rep in range(args.repeats):
@@ -548,21 +567,14 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"== {layers} layers, repeat {rep + 1}/{args.repeats}, {v.name}, "
                               f"{phase} ...", end=" ", flush=True)
                         run[phase] = res = spawn_child(v, layers, cache, args)
+                        loads.append(os.getloadavg()[0])
                         print(_one_line(res), flush=True)
                     runs.append(run)
-    meta = dict(
-        code=R.code_state(), torch=torch.__version__, python=platform.python_version(),
-        cpu=R.cpu_name(), cpus=os.cpu_count(), machine=platform.platform(),
-        device=(torch.cuda.get_device_name(0) if args.device_type == "cuda" else "the CPU"),
-        wall_s=time.time() - t_start, loadavg_before=load_before, loadavg_after=os.getloadavg(),
-    )
+            report()
+    meta, md, stem = report()
     s = summarize(runs)
-    md = markdown(s, meta, args)
     print()
     print(md, flush=True)
-    stem = R.write_report(args.out, f"compile_time_{args.model}", md, dict(
-        args={k: v for k, v in vars(args).items() if k != "variant_list"},
-        variants=[v.name for v in args.variant_list], meta=meta, summary=s, raw=runs))
     png = plot(s, stem + ".png",
                f"first-step compile time, {args.model} model, 1 rank on {meta['device']}, "
                f"torch {meta['torch']}")

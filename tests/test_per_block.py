@@ -97,7 +97,8 @@ def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _train(
     build: Callable[[], nn.Module], rank: int, world: int, lib: str,
-    compile_kw: dict[str, Any] | None = None, micro: int = 1, **fs_kw: Any,
+    compile_kw: dict[str, Any] | None = None, micro: int = 1,
+    setup: Callable[[nn.Module], Any] | None = None, **fs_kw: Any,
 ) -> dict[str, Any]:
     """``STEPS`` AdamW steps of ``build()`` sharded by ``lib``'s fully_shard (blocks,
     then root), ours compiled per block with ``compile_kw``; ``micro`` micro-batches
@@ -114,6 +115,8 @@ def _train(
     for block in _blocks(model):
         fs(block, **fs_kw)
     fs(model, mp_policy=fs_kw["mp_policy"]) if "mp_policy" in fs_kw else fs(model)
+    if setup is not None:
+        setup(model)
     if compile_kw is not None:
         for block in _blocks(model):
             th.compile_block(block, fullgraph=True, **compile_kw)
@@ -150,6 +153,10 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     model = Llama(CFG)
     th.fully_shard(model.layers[0], offload_policy=th.CPUOffloadPolicy())
     catch("offload", lambda: th.compile_block(model.layers[0], backend="aot_eager"))
+    from _workers import dp_mesh
+
+    th.fully_shard(model.layers[1], mesh=dp_mesh((1, world)))
+    catch("hsdp", lambda: th.compile_block(model.layers[1], backend="aot_eager"))
 
     def step(before: Callable[[nn.Module], Any]) -> None:
         torch._dynamo.reset()
@@ -193,6 +200,16 @@ def aot_eager_worker(rank: int, world: int) -> dict[str, Any]:
         torch=_train(_llama(), rank, world, "torch", micro=2),
         ours=_train(_llama(), rank, world, "ours", {"backend": "aot_eager"}, micro=2),
     )
+    # Summed in the reduce-scatter, divided by the factor after it; against our eager
+    # run (torch's reduce-scatters with PREMUL_SUM there, which gloo lacks).
+    def divide(model: nn.Module) -> None:
+        for block in _blocks(model):
+            block.set_gradient_divide_factor(4.0)
+
+    out["divide"] = dict(
+        torch=_train(_llama(), rank, world, "ours", setup=divide),
+        ours=_train(_llama(), rank, world, "ours", {"backend": "aot_eager"}, setup=divide),
+    )
     out["refusals"] = _refusals(rank, world)
     return out
 
@@ -230,6 +247,7 @@ def test_compile_block_aot_eager() -> None:
             _close(r[name]["ours"], r[name]["torch"], name, 0.0)
         _close(r["llama_bf16"]["ours"], r["llama_bf16"]["torch"], "llama_bf16", 1e-2)
         _close(r["micro"]["ours"], r["micro"]["torch"], "micro", 0.0)
+        _close(r["divide"]["ours"], r["divide"]["torch"], "divide", 0.0)
         for name in ("llama", "hf_llama", "llama_bf16"):
             _one_pair_of_graphs(r[name], name)
         # Kept gathered for the backward: no re-gather there.
@@ -239,6 +257,7 @@ def test_compile_block_aot_eager() -> None:
                                             "fully_shard unit"), ref["not_a_unit"]
         assert ref["offload"].startswith("NotImplementedError: compile_block(Block)"), ref["offload"]
         assert "CPU offload" in ref["offload"], ref["offload"]
+        assert ref["hsdp"].startswith("NotImplementedError: compile_block(Block): HSDP"), ref["hsdp"]
         assert "gradient sync is off" in ref["no_sync"], ref["no_sync"]
         assert "set_requires_gradient_sync(False)" in ref["no_sync"], ref["no_sync"]
         assert "compiled autograd is on" in ref["compiled_autograd"], ref["compiled_autograd"]

@@ -42,7 +42,7 @@ units already), the root, a unit holding another unit, gradient sync off
 gradients sum into ``.grad``), an all-reduce hook, unused-parameter reduction,
 ``reshard_after_backward=False``, no re-gather in backward, an unshard issued
 eagerly (prefetching) for the unit, and at ``compile_block`` an int
-``reshard_after_forward``, CPU offload, TP (``DTensor``) parameters, replicated
+``reshard_after_forward``, HSDP (a 2-D mesh), CPU offload, TP (``DTensor``) parameters, replicated
 parameters, a shard dim other than 0 and a parameter sharded over another mesh.
 Tested in ``tests/test_per_block.py``.
 """
@@ -93,7 +93,7 @@ def compile_block(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
     Raises:
         ValueError: ``module`` is not a ``fully_shard`` unit.
         NotImplementedError: the unit has an option this mode does not support (an int
-            ``reshard_after_forward``, CPU offload, TP parameters, replicated
+            ``reshard_after_forward``, a 2-D (HSDP) mesh, CPU offload, TP parameters, replicated
             parameters, a shard dim other than 0, a parameter on another mesh).
     """
     from ._state import state_of
@@ -123,6 +123,11 @@ def _check_options(state: FSDPState) -> None:
             f"{where}: reshard_after_forward={raf} (an int) is not supported per block. "
             "Use reshard_after_forward=True (re-gather in the backward graph) or False "
             "(keep the gathered parameters for the backward)."
+        )
+    if state.options.mesh_info.replicate_mesh_dim is not None:
+        raise NotImplementedError(
+            f"{where}: HSDP (a 2-D mesh) is not supported per block yet. Compile the "
+            "block with block.compile() instead, or shard over a 1-D mesh."
         )
     if state.options.offload is not None or state.options.keep_storage:
         raise NotImplementedError(
