@@ -132,7 +132,7 @@ def _train(
         losses.append(loss.item())
         graphs_per_step.append(counters["stats"]["unique_graphs"])
     out = dict(losses=losses, params={k: full_tensor(v) for k, v in model.state_dict().items()},
-               graphs_per_step=graphs_per_step)
+               graphs_per_step=graphs_per_step, aot_cache=dict(counters["aot_autograd"]))
     torch._dynamo.reset()
     return out
 

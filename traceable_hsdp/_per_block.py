@@ -27,8 +27,13 @@ compiled autograd off), and its unit gathers inside that graph instead of around
   parameters; with ``reshard_after_forward=False`` the full parameters are saved.
 
 The dynamo frame is the block's ``_call_impl``; it reads no per-block constant (paths,
-labels), so one graph serves every block of a kind (dynamo's cache, the FX graph cache
-across processes). The design card's mechanism (the 0-byte placeholder grown and
+labels), so one graph serves every block of a kind. Across processes both of its
+graphs are cached: the checkpoint's ``context_fn`` carries the ``cache_hash`` the
+AOTAutograd cache keys it by, and the block's call runs with torch's
+``autograd_cache_allow_custom_autograd_functions`` on (set back after the call), which
+the cache needs for ``_GatherFlat``. A custom ``autograd.Function`` of the user's inside
+such a block is cached the same way (its forward and backward are traced into the
+graph the key hashes). The design card's mechanism (the 0-byte placeholder grown and
 filled by ``fsdp.copy_``, freed by a resize) does not apply here: the gathered
 parameters are ordinary graph values that the partitioner frees after their last
 forward use and recomputes for the backward. It stays for the root (eager, as
@@ -288,6 +293,12 @@ def _recompute_all() -> Any:
     """Selective checkpointing that recomputes every op of the gather. See [Note:
     Compiled per block]."""
     return create_selective_checkpoint_contexts(_policy)
+
+
+# The AOTAutograd cache keys a selective checkpoint's ``context_fn`` by this attribute
+# and bypasses the cache without it (a warm restart would trace the block's AOTAutograd
+# graphs again). It names the one policy above: every op recomputed.
+_recompute_all.cache_hash = "traceable_hsdp._per_block._recompute_all: MUST_RECOMPUTE"  # type: ignore[attr-defined]
 
 
 def _gather(spec: tuple[Any, ...], locals_: list[torch.Tensor]) -> list[torch.Tensor]:
