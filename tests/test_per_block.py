@@ -12,7 +12,8 @@ traced graph may round the same products in another order than eager); our Llama
 under Inductor within 2e-5 (Inductor fuses and reorders float math). The graphs are
 the ones AOTAutograd hands the compiler (a recording ``fw_compiler``/``bw_compiler``,
 or Inductor's ``inner_compile``), counted with the graph vocabulary
-(``_workers.dynamo_counts``).
+(``_workers.dynamo_counts``); under Inductor the block's graphs also go into the
+AOTAutograd cache (no bypass).
 """
 
 from __future__ import annotations
@@ -215,12 +216,16 @@ def aot_eager_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def inductor_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch._inductor.utils import fresh_cache
+
     rec = _Recorder(inductor=True)
-    return dict(
-        torch=_train(_llama(CFG), rank, world, "torch"),
-        ours=_train(_llama(CFG), rank, world, "ours", {"backend": rec.backend()}),
-        fw=rec.fw, bw=rec.bw,
-    )
+    # An empty cache: a hit from an earlier run would compile (and record) nothing.
+    with fresh_cache():
+        return dict(
+            torch=_train(_llama(CFG), rank, world, "torch"),
+            ours=_train(_llama(CFG), rank, world, "ours", {"backend": rec.backend()}),
+            fw=rec.fw, bw=rec.bw,
+        )
 
 
 # ------------------------------------------------------------------ test side
@@ -267,6 +272,11 @@ def test_compile_block_aot_eager() -> None:
 def test_compile_block_inductor() -> None:
     for r in run_ranks(inductor_worker, 2):
         _close(r["ours"], r["torch"], "inductor", 2e-5)
+        # The block's graphs go in the AOTAutograd cache (a restart skips AOTAutograd):
+        # one entry, for the one block kind, and no bypass.
+        aot = r["ours"]["aot_cache"]
+        assert "autograd_cache_bypass" not in aot, aot
+        assert aot.get("autograd_cache_saved") == 1, aot
         assert r["ours"]["graphs_per_step"] == [1] * STEPS, r["ours"]["graphs_per_step"]
         assert r["fw"] == [FWD], r["fw"]
         assert r["bw"] == [BWD], r["bw"]
