@@ -70,6 +70,7 @@ from ._collectives import all_gather_start, all_reduce, reduce_scatter
 from ._common import ShardedState, refusal
 from ._param import FSDPParam
 from ._torch_internals import compiled_autograd
+from .passes._ops import split_columns
 
 if TYPE_CHECKING:
     from ._param_group import FSDPParamGroup
@@ -256,6 +257,13 @@ def gather_in_graph(group: FSDPParamGroup, recompute: bool) -> list[torch.Tensor
     divide = group._divide_factor(mi)
     for (_, trainable), idx in buckets.items():
         spec = _spec([params[i] for i in idx], divide)
+        if mi.shard_size == 1 and divide is None:
+            # See [Note: Groups of one rank] (_collectives.py): nothing to gather or
+            # reduce, so no copy either; autograd casts the gradient back.
+            for i in idx:
+                local = params[i].sharded_param.to_local()
+                fulls[i] = local if local.dtype == params[i].dtype else local.to(params[i].dtype)
+            continue
         if trainable:
             locals_ = [params[i].sharded_param.to_local() for i in idx]
             if recompute:
@@ -313,9 +321,12 @@ def _gather(spec: tuple[Any, ...], locals_: list[torch.Tensor]) -> list[torch.Te
     numels = [t.numel() for t in inputs]
     flat = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
     out = all_gather_start(flat, ws, group).view(ws, -1)
+    # One extern copy-out, not a kernel per parameter: see [Note: One copy-out per
+    # all-gather bucket] (passes/_ops.py).
+    parts = split_columns(out, numels) if len(numels) > 1 else [out]
     fulls = []
-    for part, (_, chunk, _, shape) in zip(out.split(numels, dim=1), per_param):
-        full = part.reshape(ws * chunk, *shape[1:])
+    for part, (_, chunk, _, shape) in zip(parts, per_param):
+        full = part.view(ws * chunk, *shape[1:])
         if full.size(0) != shape[0]:
             full = full.narrow(0, 0, shape[0])
         fulls.append(full)
