@@ -398,7 +398,10 @@ class Variant:
             block compiled, torchtitan's recipe) or ``"blocks_ca"`` (ours: each block
             compiled in place, ``block.compile(fullgraph=True)``, with compiled
             autograd on: the units' gathers in the block graph, the backward one
-            compiled-autograd graph).
+            compiled-autograd graph) or ``"per_block"`` (ours: each block compiled per
+            block with ``traceable_hsdp.compile_block(block, fullgraph=True)`` after
+            fully_shard, compiled autograd off: the unit's gathers and reduce-scatter in
+            the block's forward and backward graphs).
         passes: the equivalent ``TRACEABLE_HSDP_PASSES`` value, also put in the
             environment while the variant runs (the passes module reads it only at
             import, so ``passes_config`` is what switches); ``None``: untouched.
@@ -417,7 +420,7 @@ class Variant:
 
     name: str
     impl: Literal["ours", "torch", "unsharded"]
-    compile: Literal["none", "whole", "blocks", "blocks_ca"]
+    compile: Literal["none", "whole", "blocks", "blocks_ca", "per_block"]
     passes: str | None = None
     passes_config: tuple[tuple[str, Any], ...] = ()
     optimizer: Literal["torch", "local"] = "torch"
@@ -634,6 +637,9 @@ def all_variants() -> tuple[list[Variant], str]:
             # The same recipe in torchtitan's in-place form, with compiled autograd
             # on: each block's gathers in its graph, the backward captured whole.
             Variant("ours_block_compiled_ca", "ours", "blocks_ca"),
+            # Each block compiled once per kind with compile_block(): the unit's
+            # gathers and reduce-scatter in the block's graphs, no compiled autograd.
+            Variant("ours_per_block", "ours", "per_block"),
             Variant("torch_eager", "torch", "none"),
             Variant("torch_block_compiled", "torch", "blocks"),
             Variant("torch_block_compiled_local_adamw", "torch", "blocks", optimizer="local"),
@@ -840,6 +846,9 @@ def _shard_and_compile(
         for block in blocks:
             fs(block, mesh=mesh, reshard_after_forward=raf)
         fs(model, mesh=mesh, reshard_after_forward=raf)
+        if variant.compile == "per_block":
+            for block in blocks:
+                traceable_hsdp.compile_block(block, backend=backend, fullgraph=True)
     if variant.compile == "whole":
         return torch.compile(model, backend=backend, fullgraph=True)
     return model

@@ -24,6 +24,10 @@ decoder layer):
   forward and backward compiled, one graph reused by every block;
 - ``ours_compiled``: ``traceable_hsdp.fully_shard`` per block and root,
   ``torch.compile(model, fullgraph=True)`` with ``enable_compiled_autograd()``;
+- ``ours_per_block``: ``traceable_hsdp.fully_shard`` per block and root, then
+  ``traceable_hsdp.compile_block(block, fullgraph=True)`` on each block, compiled
+  autograd off (the units' collectives in each block's forward and backward graphs,
+  one pair of graphs for every block; the root eager);
 - ``ours_compiled_nofix``: the same with ``TRACEABLE_HSDP_STABLE_MESH_KEY=0`` (the
   ``DeviceMesh`` reducer off; see [Note: FX graph cache keys across processes] in
   ``traceable_hsdp/_cache.py``);
@@ -72,6 +76,11 @@ PHASES = ("dynamo", "aot", "inductor", "kernels")
 PHASE_LABELS = {"dynamo": "dynamo", "aot": "AOT", "inductor": "Inductor", "kernels": "kernels"}
 # The goals at this layer count: ours / plain_whole, warm and cold.
 GOAL_LAYERS, GOAL_WARM, GOAL_COLD = 8, 3.0, 1.5
+# The per-block mode's goals: at this layer count ours_per_block / torch_block_compiled
+# at most these, cold and warm; and its first steps within FLAT of the smallest layer
+# count's (issue 70).
+BLOCK_GOAL_LAYERS, BLOCK_GOAL_COLD, BLOCK_GOAL_WARM, FLAT = 24, 1.5, 2.0, 0.15
+TORCH_BLOCK = "torch_block_compiled"
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,8 @@ VARIANTS = (
     CompileVariant("plain_whole", "unsharded", "whole", compiled_autograd=True),
     CompileVariant("torch_block_compiled", "torch", "blocks", compiled_autograd=False),
     _ours("ours_compiled"),
+    CompileVariant("ours_per_block", "ours", "per_block", compiled_autograd=False,
+                   env=tuple((k, "1") for k in _SWITCHES)),
     _ours("ours_compiled_nofix", off="TRACEABLE_HSDP_STABLE_MESH_KEY"),
     _ours("ours_compiled_torch_fwd_key", off="TRACEABLE_HSDP_FORWARD_CACHE_KEY"),
     _ours("ours_compiled_side_effect_info", off="TRACEABLE_HSDP_QUIET_SIDE_EFFECTS"),
@@ -321,10 +332,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             slot["cache_counts"] = caches[0] if caches else None
             slot["cache_agrees"] = all(c == caches[0] for c in caches)
     for row in rows.values():
-        ref = rows.get(f"{row['layers']}/{REF}")
-        for phase in ("cold", "warm"):
-            mine, base = row[phase]["median_s"], ref[phase]["median_s"] if ref else None
-            row[phase]["vs_plain"] = mine / base if mine is not None and base else None
+        for key, name in (("vs_plain", REF), ("vs_torch_block", TORCH_BLOCK)):
+            ref = rows.get(f"{row['layers']}/{name}")
+            for phase in ("cold", "warm"):
+                mine, base = row[phase]["median_s"], ref[phase]["median_s"] if ref else None
+                row[phase][key] = mine / base if mine is not None and base else None
     goals = {}
     for name in (v.name for v in VARIANTS if v.impl == "ours"):
         row = rows.get(f"{GOAL_LAYERS}/{name}")
@@ -336,7 +348,30 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             cold_ratio=row["cold"]["vs_plain"], cold_goal=GOAL_COLD,
             cold_met=row["cold"]["vs_plain"] <= GOAL_COLD,
         )
-    return dict(rows=rows, goals=goals)
+    return dict(rows=rows, goals=goals, block_goals=_block_goals(rows))
+
+
+def _block_goals(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """ours_per_block against torch's per-block recipe at ``BLOCK_GOAL_LAYERS``, and
+    its flatness in depth (the deepest over the shallowest layer count measured)."""
+    name = "ours_per_block"
+    mine = sorted((r for r in rows.values() if r["variant"] == name), key=lambda r: r["layers"])
+    out: dict[str, Any] = {}
+    row = rows.get(f"{BLOCK_GOAL_LAYERS}/{name}")
+    if row is not None and row["cold"]["vs_torch_block"] and row["warm"]["vs_torch_block"]:
+        out.update(
+            cold_ratio=row["cold"]["vs_torch_block"], cold_met=row["cold"]["vs_torch_block"] <= BLOCK_GOAL_COLD,
+            warm_ratio=row["warm"]["vs_torch_block"], warm_met=row["warm"]["vs_torch_block"] <= BLOCK_GOAL_WARM,
+        )
+    if len(mine) >= 2:
+        lo, hi = mine[0], mine[-1]
+        for phase in ("cold", "warm"):
+            a, b = lo[phase]["median_s"], hi[phase]["median_s"]
+            if a and b:
+                out[f"{phase}_growth"] = b / a - 1
+                out[f"{phase}_flat"] = b / a - 1 <= FLAT
+        out["layers"] = (lo["layers"], hi["layers"])
+    return out
 
 
 def _f(x: float | None, spec: str = ".1f") -> str:
@@ -373,16 +408,18 @@ def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) 
         "`torch._dynamo.utils.counters`.",
         "",
         "| layers | variant | cold first step (s) | warm first step (s) | cold vs unsharded "
-        "| warm vs unsharded | cold: dynamo / AOT / Inductor / kernels | warm: dynamo / AOT / "
+        "| warm vs unsharded | cold vs torch per-block | warm vs torch per-block "
+        "| cold: dynamo / AOT / Inductor / kernels | warm: dynamo / AOT / "
         "Inductor / kernels | FX cache cold | FX cache warm | AOT cache warm |",
-        "|" + "---|" * 11,
+        "|" + "---|" * 13,
     ]
     for row in sorted(s["rows"].values(), key=lambda r: (r["layers"], _order(r["variant"]))):
         c, w = row["cold"], row["warm"]
         lines.append(
             f"| {row['layers']} | {R.row_name(row['variant'])} | {_f(c['median_s'])} "
             f"| {_f(w['median_s'])} "
-            f"| {_f(c['vs_plain'], '.2f')}x | {_f(w['vs_plain'], '.2f')}x | {_phases(c)} "
+            f"| {_f(c['vs_plain'], '.2f')}x | {_f(w['vs_plain'], '.2f')}x "
+            f"| {_f(c['vs_torch_block'], '.2f')}x | {_f(w['vs_torch_block'], '.2f')}x | {_phases(c)} "
             f"| {_phases(w)} | {_cache_cell(c, 'fx')} | {_cache_cell(w, 'fx')} "
             f"| {_cache_cell(w, 'aot')} |"
         )
@@ -401,6 +438,21 @@ def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) 
             )
     else:
         lines.append(f"Goals: not evaluated ({GOAL_LAYERS} layers not measured).")
+    bg = s.get("block_goals") or {}
+    if "cold_ratio" in bg:
+        lines.append(
+            f"- {R.label('ours_per_block')} at {BLOCK_GOAL_LAYERS} layers against "
+            f"{R.label(TORCH_BLOCK)}: cold {bg['cold_ratio']:.2f}x (goal <= {BLOCK_GOAL_COLD:g}x): "
+            f"**{'met' if bg['cold_met'] else 'not met'}**; warm {bg['warm_ratio']:.2f}x "
+            f"(goal <= {BLOCK_GOAL_WARM:g}x): **{'met' if bg['warm_met'] else 'not met'}**."
+        )
+    if "layers" in bg:
+        lo, hi = bg["layers"]
+        lines.append(
+            f"- {R.label('ours_per_block')}, {lo} to {hi} layers: cold "
+            f"{bg.get('cold_growth', float('nan')):+.0%}, warm {bg.get('warm_growth', float('nan')):+.0%} "
+            f"(goal within {FLAT:.0%})."
+        )
     code = meta["code"]
     lines.append(
         (f"Code: commit {code['head']}" if code.get("head") else f"Code: {code.get('root')}")
@@ -428,6 +480,7 @@ def plot(s: dict[str, Any], path: str, title: str) -> str | None:
     names = sorted({r["variant"] for r in rows.values()}, key=_order)
     colors = {"plain_whole": "tab:gray", "torch_block_compiled": "tab:orange",
               "ours_compiled": "tab:blue", "ours_compiled_nofix": "tab:cyan",
+              "ours_per_block": "tab:red",
               "ours_compiled_torch_fwd_key": "tab:purple",
               "ours_compiled_side_effect_info": "tab:green"}  # by key
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
@@ -483,7 +536,26 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.time()
     load_before = os.getloadavg()
+    loads: list[float] = []  # the 1-minute load average as each process ended
     runs: list[dict[str, Any]] = []
+
+    def report() -> tuple[dict[str, Any], str, str]:
+        """The report of what ran so far, written: a run stopped early keeps the
+        layer counts it finished."""
+        meta = dict(
+            code=R.code_state(), torch=torch.__version__, python=platform.python_version(),
+            cpu=R.cpu_name(), cpus=os.cpu_count(), machine=platform.platform(),
+            device=(torch.cuda.get_device_name(0) if args.device_type == "cuda" else "the CPU"),
+            wall_s=time.time() - t_start, loadavg_before=load_before,
+            loadavg_after=os.getloadavg(), loadavg_during=loads,
+        )
+        s = summarize(runs)
+        md = markdown(s, meta, args)
+        stem = R.write_report(args.out, f"compile_time_{args.model}", md, dict(
+            args={k: v for k, v in vars(args).items() if k != "variant_list"},
+            variants=[v.name for v in args.variant_list], meta=meta, summary=s, raw=runs))
+        return meta, md, stem
+
     with tempfile.TemporaryDirectory(prefix="compile_time_caches_") as caches:
         for layers in args.layers:
             for rep in range(args.repeats):
@@ -495,21 +567,14 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"== {layers} layers, repeat {rep + 1}/{args.repeats}, {v.name}, "
                               f"{phase} ...", end=" ", flush=True)
                         run[phase] = res = spawn_child(v, layers, cache, args)
+                        loads.append(os.getloadavg()[0])
                         print(_one_line(res), flush=True)
                     runs.append(run)
-    meta = dict(
-        code=R.code_state(), torch=torch.__version__, python=platform.python_version(),
-        cpu=R.cpu_name(), cpus=os.cpu_count(), machine=platform.platform(),
-        device=(torch.cuda.get_device_name(0) if args.device_type == "cuda" else "the CPU"),
-        wall_s=time.time() - t_start, loadavg_before=load_before, loadavg_after=os.getloadavg(),
-    )
+            report()
+    meta, md, stem = report()
     s = summarize(runs)
-    md = markdown(s, meta, args)
     print()
     print(md, flush=True)
-    stem = R.write_report(args.out, f"compile_time_{args.model}", md, dict(
-        args={k: v for k, v in vars(args).items() if k != "variant_list"},
-        variants=[v.name for v in args.variant_list], meta=meta, summary=s, raw=runs))
     png = plot(s, stem + ".png",
                f"first-step compile time, {args.model} model, 1 rank on {meta['device']}, "
                f"torch {meta['torch']}")

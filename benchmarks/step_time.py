@@ -341,7 +341,7 @@ def _coll_cells(name: str, r: dict[str, Any]) -> tuple[str, str]:
     # before the compile mode was recorded names it: torch's variants only.
     c = r["collectives"]
     compile_mode = r.get("compile", "blocks" if name.startswith("torch") else None)
-    if compile_mode == "blocks_ca":
+    if compile_mode in ("blocks_ca", "per_block"):
         return R.NOT_COUNTED_PER_BLOCK, R.NOT_COUNTED_PER_BLOCK
     if compile_mode == "blocks" or not c or not c.get("inductor_graphs"):
         return R.NOT_COUNTED, R.NOT_COUNTED

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ._fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
     from ._module import FSDPModule, GradientReductionHandle, UnshardHandle
     from ._hsdp import hsdp
+    from ._per_block import compile_block
 
 # Public name -> the private module that defines it. See [Note: Lazy public names].
 _LAZY = {
@@ -41,6 +42,7 @@ _LAZY = {
     "enable_compiled_autograd": "._compile",
     "disable_compiled_autograd": "._compile",
     "compiled_autograd": "._compile",
+    "compile_block": "._per_block",
 }
 
 __all__ = list(_LAZY)

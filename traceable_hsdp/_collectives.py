@@ -81,17 +81,19 @@ def wait_all_gather(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter(
-    full: torch.Tensor, op: str, world_size: int, group_name: str, rank: int
+    full: torch.Tensor, op: str, world_size: int, group_name: str, rank: int | None = None
 ) -> torch.Tensor:
     """Reduces ``full`` over the group with ``op`` ("sum" or "avg") and returns this
-    rank's (``rank`` in the group) 1/world_size of dim 0; over two gloo ranks, as an
-    exchange ([Note: gloo reduce-scatters as an exchange] in
-    ``passes/gloo/exchange.py``)."""
+    rank's 1/world_size of dim 0; eagerly over two gloo ranks, given ``rank`` (this
+    rank in the group), as an exchange ([Note: gloo reduce-scatters as an exchange] in
+    ``passes/gloo/exchange.py``). Traced code passes no rank: the passes rewrite the
+    graph's reduce-scatters."""
     if world_size == 1:
         return full
     full = full.contiguous()
     if (
-        world_size == 2
+        rank is not None
+        and world_size == 2
         and op in ("sum", "avg")
         and full.device.type == "cpu"
         and not compiling()

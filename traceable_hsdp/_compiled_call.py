@@ -13,7 +13,12 @@ from torch import nn
 
 from ._common import compiling
 from ._state import state_of
-from ._torch_internals import compiled_autograd, internal_error, resolve
+from ._torch_internals import (
+    cache_custom_autograd_functions,
+    compiled_autograd,
+    internal_error,
+    resolve,
+)
 
 __all__ = ["COMPILED_FORWARD", "dispatch_compiled_call"]
 
@@ -86,6 +91,10 @@ def _compiled_call(
     """What ``nn.Module.__call__`` calls for a unit compiled in place. See [Note: A
     unit compiled in place]."""
     state = state_of(module)
+    if state is not None and state.per_block:
+        # See [Note: Compiled per block] (_per_block.py).
+        with cache_custom_autograd_functions():
+            return compiled(*args, **kwargs)
     if (
         state is not None
         and not state.is_root

@@ -53,6 +53,7 @@ from ._compile_checks import (
     refuse_unused_params_compiled,
 )
 from ._param import FSDPParam, UserChange
+from ._per_block import forward_per_block
 from ._param_group import FSDPParamGroup
 from ._post_optim import PostOptimEvent
 from ._state_dict import register_load_subtree_hook, register_state_dict_hooks
@@ -178,6 +179,8 @@ class FSDPState:
         # For the root: every state in its subtree, itself included, in module order.
         self.states: list[FSDPState] = [self]
         self.training_state = TrainingState.IDLE
+        # Set by compile_block; see [Note: Compiled per block] (_per_block.py).
+        self.per_block = False
         self.is_last_backward = True  # root only: finish every unit after backward
         # Root only; see [Note: Manual backward finalization].
         self.manual_finalization = False
@@ -339,6 +342,9 @@ class FSDPState:
         if self.spmd_model_parallel and compiling():
             # See [Note: The SPMD-mesh form] (_param.py).
             refuse_spmd_tp_compiled(f"Unit: {self.kind}.")
+        if self.per_block and compiling():
+            # See [Note: Compiled per block] (_per_block.py).
+            return forward_per_block(self, orig_forward, args, kwargs)
         if (
             compiling()
             and not compiled_autograd.compiled_autograd_enabled

@@ -200,6 +200,11 @@ INTERNALS: tuple[TorchInternal, ...] = (
        "no optimizer steps parameters the model no longer trains",
        "traceable_hsdp._optim_check.install_optimizer_check",
        "traceable_hsdp._optim_check.uninstall_optimizer_check"),
+    # compile_block (_per_block.py): its gather's autograd.Function in the AOTAutograd
+    # cache key while a block compiled per block is called.
+    _E("torch._functorch.config.autograd_cache_allow_custom_autograd_functions",
+       "compile_block: a warm restart finds the block's AOTAutograd graphs in the cache",
+       "traceable_hsdp._torch_internals.cache_custom_autograd_functions", block=True),
     # dump_graphs (_dump.py): dynamo skips depyf's files inside its block.
     _E("torch._dynamo.trace_rules.SKIP_DIRS",
        "dump_graphs: dynamo does not compile depyf's functions",
@@ -438,6 +443,15 @@ def dynamo_skips(package: str) -> Iterator[None]:
             skip_dirs.remove(d)
         if added:
             recompile()
+
+
+def cache_custom_autograd_functions() -> contextlib.AbstractContextManager[None]:
+    """AOTAutograd caches graphs holding custom ``autograd.Function``s while the block
+    runs (torch's switch, set back at its exit). See [Note: Compiled per block] in
+    ``_per_block.py``."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(autograd_cache_allow_custom_autograd_functions=True)
 
 
 def _render() -> str:
