@@ -250,7 +250,9 @@ def compile_step(rank: int, world: int, mesh_shape: tuple[int, ...] | None = Non
     import traceable_hsdp
     from traceable_hsdp._cache import CacheCounts
 
-    mesh = init_device_mesh("cpu", mesh_shape or (world,))
+    shape = mesh_shape or (world,)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     torch.manual_seed(0)
     model = _tiny(DIM)
     for m in (model[0], model[2], model):
