@@ -14,12 +14,14 @@ compiled autograd off), and its unit gathers inside that graph instead of around
   :class:`_GatherFlat`: the local shards (``DTensor.to_local()``, so their gradients
   reach the sharded parameters as ``DTensor``s through autograd's own accumulation),
   cast to ``param_dtype`` and padded, one flat all-gather, copied out to the full
-  parameters, which the modules hold while the block's forward runs (graph
-  intermediates, not the placeholders);
+  parameters in one extern call (``split_columns``: [Note: One copy-out per
+  all-gather bucket]), which the modules hold while the block's forward runs (graph
+  intermediates, not the placeholders); over a group of one rank nothing is gathered
+  or copied ([Note: Groups of one rank]);
 - backward: ``_GatherFlat``'s backward, traced by AOTAutograd into the block's backward
-  graph: the full gradients cast to ``reduce_dtype``, one flat reduce-scatter (HSDP:
-  then one all-reduce over the replicas), each parameter's shard divided as
-  ``FSDPParam.reduce_grad`` does and cast to the original dtype;
+  graph: the full gradients cast to ``reduce_dtype``, one flat reduce-scatter, each
+  parameter's shard divided as ``FSDPParam.reduce_grad`` does and cast to the
+  original dtype;
 - the re-gather: with ``reshard_after_forward`` (the default below the root), the
   gather runs inside a selective checkpoint whose policy recomputes every op of it
   (``MUST_RECOMPUTE``), so AOTAutograd's partitioner re-gathers in the block's
@@ -47,15 +49,14 @@ units already), the root, a unit holding another unit, gradient sync off
 gradients sum into ``.grad``), an all-reduce hook, unused-parameter reduction,
 ``reshard_after_backward=False``, no re-gather in backward, an unshard issued
 eagerly (prefetching) for the unit, a custom comm, all-gather extension hooks, and at
-``compile_block`` an int
-``reshard_after_forward``, HSDP (a 2-D mesh), CPU offload, TP (``DTensor``) parameters, replicated
-parameters, a shard dim other than 0 and a parameter sharded over another mesh.
+``compile_block`` an int ``reshard_after_forward``, HSDP (a 2-D mesh), CPU offload, TP
+(``DTensor``) parameters, replicated parameters, a shard dim other than 0 and a
+parameter sharded over another mesh.
 Tested in ``tests/test_per_block.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +68,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ._collectives import all_gather_start, all_reduce, reduce_scatter
+from ._collectives import all_gather_start, reduce_scatter
 from ._common import ShardedState, refusal
 from ._param import FSDPParam
 from ._torch_internals import compiled_autograd
@@ -100,8 +101,9 @@ def compile_block(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
     Raises:
         ValueError: ``module`` is not a ``fully_shard`` unit.
         NotImplementedError: the unit has an option this mode does not support (an int
-            ``reshard_after_forward``, a 2-D (HSDP) mesh, CPU offload, TP parameters, replicated
-            parameters, a shard dim other than 0, a parameter on another mesh).
+            ``reshard_after_forward``, a 2-D (HSDP) mesh, CPU offload, TP parameters,
+            replicated parameters, a shard dim other than 0, a parameter on another
+            mesh).
     """
     from ._state import state_of
 
@@ -167,72 +169,99 @@ PER_BLOCK_FIX = (
 )
 
 
-@functools.cache
 def _refusal(reason: str) -> Any:
+    """A refusal of this mode (built at import: dynamo cannot trace building one)."""
     return refusal(f"{PER_BLOCK_FIX} {reason} See [Note: Compiled per block] in "
                    "traceable_hsdp/_per_block.py.")
+
+
+_REFUSE_COMPILED_AUTOGRAD = _refusal(
+    "compiled autograd is on. Fix: turn it off "
+    "(traceable_hsdp.disable_compiled_autograd()), or compile the whole step "
+    "with block.compile() or torch.compile(model) instead of compile_block()."
+)
+
+
+_REFUSE_ROOT = _refusal(
+    "the unit is a root. Fix: fully_shard the model too (its root runs eagerly), "
+    "and compile_block() only the blocks below it."
+)
+
+
+_REFUSE_NESTED = _refusal(
+    "the unit holds another fully_shard unit. Fix: compile_block() the inner "
+    "unit's module instead, or compile the block with block.compile()."
+)
+
+
+_REFUSE_NO_SYNC = _refusal(
+    "gradient sync is off (set_requires_gradient_sync(False) or "
+    "set_requires_all_reduce(False)). Fix: keep it on for every micro-batch: "
+    "each one's reduced gradients are summed into the sharded .grad (one "
+    "reduce-scatter per micro-batch), or use the whole-step mode."
+)
+
+
+_REFUSE_HOOKS = _refusal(
+    "set_all_reduce_hook() or set_reduce_scatter_unused_params(True) is set. "
+    "Fix: unset it, or use block.compile() (the whole-step mode)."
+)
+
+
+_REFUSE_BACKWARD_SETTINGS = _refusal(
+    "set_reshard_after_backward(False) or set_unshard_in_backward(False) is set: "
+    "the gathered parameters are graph values, freed after the backward and "
+    "re-gathered in it. Fix: leave both at their defaults."
+)
+
+
+_REFUSE_CUSTOM_COMM = _refusal(
+    "a custom comm or the process group's allocator is set (set_custom_all_gather, "
+    "set_custom_reduce_scatter, set_allocate_memory_from_process_group_for_comm). "
+    "Fix: unset it, or run the unit eagerly."
+)
+
+
+_REFUSE_EXTENSION = _refusal(
+    "a parameter's local shard has all-gather extension hooks "
+    "(fsdp_pre_all_gather). Fix: compile the block with block.compile() and "
+    "compiled autograd (the whole-step mode traces the hooks), or run it eagerly."
+)
+
+
+_REFUSE_UNSHARDED = _refusal(
+    "the unit was unsharded eagerly (unshard(), or forward prefetching). Fix: "
+    "do not prefetch or unshard units compiled per block."
+)
 
 
 def _check_runtime(state: FSDPState) -> None:
     """What the traced forward refuses (a graph break with the reason; the error under
     ``fullgraph=True``, and eagerly). See [Note: Compiled per block]."""
     if compiled_autograd.compiled_autograd_enabled:
-        _refusal(
-            "compiled autograd is on. Fix: turn it off "
-            "(traceable_hsdp.disable_compiled_autograd()), or compile the whole step "
-            "with block.compile() or torch.compile(model) instead of compile_block()."
-        )()
+        _REFUSE_COMPILED_AUTOGRAD()
     if state.is_root:
-        _refusal(
-            "the unit is a root. Fix: fully_shard the model too (its root runs eagerly), "
-            "and compile_block() only the blocks below it."
-        )()
+        _REFUSE_ROOT()
     group = state.param_group
     if group is None:
         return
     if len(state.states) > 1:
-        _refusal(
-            "the unit holds another fully_shard unit. Fix: compile_block() the inner "
-            "unit's module instead, or compile the block with block.compile()."
-        )()
+        _REFUSE_NESTED()
     if not group.reduce_grads or not group.all_reduce_grads:
-        _refusal(
-            "gradient sync is off (set_requires_gradient_sync(False) or "
-            "set_requires_all_reduce(False)). Fix: keep it on for every micro-batch: "
-            "each one's reduced gradients are summed into the sharded .grad (one "
-            "reduce-scatter per micro-batch), or use the whole-step mode."
-        )()
+        _REFUSE_NO_SYNC()
     if group.all_reduce_hook is not None or group.reduce_scatter_unused_params:
-        _refusal(
-            "set_all_reduce_hook() or set_reduce_scatter_unused_params(True) is set. "
-            "Fix: unset it, or use block.compile() (the whole-step mode)."
-        )()
+        _REFUSE_HOOKS()
     if not group.reshard_after_backward or not group.unshard_in_backward:
-        _refusal(
-            "set_reshard_after_backward(False) or set_unshard_in_backward(False) is set: "
-            "the gathered parameters are graph values, freed after the backward and "
-            "re-gathered in it. Fix: leave both at their defaults."
-        )()
+        _REFUSE_BACKWARD_SETTINGS()
     if group.all_gather_comm is not None or group.reduce_scatter_comm is not None:
-        _refusal(
-            "a custom comm or the process group's allocator is set (set_custom_all_gather, "
-            "set_custom_reduce_scatter, set_allocate_memory_from_process_group_for_comm). "
-            "Fix: unset it, or run the unit eagerly."
-        )()
+        _REFUSE_CUSTOM_COMM()
     if any(
         fp.extension is not None or hasattr(fp.sharded_param._local_tensor, "fsdp_pre_all_gather")
         for fp in group.fsdp_params
     ):
-        _refusal(
-            "a parameter's local shard has all-gather extension hooks "
-            "(fsdp_pre_all_gather). Fix: compile the block with block.compile() and "
-            "compiled autograd (the whole-step mode traces the hooks), or run it eagerly."
-        )()
+        _REFUSE_EXTENSION()
     if group.sharded_state is not ShardedState.SHARDED or group._pending is not None:
-        _refusal(
-            "the unit was unsharded eagerly (unshard(), or forward prefetching). Fix: "
-            "do not prefetch or unshard units compiled per block."
-        )()
+        _REFUSE_UNSHARDED()
 
 
 def forward_per_block(
@@ -298,13 +327,12 @@ def gather_in_graph(group: FSDPParamGroup, recompute: bool) -> list[torch.Tensor
 
 
 def _spec(params: list[FSDPParam], divide: float | None) -> tuple[Any, ...]:
-    """The constants of one flat gather: ``(ws, group, replicate group, replicate size,
-    divide factor, dtype, reduce dtype, per-parameter (orig dtype, chunk rows, local
-    rows, full shape))``. All are the same for identical blocks."""
+    """The constants of one flat gather: ``(ws, group, divide factor, dtype, reduce
+    dtype, per-parameter (orig dtype, chunk rows, local rows, full shape))``. All are
+    the same for identical blocks."""
     fp0 = params[0]
     return (
-        fp0._shard_size, fp0._shard_group_name, fp0._replicate_group_name,
-        fp0._replicate_size, divide, fp0.dtype, fp0.reduce_dtype,
+        fp0._shard_size, fp0._shard_group_name, divide, fp0.dtype, fp0.reduce_dtype,
         tuple((fp.orig_dtype, fp.chunk_rows, fp.local_rows, tuple(fp.orig_size)) for fp in params),
     )
 
@@ -326,7 +354,7 @@ _recompute_all.cache_hash = "traceable_hsdp._per_block._recompute_all: MUST_RECO
 
 
 def _gather(spec: tuple[Any, ...], locals_: list[torch.Tensor]) -> list[torch.Tensor]:
-    ws, group, _, _, _, dtype, _, per_param = spec
+    ws, group, _, dtype, _, per_param = spec
     inputs = []
     for local, (_, chunk, rows, _shape) in zip(locals_, per_param):
         if local.dtype != dtype:
@@ -361,7 +389,7 @@ class _GatherFlat(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ws, group, rgroup, rsize, divide, _, reduce_dtype, per_param = ctx.spec
+        ws, group, divide, _, reduce_dtype, per_param = ctx.spec
         op = "avg" if divide is None else "sum"
         rows_in = []
         numels = []
@@ -376,8 +404,6 @@ class _GatherFlat(torch.autograd.Function):
             rows_in.append(grad.reshape(ws, numel))
         flat = rows_in[0] if len(rows_in) == 1 else torch.cat(rows_in, dim=1)
         out = reduce_scatter(flat.reshape(-1), op, ws, group)
-        if rgroup is not None:
-            out = all_reduce(out, op, rgroup, rsize)
         local_grads = []
         for part, (orig_dtype, chunk, rows, shape) in zip(out.split(numels), per_param):
             local = part.view(chunk, *shape[1:])
