@@ -530,7 +530,7 @@ class FSDPParamGroup:
         del rows
         bucket.clear()  # the unsharded gradients can go (the caller's list is this one)
         if self.reduce_scatter_comm is None:
-            out = reduce_scatter(flat.view(-1), op, ws, mi.shard_group_name, mi.shard_rank)
+            out = reduce_scatter(flat.view(-1), op, ws, mi.shard_group_name, params[0]._shard_rank)
         else:
             out = custom_comm.reduce_scatter(self.reduce_scatter_comm, flat.view(-1), op, ws, mi)
         if mi.replicate_group_name is not None:
