@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any
 
 import pytest
@@ -288,11 +289,10 @@ def test_explicit_prefetch_issue_order() -> None:
 
 # --------------------------------------------------------------- uneven shards
 # Widths chosen for the edges: on 4 shard ranks (1-D) the first weight's 3 rows are
-# held 1, 1, 1, 0; the last layer's single row 1, 0, 0, 0; the middle weights are
-# sharded on dim 1 (shard_placement_fn): 3 columns (1, 1, 1, 0) and 7 columns (2, 2,
-# 2, 1: uneven, none empty). On 2x2 (HSDP, shard groups of 2): 2, 1; 1, 0 (a 0-row
-# rank in HSDP); 2, 1; 4, 3.
-UNEVEN_WIDTHS = (8, 3, 7, 5, 1)
+# held 1, 1, 1, 0; the last layer's single row 1, 0, 0, 0; the third weight is
+# sharded on dim 1 (shard_placement_fn; 8 columns: uneven Shard(1) is refused, as by
+# torch). On 2x2 (HSDP, shard groups of 2): 2, 1; 1, 0 (a 0-row rank in HSDP).
+UNEVEN_WIDTHS = (8, 3, 8, 5, 1)
 UNEVEN_STEPS, UNEVEN_LR, UNEVEN_BATCH = 3, 0.1, 8
 
 
@@ -332,8 +332,13 @@ def uneven_worker(rank: int, world: int) -> dict[str, Any]:
 
     from _workers import GraphRecorder, dp_mesh
 
-    middle = {2, 4}  # module indices of the Linear layers sharded on dim 1
+    middle = {4}  # module index of the Linear layer sharded on dim 1
     out: dict[str, Any] = {}
+    with pytest.raises(NotImplementedError, match=re.escape(
+        f"FSDP does not support uneven sharding on dim 1: torch.Size([8, 3]) (world size: {world})"
+    )):
+        th.fully_shard(nn.Linear(3, 8), mesh=dp_mesh((world,)),
+                       shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
     for mesh_name, shape in (("1d", (world,)), ("hsdp", (2, world // 2))):
         mesh = dp_mesh(shape)
         for mode in ("eager", "compiled"):
@@ -377,9 +382,9 @@ def uneven_worker(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.slow
 def test_uneven_shards_at_the_edges() -> None:
     """4 ranks, a chain of Linear units whose widths put ranks at the edges (see
-    ``UNEVEN_WIDTHS``): ranks holding 0 rows on a 1-D mesh of 4, uneven shards on
-    dim 1 (shard_placement_fn; torch's fully_shard refuses uneven Shard(1), so the
-    reference is one process), and a 0-row rank in each HSDP shard group on 2x2.
+    ``UNEVEN_WIDTHS``): ranks holding 0 rows on a 1-D mesh of 4, a Shard(1) weight
+    (shard_placement_fn; an uneven one is refused with torch's words), and a 0-row
+    rank in each HSDP shard group on 2x2.
     Eager and compiled (aot_eager, compiled autograd) runs against a one-process SGD
     reference on the same global batch: losses rtol 1e-6, parameters atol 1e-6 (not
     bitwise: averaging over ranks sums in another order; 3e-8 seen)."""
@@ -390,10 +395,9 @@ def test_uneven_shards_at_the_edges() -> None:
     # The edges are really there (local shard shapes on ranks 3 and 1).
     r3, r1 = results[3]["1d_eager"]["local_shapes"], results[1]["hsdp_eager"]["local_shapes"]
     assert r3["0.weight"] == (0, 8) and r3["0.bias"] == (0,), r3  # 3 rows over 4 ranks
-    assert r3["2.weight"] == (7, 0), r3  # 3 columns over 4 ranks, Shard(1)
-    assert r3["4.weight"] == (5, 1) and results[0]["1d_eager"]["local_shapes"]["4.weight"] == (5, 2)
+    assert r3["4.weight"] == (5, 2), r3  # 8 columns over 4 ranks, Shard(1)
     assert r1["6.weight"] == (0, 5) and r1["6.bias"] == (0,), r1  # HSDP: 1 row over 2
-    assert results[1]["1d_eager"]["placements"]["2.weight"] == "(Shard(dim=1),)"
+    assert results[1]["1d_eager"]["placements"]["4.weight"] == "(Shard(dim=1),)"
     for r in results:
         for run, v in r.items():
             torch.testing.assert_close(v["losses"], ref_losses, rtol=1e-6, atol=0, msg=run)

@@ -321,6 +321,15 @@ class FSDPParam:
         self._shard_rank = mesh_info.shard_rank
         ws, rank = (1, 0) if replicate else (self._shard_size, mesh_info.shard_rank)
         n = data.size(shard_dim)
+        if shard_dim > 0 and n % ws:
+            # torch's fully_shard refuses it with these words; padding would work
+            # (dim 0 pads), but code written for torch relies on the refusal.
+            raise NotImplementedError(
+                f"FSDP does not support uneven sharding on dim {shard_dim}: "
+                f"{data.size()} (world size: {ws}), as torch's fully_shard. Parameter "
+                f"{fqn!r}: return Shard(0) (uneven dim 0 is padded) or a dim whose size "
+                f"divides by {ws} from shard_placement_fn."
+            )
         self.chunk_rows = math.ceil(n / ws)  # rows (along shard_dim) of every padded shard
         self.local_rows = max(0, min(self.chunk_rows, n - rank * self.chunk_rows))
         start = min(rank * self.chunk_rows, n)
