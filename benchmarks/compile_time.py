@@ -1,15 +1,17 @@
 #!/usr/bin/env python
-"""First-step compile time of a training step, cold and warm, on one rank.
+"""First-step compile time of a training step, cold and warm, on one or more ranks.
 
-    python benchmarks/compile_time.py --out DIR [--layers 4,8,16] [--repeats N]
+    python benchmarks/compile_time.py --out DIR [--layers 4,8,16] [--repeats N] [--world N]
                                       [--variants a,b] [--compile-threads N]
                                       [--model demo|hf_llama]
 
 For each layer count, each repeat and each variant, two fresh processes run one after
 the other on one Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``), new and empty
 for that repeat and variant: the first compiles **cold** (empty cache), the second
-**warm** (what a restart of the same job gets). Each process joins a 1-rank gloo
-group, builds the model from the same seed (``--model demo``: the demo Llama of
+**warm** (what a restart of the same job gets). Each process joins a gloo group
+of ``--world`` ranks (default 1; ``--world 2`` starts two processes per phase on the
+one cache directory, so the sharded variants gather and reduce, and reports the
+slower rank's first step; ``plain_whole`` stays on one rank), builds the model from the same seed (``--model demo``: the demo Llama of
 ``traceable_hsdp.demo.models``, dim 64, 4 heads; ``--model hf_llama``: Hugging Face
 ``LlamaForCausalLM``, hidden 64, 4 heads, MLP 128, ``use_cache=False``, built by
 ``_harness.build_hf_llama``, as ``step_time.py --model hf_llama`` builds it; both vocab
@@ -156,8 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=(
             "First-step compile time, cold and warm (fresh processes sharing an Inductor "
             "cache dir), of the plain model compiled whole, torch's fully_shard with "
-            "per-block compile, and traceable_hsdp compiled (with and without its cache-key "
-            "fix), on one rank, with torch's own breakdown and cache counters."
+            "per-block compile, and traceable_hsdp compiled whole and per block, on "
+            "--world ranks, with torch's own breakdown and cache counters."
         ),
     )
     p.add_argument("--layers", type=_int_list, default=[4, 8, 16],
@@ -173,6 +175,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="demo: traceable_hsdp.demo.models.Llama; hf_llama: transformers' "
                         "LlamaForCausalLM (default demo)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--world", type=int, default=1,
+                   help="ranks of the sharded variants, each a process, all on one cache "
+                        "dir; the slower rank's first step is reported (default 1; "
+                        "plain_whole always runs on 1)")
     p.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
     p.add_argument("--device", choices=H.DEVICE_CHOICES, default="auto",
                    help="auto: cuda when torch.cuda.is_available(), else cpu (default auto); "
@@ -192,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.variant_list = [BY_NAME[n] for n in names]
         if a.repeats < 1:
             p.error(f"--repeats must be >= 1, got {a.repeats}")
+        if a.world < 1:
+            p.error(f"--world must be >= 1, got {a.world}")
         if a.compile_threads < 1:
             p.error(f"--compile-threads must be >= 1, got {a.compile_threads}")
         try:
@@ -219,48 +227,48 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     v = BY_NAME[spec["variant"]]
     shape = shape_for(spec["layers"])
     backend, seed = spec["backend"], spec["seed"]
-    # One rank placed as the step-time harness places its ranks: cuda:0 on NCCL, or the
-    # CPU on gloo.
-    placement = H.Placement(spec["device"], 1)
-    device = placement.rank_device(0)
+    rank, world = spec["rank"], spec["world"]
+    # Ranks placed as the step-time harness places them: cuda:rank on NCCL, or the CPU
+    # on gloo.
+    placement = H.Placement(spec["device"], world)
+    device = placement.rank_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="compile_time_") as d:
-        dist.init_process_group(placement.backend, init_method=f"file://{d}/store", rank=0,
-                                world_size=1)
-        try:
-            import traceable_hsdp
+    dist.init_process_group(placement.backend, init_method=f"file://{spec['store']}",
+                            rank=rank, world_size=world)
+    try:
+        import traceable_hsdp
 
-            mesh = init_device_mesh(placement.device_type, (1,), mesh_dim_names=("shard",))
-            model, fwd = H.build_model(v.harness_variant(), shape, mesh, device, backend, seed,
-                                       model=spec["model"])
-            opt = torch.optim.AdamW(model.parameters(), lr=H.LR)
-            if v.compiled_autograd:
-                traceable_hsdp.enable_compiled_autograd(backend=backend)
-            steps, losses = [], []
-            counts0, times0 = CacheCounts.now(), CompileTimes.now()
-            first: dict[str, Any] = {}
-            for step in range(2):
-                x, y = H.batch_for(shape, step, seed, 0, 1, device)
-                t0 = time.perf_counter()
-                loss = H.loss_fn(fwd(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                H.sync(device)
-                steps.append(time.perf_counter() - t0)
-                losses.append(float(loss))
-                if step == 0:
-                    first = dict(
-                        cache=dataclasses.asdict(CacheCounts.now() - counts0),
-                        compile=dataclasses.asdict(CompileTimes.now() - times0),
-                        graphs=H.compile_counts()[0],
-                    )
-            recompiled = H.compile_counts()[0] - first["graphs"]
-            traceable_hsdp.disable_compiled_autograd()
-        finally:
-            dist.destroy_process_group()
+        mesh = init_device_mesh(placement.device_type, (world,), mesh_dim_names=("shard",))
+        model, fwd = H.build_model(v.harness_variant(), shape, mesh, device, backend, seed,
+                                   model=spec["model"])
+        opt = torch.optim.AdamW(model.parameters(), lr=H.LR)
+        if v.compiled_autograd:
+            traceable_hsdp.enable_compiled_autograd(backend=backend)
+        steps, losses = [], []
+        counts0, times0 = CacheCounts.now(), CompileTimes.now()
+        first: dict[str, Any] = {}
+        for step in range(2):
+            x, y = H.batch_for(shape, step, seed, rank, world, device)
+            t0 = time.perf_counter()
+            loss = H.loss_fn(fwd(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            H.sync(device)
+            steps.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+            if step == 0:
+                first = dict(
+                    cache=dataclasses.asdict(CacheCounts.now() - counts0),
+                    compile=dataclasses.asdict(CompileTimes.now() - times0),
+                    graphs=H.compile_counts()[0],
+                )
+        recompiled = H.compile_counts()[0] - first["graphs"]
+        traceable_hsdp.disable_compiled_autograd()
+    finally:
+        dist.destroy_process_group()
     return dict(
         first_step_s=steps[0], second_step_s=steps[1], losses=losses, recompiles=recompiled,
         stable_mesh_key=stable_mesh_key_installed(), **first,
@@ -270,27 +278,45 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 def spawn_child(
     v: CompileVariant, layers: int, cache_dir: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Runs :func:`run_child` in a fresh ``python`` on ``cache_dir``; its result, or
+    """Runs :func:`run_child` in fresh ``python`` processes, one per rank, on
+    ``cache_dir``: rank 0's result with the slowest rank's first step, or
     ``{"error": ...}``."""
     env = dict(os.environ)
     env.update(v.env)
     env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
-    spec = dict(variant=v.name, layers=layers, backend=args.backend, seed=args.seed,
-                model=args.model, device=args.device_type)
+    world = 1 if v.impl == "unsharded" else args.world
     t0 = time.time()
-    try:
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-            capture_output=True, text=True, env=env, timeout=args.timeout,
-        )
-    except subprocess.TimeoutExpired:
-        return dict(error=f"timed out after {args.timeout} s", wall_s=time.time() - t0)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        return dict(error=f"exit {proc.returncode}: {tail}", wall_s=time.time() - t0)
-    out = json.loads(lines[-1][len(RESULT_TAG):])
+    with tempfile.TemporaryDirectory(prefix="compile_time_") as d:
+        procs = []
+        for rank in range(world):
+            spec = dict(variant=v.name, layers=layers, backend=args.backend, seed=args.seed,
+                        model=args.model, device=args.device_type, rank=rank, world=world,
+                        store=os.path.join(d, "store"))
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            ))
+        outs = []
+        for rank, proc in enumerate(procs):
+            try:
+                stdout, stderr = proc.communicate(timeout=max(1.0, args.timeout - (time.time() - t0)))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                return dict(error=f"timed out after {args.timeout} s", wall_s=time.time() - t0)
+            lines = [l for l in stdout.splitlines() if l.startswith(RESULT_TAG)]
+            if proc.returncode != 0 or not lines:
+                for q in procs:
+                    q.kill()
+                tail = "\n".join((stderr or stdout).strip().splitlines()[-15:])
+                return dict(error=f"rank {rank} exit {proc.returncode}: {tail}",
+                            wall_s=time.time() - t0)
+            outs.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    out = outs[0]
+    out["rank_first_step_s"] = [o["first_step_s"] for o in outs]
+    out["first_step_s"] = max(out["rank_first_step_s"])
+    out["world"] = world
     out["wall_s"] = time.time() - t0
     return out
 
@@ -394,8 +420,9 @@ def _cache_cell(slot: dict[str, Any], kind: str) -> str:
 def markdown(s: dict[str, Any], meta: dict[str, Any], args: argparse.Namespace) -> str:
     model = ("demo Llama (`traceable_hsdp.demo.models`), dim 64" if args.model == "demo"
              else "HF `LlamaForCausalLM`, hidden 64, MLP 128")
+    ranks = "1 rank" if args.world == 1 else f"{args.world} ranks (the unsharded model: 1)"
     lines = [
-        f"### Compile time, first training step, 1 rank on {meta.get('device', 'the CPU')} "
+        f"### Compile time, first training step, {ranks} on {meta.get('device', 'the CPU')} "
         f"({meta['cpu']}, {meta['cpus']} cores; torch {meta['torch']}, Python {meta['python']})",
         "",
         f"Model: {model}, 4 heads, vocab 256, seq 32, batch 2; backend `{args.backend}`; "
@@ -576,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(md, flush=True)
     png = plot(s, stem + ".png",
-               f"first-step compile time, {args.model} model, 1 rank on {meta['device']}, "
+               f"first-step compile time, {args.model} model, {args.world} rank(s) on {meta['device']}, "
                f"torch {meta['torch']}")
     print(f"wrote {stem}.md, {stem}.json" + (f", {png}" if png else " (no matplotlib: no plot)"))
     failed = any(row["errors"] for row in s["rows"].values())

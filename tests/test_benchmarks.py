@@ -941,6 +941,8 @@ def test_compile_time_argument_errors(capsys: pytest.CaptureFixture[str]) -> Non
     assert "comma-separated layer counts" in err
     err = _parse_error(compile_time.parse_args, ["--repeats", "0"], capsys)
     assert "--repeats must be >= 1" in err
+    err = _parse_error(compile_time.parse_args, ["--world", "0"], capsys)
+    assert "--world must be >= 1, got 0" in err
     assert compile_time.parse_args([*_OUT, "--device", "cpu"]).device_type == "cpu"
     if not torch.cuda.is_available():  # the error says why there is no GPU
         err = _parse_error(compile_time.parse_args, [*_OUT, "--device", "cuda"], capsys)
@@ -949,19 +951,22 @@ def test_compile_time_argument_errors(capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.slow
 def test_compile_time_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # aot_eager: no Inductor, so no FX graph cache lookups; the harness end to end.
+    # aot_eager: no Inductor, so no FX graph cache lookups; the harness end to end,
+    # on 2 ranks (each phase two processes on one cache dir; the slower rank reported).
     out = tmp_path / "ct"
-    rc = compile_time.main(["--layers", "1", "--variants", "ours_compiled",
+    rc = compile_time.main(["--layers", "1", "--variants", "ours_compiled", "--world", "2",
                             "--backend", "aot_eager", "--out", str(out)])
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
     md = (out / "compile_time_demo.md").read_text()
+    assert "first training step, 2 ranks (the unsharded model: 1) on the CPU" in md, md
     assert "| 1 | traceable_hsdp fully_shard, torch.compile(model) (`ours_compiled`) |" in md
     report = json.loads((out / "compile_time_demo.json").read_text())
     (run,) = report["raw"]
     for phase in ("cold", "warm"):
         res = run[phase]
-        assert res["first_step_s"] > 0 and res["compile"]["dynamo"] > 0, res
+        assert res["world"] == 2 and res["first_step_s"] == max(res["rank_first_step_s"]), res
+        assert len(res["rank_first_step_s"]) == 2 and res["compile"]["dynamo"] > 0, res
         assert res["stable_mesh_key"] and res["recompiles"] == 0, res
 
 
