@@ -312,44 +312,6 @@ def test_torch_compiled_autograd_hook_on_unused_output() -> None:
     run_child(code, AttributeError)
 
 
-@pytest.mark.slow
-def test_checkpoint_inside_a_unit_run_eagerly_by_compiled_autograd(one_rank) -> None:
-    """A graph break inside a checkpoint_wrapper's region (transformers 5.25 has one in
-    every decoder layer) makes dynamo run the checkpoint eagerly, and its recompute
-    then runs inside the compiled-autograd backward, where the modules hold the
-    sharded parameters: it failed with DTensor's "got mixed torch.Tensor and DTensor".
-    Now the unit's hooks on the wrapped module give the recompute the gathered
-    parameters (see [Note: A checkpoint inside a unit, run eagerly by compiled
-    autograd] in traceable_hsdp/_compile_checks.py): the compiled gradients equal
-    the eager ones bitwise. 1 rank, aot_eager, the one-block Llama with a break at
-    the end of its attention; trained on 2 ranks in tests/test_ac_graph_break.py."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    import traceable_hsdp as th
-    from _workers import CFG1, break_after
-    from traceable_hsdp.demo.models import Llama
-
-    torch.manual_seed(0)
-    model = Llama(CFG1)
-    break_after(model.layers[0].attn)
-    model.layers[0] = checkpoint_wrapper(model.layers[0])
-    th.fully_shard(model.layers[0], mesh=one_rank)
-    th.fully_shard(model, mesh=one_rank)
-    tokens = torch.randint(0, CFG1.vocab_size, (2, 8))
-    model(tokens).sum().backward()  # eager trains: the recompute reads the gathered ones
-    eager = [full_tensor(p.grad) for p in model.parameters()]
-    model.zero_grad()
-    torch._dynamo.reset()
-    th.enable_compiled_autograd(backend="aot_eager")
-    try:
-        torch.compile(model, backend="aot_eager")(tokens).sum().backward()
-        for p, g in zip(model.parameters(), eager, strict=True):
-            torch.testing.assert_close(full_tensor(p.grad), g, rtol=0, atol=0)
-    finally:
-        th.disable_compiled_autograd()
-        torch._dynamo.reset()
-
-
 def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:
     """Three models whose checkpoint is around a unit's whole call, keyed by what the
     refusal names, each with its step: HF ``LlamaForCausalLM`` with

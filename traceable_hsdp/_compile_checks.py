@@ -163,7 +163,8 @@ refuse_spmd_tp_compiled = refusal(SPMD_TP_COMPILE_FIX)
 # so dynamo never traces it. A parameter the unit did not re-gather
 # (``set_unshard_in_backward(False)``) stays sharded, as eagerly. Eagerly, and while
 # tracing, the hooks do nothing. Tested by tests/test_ac_graph_break.py (our Llama
-# with a break in each block, HF Llama; aot_eager bitwise and Inductor).
+# with a break in its block and HF Llama under aot_eager, bitwise; HF Llama under
+# Inductor).
 
 # [Note: A checkpoint around a unit's call]
 # HF's ``activation_checkpointing_enable()`` (and ``gradient_checkpointing_enable()``)
