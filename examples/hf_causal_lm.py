@@ -167,11 +167,13 @@ def main() -> None:
     forward = model
     if args.compile:
         # transformers 5.25's attention sets a global (the kernels package's) on each
-        # call, a side effect dynamo refuses inside a checkpointed region: it would run
-        # the checkpoint eagerly, which fully_shard refuses in a compiled backward.
-        # Setting and restoring that global need not happen again in the recompute, so
-        # let dynamo compile the region with it (docs/compile.md, "Activation
-        # checkpointing"). Earlier transformers have no such side effect.
+        # call, a side effect dynamo refuses inside a checkpointed region. Without the
+        # setting below the job trains all the same (dynamo runs each checkpoint
+        # eagerly and fully_shard gives its recompute the gathered parameters), but
+        # compiled autograd's backward then breaks at every tensor a checkpoint saved
+        # and compiles each piece. Setting and restoring that global need not happen
+        # again in the recompute, so let dynamo compile the region whole
+        # (docs/compile.md, "Activation checkpointing").
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         enable_compiled_autograd(backend=args.compile)  # traces the backward's hooks
         forward = torch.compile(model, backend=args.compile)

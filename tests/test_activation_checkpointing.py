@@ -312,45 +312,6 @@ def test_torch_compiled_autograd_hook_on_unused_output() -> None:
     run_child(code, AttributeError)
 
 
-@pytest.mark.slow
-def test_checkpoint_inside_a_unit_run_eagerly_by_compiled_autograd_refused(one_rank) -> None:
-    """A graph break inside a checkpoint_wrapper's region (transformers 5.25 has one in
-    every decoder layer) makes dynamo run the checkpoint eagerly, and its recompute
-    then runs inside the compiled-autograd backward, where the modules hold the
-    sharded parameters: it failed with DTensor's "got mixed torch.Tensor and DTensor".
-    Now the unit's hook on the wrapped module raises, naming the unit, the cause and
-    the fixes (see [Note: A checkpoint inside a unit, run eagerly by compiled
-    autograd] in traceable_hsdp/_state.py). The same model trains eagerly. 1 rank,
-    aot_eager, the one-block Llama with a break at the end of its attention."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    import traceable_hsdp as th
-    from _workers import CFG1, break_after
-    from traceable_hsdp.demo.models import Llama
-
-    torch.manual_seed(0)
-    model = Llama(CFG1)
-    break_after(model.layers[0].attn)
-    model.layers[0] = checkpoint_wrapper(model.layers[0])
-    th.fully_shard(model.layers[0], mesh=one_rank)
-    th.fully_shard(model, mesh=one_rank)
-    tokens = torch.randint(0, CFG1.vocab_size, (2, 8))
-    model(tokens).sum().backward()  # eager trains: the recompute reads the gathered ones
-    assert all(p.grad is not None for p in model.parameters())
-    model.zero_grad()
-    torch._dynamo.reset()
-    th.enable_compiled_autograd(backend="aot_eager")
-    try:
-        out = torch.compile(model, backend="aot_eager")(tokens).sum()
-        with pytest.raises(RuntimeError, match="runs eagerly inside a compiled-autograd") as err:
-            out.backward()
-        assert "Unit 'layers.0'" in str(err.value), str(err.value)
-        assert "skip_fwd_side_effects_in_bwd_under_checkpoint = True" in str(err.value)
-    finally:
-        th.disable_compiled_autograd()
-        torch._dynamo.reset()
-
-
 def _around_unit_models(mesh: Any) -> dict[str, tuple[torch.nn.Module, Any]]:
     """Three models whose checkpoint is around a unit's whole call, keyed by what the
     refusal names, each with its step: HF ``LlamaForCausalLM`` with

@@ -1,7 +1,9 @@
 """What the runtime refuses to compile, and the checkpointing it must detect to refuse
 it: each refusal's message (the cause and the fix), the checks the root's
-pre-forward and the units run, and the detection of a checkpoint around a unit's call
-(``checkpoint_wrapper``, Hugging Face's gradient checkpointing) or inside it.
+pre-forward and the units run, the detection of a checkpoint around a unit's call
+(``checkpoint_wrapper``, Hugging Face's gradient checkpointing), and the hooks that
+give a checkpoint inside a unit, recomputed eagerly in a compiled backward, the
+gathered parameters.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._common import compiling, refusal
+from ._common import ShardedState, compiling, refusal
 from ._param import FSDPParam
 from ._torch_internals import CheckpointWrapper, compiled_autograd
 
@@ -147,14 +149,22 @@ refuse_spmd_tp_compiled = refusal(SPMD_TP_COMPILE_FIX)
 # [Note: A checkpoint inside a unit, run eagerly by compiled autograd]
 # ``checkpoint_wrapper(block)`` before ``fully_shard`` puts the checkpoint inside the
 # unit; compiled, the backward recomputes the region inside the graphs. A graph break
-# inside the region (transformers' attention sets a global) makes dynamo run the
-# checkpoint eagerly inside the compiled-autograd backward, where the modules hold the
-# sharded parameters ([Note: The module holds the placeholder only in forward] in
-# _param.py): DTensor's "mixed torch.Tensor and DTensor" error, naming no cause. So
-# each unit hooks the forward of the modules its checkpoint_wrappers wrap; inside a
-# compiled-autograd backward, with the parameters not gathered, the hook raises with
-# the fixes (``skip_fwd_side_effects_in_bwd_under_checkpoint``, or no graph break in
-# the region). Eagerly, and while tracing, it passes.
+# inside the region (transformers 5.25's attention sets a ``kernels`` context
+# variable) makes dynamo run the checkpoint eagerly, and compiled autograd then runs
+# its recompute eagerly too, between two of the backward's graphs, where the modules
+# hold the sharded parameters ([Note: The module holds the placeholder only in
+# forward] in _param.py): DTensor's "mixed torch.Tensor and DTensor" error. So each
+# unit hooks the modules its checkpoint_wrappers wrap. Inside a compiled-autograd
+# backward and not traced (the recompute runs under ``torch._dynamo.disable``), the
+# forward pre-hook makes the modules hold the placeholders that the unit's traced
+# pre-backward has filled by then, as the eager backward does; an ``always_call``
+# forward hook puts the sharded parameters back when the recompute ends, also when
+# it stops early (``_StopRecomputationError``). Swapping parameters is eager here,
+# so dynamo never traces it. A parameter the unit did not re-gather
+# (``set_unshard_in_backward(False)``) stays sharded, as eagerly. Eagerly, and while
+# tracing, the hooks do nothing. Tested by tests/test_ac_graph_break.py (our Llama
+# with a break in its block and HF Llama under aot_eager, bitwise; HF Llama under
+# Inductor).
 
 # [Note: A checkpoint around a unit's call]
 # HF's ``activation_checkpointing_enable()`` (and ``gradient_checkpointing_enable()``)
@@ -223,48 +233,52 @@ def compile_region_refusal(regions: list[str]) -> Callable[..., Any] | None:
 
 
 def hook_eager_recomputes(
-    state: FSDPState, modules: list[nn.Module],
+    modules: list[nn.Module],
     by_module: dict[nn.Module, list[tuple[str, FSDPParam]]],
 ) -> None:
     """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd].
     ``by_module``: the unit's parameters by the module that holds them."""
     for m in modules:
-        for path, sub in m.named_modules():
+        for sub in m.modules():
             if not isinstance(sub, CheckpointWrapper):
                 continue
             inner = sub._checkpoint_wrapped_module
-            # dict: a parameter held by two modules (tied) is checked once
+            # dict: a parameter held by two modules (tied) is handled once
             held = {
                 id(fp): fp for mod in inner.modules() for _, fp in by_module.get(mod, ())
             }
             params = list(held.values())
             if params:
+                swapped: list[FSDPParam] = []
                 inner.register_forward_pre_hook(
-                    functools.partial(_check_eager_recompute, state, path, params)
+                    functools.partial(_gathered_for_recompute, params, swapped)
+                )
+                inner.register_forward_hook(
+                    functools.partial(_sharded_after_recompute, swapped), always_call=True
                 )
 
 
-def _check_eager_recompute(
-    state: FSDPState, path: str, params: list[FSDPParam], module: nn.Module, args: Any
+def _gathered_for_recompute(
+    params: list[FSDPParam], swapped: list[FSDPParam], module: nn.Module, args: Any
 ) -> None:
     """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd]."""
     if compiling() or not compiled_autograd.in_compiled_autograd_region:
         return
-    if all(fp.module_holds_unsharded for fp in params):
+    for fp in params:
+        if not fp.module_holds_unsharded and fp.sharded_state is ShardedState.UNSHARDED:
+            fp.register_unsharded()
+            swapped.append(fp)
+
+
+def _sharded_after_recompute(
+    swapped: list[FSDPParam], module: nn.Module, args: Any, output: Any
+) -> None:
+    """See [Note: A checkpoint inside a unit, run eagerly by compiled autograd]."""
+    if compiling() or not swapped:
         return
-    raise RuntimeError(
-        f"Unit {state._where()!r}: the checkpoint_wrapper around "
-        f"{type(module).__name__}{f' at {path!r}' if path else ''} in it runs "
-        "eagerly inside a compiled-autograd backward, where its recompute "
-        "would read the sharded parameters. A checkpoint runs eagerly when the forward "
-        "is not compiled, or when its region breaks the graph (TORCH_LOGS=graph_breaks "
-        "names the break; transformers 5.25 has one in every decoder layer's "
-        "attention). Fix, either: set torch._dynamo.config."
-        "skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first "
-        "compiled step, if the region's side effects need not run again in the "
-        "recompute; or remove the graph break from the region; or compile the "
-        "forward (torch.compile(model)) when the backward is compiled."
-    )
+    for fp in swapped:
+        fp.register_sharded()
+    swapped.clear()
 
 
 def checkpointed_around(state: FSDPState) -> str | None:

@@ -221,7 +221,7 @@ class FSDPState:
                 for info in fp.module_infos:
                     by_module.setdefault(info.module, []).append((info.param_name, fp))
             register_state_dict_hooks(self, by_module)
-            hook_eager_recomputes(self, modules, by_module)
+            hook_eager_recomputes(modules, by_module)
         register_load_subtree_hook(self)
         for m in modules:
             m.__dict__[_STATE_ATTR] = self
