@@ -3,13 +3,14 @@ in its block's forward graph, its re-gather and reduce-scatter in the block's
 AOTAutograd backward graph, no compiled autograd, one pair of graphs for every block
 of a kind. See [Note: Compiled per block] in traceable_hsdp/_per_block.py.
 
-2 gloo ranks. Each run trains 3 AdamW steps against torch's ``fully_shard`` eager on
+2 gloo ranks (4 for the Inductor test). Each run trains 3 AdamW steps against torch's ``fully_shard`` eager on
 the same model and data (the per-block recipe's numbers): our Llama (3 blocks) and
 HF ``LlamaForCausalLM`` (2 layers) under aot_eager bitwise (atol=rtol=0: the same
 ATen ops in the same order, the reductions the same sums); with bf16 parameters and
 fp32 reduction within 1e-2 of torch's bf16 run (the compute is bf16: the
 traced graph may round the same products in another order than eager); our Llama
-under Inductor within 2e-5 (Inductor fuses and reorders float math). The graphs are
+under Inductor, HSDP on 4 ranks (2x2), within 2e-5 (Inductor fuses and reorders
+float math); HSDP with one shard under aot_eager, bitwise. The graphs are
 the ones AOTAutograd hands the compiler (a recording ``fw_compiler``/``bw_compiler``,
 or Inductor's ``inner_compile``), counted with the graph vocabulary
 (``_workers.dynamo_counts``); under Inductor the block's graphs also go into the
@@ -115,7 +116,7 @@ def _train(
             param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)}
     for block in _blocks(model):
         fs(block, **fs_kw)
-    fs(model, mp_policy=fs_kw["mp_policy"]) if "mp_policy" in fs_kw else fs(model)
+    fs(model, **{k: v for k, v in fs_kw.items() if k in ("mp_policy", "mesh")})
     if setup is not None:
         setup(model)
     if compile_kw is not None:
@@ -154,10 +155,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     model = Llama(CFG)
     th.fully_shard(model.layers[0], offload_policy=th.CPUOffloadPolicy())
     catch("offload", lambda: th.compile_block(model.layers[0], backend="aot_eager"))
-    from _workers import dp_mesh
-
-    th.fully_shard(model.layers[1], mesh=dp_mesh((1, world)))
-    catch("hsdp", lambda: th.compile_block(model.layers[1], backend="aot_eager"))
 
     def step(before: Callable[[nn.Module], Any]) -> None:
         torch._dynamo.reset()
@@ -189,6 +186,8 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
 
 def aot_eager_worker(rank: int, world: int) -> dict[str, Any]:
+    from _workers import dp_mesh
+
     out: dict[str, Any] = {}
     bf16 = th.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     cases: dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]] = {
@@ -196,6 +195,9 @@ def aot_eager_worker(rank: int, world: int) -> dict[str, Any]:
         "hf_llama": (_hf_llama, {}),
         "llama_bf16": (_llama(), {"mp_policy": bf16}),
         "llama_keep": (_llama(), {"reshard_after_forward": False}),
+        # HSDP over (2 replicas, 1 shard): the reduction's all-reduce across the
+        # replicas (the Inductor test runs a 2x2 mesh, both groups).
+        "llama_hsdp": (_llama(), {"mesh": dp_mesh((world, 1))}),
     }
     for name, (build, fs_kw) in cases.items():
         rec = _Recorder()
@@ -225,14 +227,19 @@ def aot_eager_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def inductor_worker(rank: int, world: int) -> dict[str, Any]:
+    """HSDP on a 2 x (world/2) mesh: torch's fully_shard eager against ours compiled
+    per block under Inductor."""
     from torch._inductor.utils import fresh_cache
 
+    from _workers import dp_mesh
+
+    mesh = dp_mesh((2, world // 2))
     rec = _Recorder(inductor=True)
     # An empty cache: a hit from an earlier run would compile (and record) nothing.
     with fresh_cache():
         return dict(
-            torch=_train(_llama(CFG), rank, world, "torch"),
-            ours=_train(_llama(CFG), rank, world, "ours", {"backend": rec.backend()}),
+            torch=_train(_llama(CFG), rank, world, "torch", mesh=mesh),
+            ours=_train(_llama(CFG), rank, world, "ours", {"backend": rec.backend()}, mesh=mesh),
             fw=rec.fw, bw=rec.bw,
         )
 
@@ -257,7 +264,7 @@ def _one_pair_of_graphs(case: dict[str, Any], what: str, bwd: dict[str, int] = B
 @pytest.mark.slow
 def test_compile_block_aot_eager() -> None:
     for r in run_ranks(aot_eager_worker, 2):
-        for name in ("llama", "hf_llama", "llama_keep"):
+        for name in ("llama", "hf_llama", "llama_keep", "llama_hsdp"):
             _close(r[name]["ours"], r[name]["torch"], name, 0.0)
         _close(r["llama_bf16"]["ours"], r["llama_bf16"]["torch"], "llama_bf16", 1e-2)
         _close(r["micro"]["ours"], r["micro"]["torch"], "micro", 0.0)
@@ -266,12 +273,15 @@ def test_compile_block_aot_eager() -> None:
             _one_pair_of_graphs(r[name], name)
         # Kept gathered for the backward: no re-gather there.
         _one_pair_of_graphs(r["llama_keep"], "llama_keep", {"reduce_scatter_tensor": 1})
+        # One shard: nothing to gather or scatter; the all-reduce across the replicas.
+        assert r["llama_hsdp"]["ours"]["graphs_per_step"] == [1] * STEPS
+        assert r["llama_hsdp"]["fw"] == [{}], r["llama_hsdp"]["fw"]
+        assert r["llama_hsdp"]["bw"] == [{"all_reduce": 1}], r["llama_hsdp"]["bw"]
         ref = r["refusals"]
         assert ref["not_a_unit"].startswith("ValueError: compile_block(Linear): not a "
                                             "fully_shard unit"), ref["not_a_unit"]
         assert ref["offload"].startswith("NotImplementedError: compile_block(Block)"), ref["offload"]
         assert "CPU offload" in ref["offload"], ref["offload"]
-        assert ref["hsdp"].startswith("NotImplementedError: compile_block(Block): HSDP"), ref["hsdp"]
         assert "gradient sync is off" in ref["no_sync"], ref["no_sync"]
         assert "set_requires_gradient_sync(False)" in ref["no_sync"], ref["no_sync"]
         assert "compiled autograd is on" in ref["compiled_autograd"], ref["compiled_autograd"]
@@ -281,7 +291,10 @@ def test_compile_block_aot_eager() -> None:
 
 @pytest.mark.slow
 def test_compile_block_inductor() -> None:
-    for r in run_ranks(inductor_worker, 2):
+    """HSDP, 4 ranks on a 2x2 (replicate, shard) mesh, Inductor: within 2e-5 of
+    torch's eager HSDP; the backward graph reduce-scatters over the shard group and
+    all-reduces over the replicate group."""
+    for r in run_ranks(inductor_worker, 4):
         _close(r["ours"], r["torch"], "inductor", 2e-5)
         # The block's graphs go in the AOTAutograd cache (a restart skips AOTAutograd):
         # one entry, for the one block kind, and no bypass.
@@ -290,4 +303,4 @@ def test_compile_block_inductor() -> None:
         assert aot.get("autograd_cache_saved") == 1, aot
         assert r["ours"]["graphs_per_step"] == [1] * STEPS, r["ours"]["graphs_per_step"]
         assert r["fw"] == [FWD], r["fw"]
-        assert r["bw"] == [BWD], r["bw"]
+        assert r["bw"] == [{**BWD, "all_reduce": 1}], r["bw"]

@@ -19,7 +19,8 @@ compiled autograd off), and its unit gathers inside that graph instead of around
   intermediates, not the placeholders); over a group of one rank nothing is gathered
   or copied ([Note: Groups of one rank]);
 - backward: ``_GatherFlat``'s backward, traced by AOTAutograd into the block's backward
-  graph: the full gradients cast to ``reduce_dtype``, one flat reduce-scatter, each
+  graph: the full gradients cast to ``reduce_dtype``, one flat reduce-scatter over
+  the shard group (HSDP: then one all-reduce over the replicate group), each
   parameter's shard divided as ``FSDPParam.reduce_grad`` does and cast to the
   original dtype;
 - the re-gather: with ``reshard_after_forward`` (the default below the root), the
@@ -49,9 +50,9 @@ units already), the root, a unit holding another unit, gradient sync off
 gradients sum into ``.grad``), an all-reduce hook, unused-parameter reduction,
 ``reshard_after_backward=False``, no re-gather in backward, an unshard issued
 eagerly (prefetching) for the unit, a custom comm, all-gather extension hooks, and at
-``compile_block`` an int ``reshard_after_forward``, HSDP (a 2-D mesh), CPU offload, TP
-(``DTensor``) parameters, replicated parameters, a shard dim other than 0 and a
-parameter sharded over another mesh.
+``compile_block`` an int ``reshard_after_forward``, CPU offload, TP (``DTensor``)
+parameters, replicated parameters, a shard dim other than 0 and a parameter sharded
+over another mesh.
 Tested in ``tests/test_per_block.py``.
 """
 
@@ -68,7 +69,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ._collectives import all_gather_start, reduce_scatter
+from ._collectives import all_gather_start, all_reduce, reduce_scatter
 from ._common import ShardedState, refusal
 from ._param import FSDPParam
 from ._torch_internals import compiled_autograd
@@ -101,9 +102,8 @@ def compile_block(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
     Raises:
         ValueError: ``module`` is not a ``fully_shard`` unit.
         NotImplementedError: the unit has an option this mode does not support (an int
-            ``reshard_after_forward``, a 2-D (HSDP) mesh, CPU offload, TP parameters,
-            replicated parameters, a shard dim other than 0, a parameter on another
-            mesh).
+            ``reshard_after_forward``, CPU offload, TP parameters, replicated
+            parameters, a shard dim other than 0, a parameter on another mesh).
     """
     from ._state import state_of
 
@@ -132,11 +132,6 @@ def _check_options(state: FSDPState) -> None:
             f"{where}: reshard_after_forward={raf} (an int) is not supported per block. "
             "Use reshard_after_forward=True (re-gather in the backward graph) or False "
             "(keep the gathered parameters for the backward)."
-        )
-    if state.options.mesh_info.replicate_mesh_dim is not None:
-        raise NotImplementedError(
-            f"{where}: HSDP (a 2-D mesh) is not supported per block yet. Compile the "
-            "block with block.compile() instead, or shard over a 1-D mesh."
         )
     if state.options.offload is not None or state.options.keep_storage:
         raise NotImplementedError(
@@ -302,7 +297,7 @@ def gather_in_graph(group: FSDPParamGroup, recompute: bool) -> list[torch.Tensor
     divide = group._divide_factor(mi)
     for (_, trainable), idx in buckets.items():
         spec = _spec([params[i] for i in idx], divide)
-        if mi.shard_size == 1 and divide is None:
+        if params[idx[0]]._shard_size == params[idx[0]]._replicate_size == 1 and divide is None:
             # See [Note: Groups of one rank] (_collectives.py): nothing to gather or
             # reduce, so no copy either; autograd casts the gradient back.
             for i in idx:
@@ -328,12 +323,14 @@ def gather_in_graph(group: FSDPParamGroup, recompute: bool) -> list[torch.Tensor
 
 def _spec(params: list[FSDPParam], divide: float | None) -> tuple[Any, ...]:
     """The constants of one flat gather: ``(ws, group, divide factor, dtype, reduce
-    dtype, per-parameter (orig dtype, chunk rows, local rows, full shape))``. All are
-    the same for identical blocks."""
+    dtype, per-parameter (orig dtype, chunk rows, local rows, full shape), replicas,
+    replicate group)`` (HSDP: the replicate group, else 1 and ``None``). All are the
+    same for identical blocks."""
     fp0 = params[0]
     return (
         fp0._shard_size, fp0._shard_group_name, divide, fp0.dtype, fp0.reduce_dtype,
         tuple((fp.orig_dtype, fp.chunk_rows, fp.local_rows, tuple(fp.orig_size)) for fp in params),
+        fp0._replicate_size, fp0._replicate_group_name,
     )
 
 
@@ -354,7 +351,7 @@ _recompute_all.cache_hash = "traceable_hsdp._per_block._recompute_all: MUST_RECO
 
 
 def _gather(spec: tuple[Any, ...], locals_: list[torch.Tensor]) -> list[torch.Tensor]:
-    ws, group, _, dtype, _, per_param = spec
+    ws, group, _, dtype, _, per_param, _, _ = spec
     inputs = []
     for local, (_, chunk, rows, _shape) in zip(locals_, per_param):
         if local.dtype != dtype:
@@ -389,7 +386,7 @@ class _GatherFlat(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ws, group, divide, _, reduce_dtype, per_param = ctx.spec
+        ws, group, divide, _, reduce_dtype, per_param, replicas, replicate_group = ctx.spec
         op = "avg" if divide is None else "sum"
         rows_in = []
         numels = []
@@ -404,6 +401,8 @@ class _GatherFlat(torch.autograd.Function):
             rows_in.append(grad.reshape(ws, numel))
         flat = rows_in[0] if len(rows_in) == 1 else torch.cat(rows_in, dim=1)
         out = reduce_scatter(flat.reshape(-1), op, ws, group)
+        if replicas > 1:  # HSDP: then across the replicas, as FSDPParamGroup reduces
+            out = all_reduce(out, op, replicate_group, replicas)
         local_grads = []
         for part, (orig_dtype, chunk, rows, shape) in zip(out.split(numels), per_param):
             local = part.view(chunk, *shape[1:])
