@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness as H  # noqa: E402
 import _heap  # noqa: E402
+import _report as R  # noqa: E402
 
 DEFAULT_VARIANTS = "torch_eager,torch_block_compiled,ours_eager,ours_compiled"
 HF_SHAPE = H.Shape("hf_llama_1024", layers=8, dim=1024, heads=8, vocab=26500, seq=128, batch=2)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "torch": torch.__version__, "model": H.model_description(args.model, shape),
         "shape": vars(shape), "steps": args.steps, "world": placement.world,
-        "device": placement.device_type, "variants": names,
+        "device": placement.device_type, "variants": names, "code": R.code_state(),
     }
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     losses = {v: results[v][0]["losses"] for v in names}
     report += "\nLosses (rank 0): " + "; ".join(
         f"{v} " + ", ".join(f"{x:.4f}" for x in ls) for v, ls in losses.items()) + "\n"
+    code = meta["code"]
+    report += (f"\nCode: commit {code['head']}" if code.get("head") else f"\nCode: {code['root']}") + (
+        ", with uncommitted changes" if code.get("dirty_runtime") else "") + ".\n"
     with open(os.path.join(args.out, "memory.md"), "w") as f:
         f.write(report)
     print(report)

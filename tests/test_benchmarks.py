@@ -453,6 +453,7 @@ def test_memory_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     md = (out / "memory.md").read_text()
     assert "| variant | rank | rss before (MiB) | peak rss (MiB) |" in md
     assert "| ours_eager | 1 |" in md and "peak / torch_eager" in md
+    assert "\nCode: commit " in md, md
 
 
 @pytest.mark.slow
