@@ -57,6 +57,7 @@ names (required). Names and empty cells as in ``_report.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -287,27 +288,34 @@ def spawn_child(
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
     world = 1 if v.impl == "unsharded" else args.world
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="compile_time_") as d:
+    with tempfile.TemporaryDirectory(prefix="compile_time_") as d, contextlib.ExitStack() as files:
         procs = []
         for rank in range(world):
             spec = dict(variant=v.name, layers=layers, backend=args.backend, seed=args.seed,
                         model=args.model, device=args.device_type, rank=rank, world=world,
                         store=os.path.join(d, "store"))
-            procs.append(subprocess.Popen(
+            # Files, not pipes: a rank blocked on a full pipe would stall the others'
+            # collectives while this process waits on rank 0.
+            out_f = files.enter_context(open(os.path.join(d, f"rank{rank}.out"), "w+"))
+            err_f = files.enter_context(open(os.path.join(d, f"rank{rank}.err"), "w+"))
+            procs.append((subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            ))
+                stdout=out_f, stderr=err_f, text=True, env=env,
+            ), out_f, err_f))
         outs = []
-        for rank, proc in enumerate(procs):
+        for rank, (proc, out_f, err_f) in enumerate(procs):
             try:
-                stdout, stderr = proc.communicate(timeout=max(1.0, args.timeout - (time.time() - t0)))
+                proc.wait(timeout=max(1.0, args.timeout - (time.time() - t0)))
             except subprocess.TimeoutExpired:
-                for q in procs:
+                for q, _, _ in procs:
                     q.kill()
                 return dict(error=f"timed out after {args.timeout} s", wall_s=time.time() - t0)
+            out_f.seek(0)
+            err_f.seek(0)
+            stdout, stderr = out_f.read(), err_f.read()
             lines = [l for l in stdout.splitlines() if l.startswith(RESULT_TAG)]
             if proc.returncode != 0 or not lines:
-                for q in procs:
+                for q, _, _ in procs:
                     q.kill()
                 tail = "\n".join((stderr or stdout).strip().splitlines()[-15:])
                 return dict(error=f"rank {rank} exit {proc.returncode}: {tail}",
