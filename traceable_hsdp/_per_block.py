@@ -401,7 +401,7 @@ class _GatherFlat(torch.autograd.Function):
             rows_in.append(grad.reshape(ws, numel))
         flat = rows_in[0] if len(rows_in) == 1 else torch.cat(rows_in, dim=1)
         out = reduce_scatter(flat.reshape(-1), op, ws, group)
-        if replicas > 1:  # HSDP: then across the replicas, as FSDPParamGroup reduces
+        if replicate_group is not None:  # HSDP: then across the replicas, as eagerly
             out = all_reduce(out, op, replicate_group, replicas)
         local_grads = []
         for part, (orig_dtype, chunk, rows, shape) in zip(out.split(numels), per_param):
