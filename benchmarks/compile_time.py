@@ -11,7 +11,8 @@ for that repeat and variant: the first compiles **cold** (empty cache), the seco
 **warm** (what a restart of the same job gets). Each process joins a gloo group
 of ``--world`` ranks (default 1; ``--world 2`` starts two processes per phase on the
 one cache directory, so the sharded variants gather and reduce, and reports the
-slower rank's first step; ``plain_whole`` stays on one rank), builds the model from the same seed (``--model demo``: the demo Llama of
+slower rank's first step; ``plain_whole`` stays on one rank), builds the model from
+the same seed (``--model demo``: the demo Llama of
 ``traceable_hsdp.demo.models``, dim 64, 4 heads; ``--model hf_llama``: Hugging Face
 ``LlamaForCausalLM``, hidden 64, 4 heads, MLP 128, ``use_cache=False``, built by
 ``_harness.build_hf_llama``, as ``step_time.py --model hf_llama`` builds it; both vocab
@@ -302,24 +303,26 @@ def spawn_child(
                 [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                 stdout=out_f, stderr=err_f, text=True, env=env,
             ), out_f, err_f))
+
+        def failed(error: str) -> dict[str, Any]:
+            for q, _, _ in procs:  # the other ranks would wait in a collective forever
+                q.kill()
+                q.wait()
+            return dict(error=error, wall_s=time.time() - t0)
+
         outs = []
         for rank, (proc, out_f, err_f) in enumerate(procs):
             try:
                 proc.wait(timeout=max(1.0, args.timeout - (time.time() - t0)))
             except subprocess.TimeoutExpired:
-                for q, _, _ in procs:
-                    q.kill()
-                return dict(error=f"timed out after {args.timeout} s", wall_s=time.time() - t0)
+                return failed(f"timed out after {args.timeout} s")
             out_f.seek(0)
             err_f.seek(0)
             stdout, stderr = out_f.read(), err_f.read()
             lines = [l for l in stdout.splitlines() if l.startswith(RESULT_TAG)]
             if proc.returncode != 0 or not lines:
-                for q, _, _ in procs:
-                    q.kill()
                 tail = "\n".join((stderr or stdout).strip().splitlines()[-15:])
-                return dict(error=f"rank {rank} exit {proc.returncode}: {tail}",
-                            wall_s=time.time() - t0)
+                return failed(f"rank {rank} exit {proc.returncode}: {tail}")
             outs.append(json.loads(lines[-1][len(RESULT_TAG):]))
     out = outs[0]
     out["rank_first_step_s"] = [o["first_step_s"] for o in outs]
