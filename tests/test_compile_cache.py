@@ -169,6 +169,7 @@ def test_forward_key_keys_backward_state_as_none() -> None:
 
 
 def test_forward_key_install_is_idempotent_and_env_switch() -> None:
+    import torch._inductor.graph  # noqa: F401  (loaded: the env install acts at once)
     from torch._inductor.codecache import FxGraphCache
 
     assert _cache.install_forward_cache_key() and _cache.install_forward_cache_key()

@@ -232,8 +232,8 @@ def test_exit_hook_empties_only_our_meshes() -> None:
 def test_an_eager_job_leaves_inductor_unimported() -> None:
     """[Note: Inductor's internals, checked when Inductor loads]: a fully_shard step
     run eagerly, in a fresh interpreter, imports no Inductor lowering (about 45 MiB a
-    rank); importing it then checks Inductor's entries and makes their changes, and
-    the import hook is gone."""
+    rank) and no Inductor code cache (about 2 MiB); importing the lowering then checks
+    Inductor's entries and makes their changes, and the import hook is gone."""
     run_child(
         "import sys, tempfile, torch, torch.distributed as dist\n"
         "from torch import nn\n"
@@ -245,9 +245,12 @@ def test_an_eager_job_leaves_inductor_unimported() -> None:
         "m(torch.randn(3, 4)).sum().backward()\n"
         "assert 'torch._inductor.graph' not in sys.modules\n"
         "assert 'torch._inductor.lowering' not in sys.modules\n"
+        "assert 'torch._inductor.codecache' not in sys.modules\n"
         "assert ti._INDUCTOR_HOOK in sys.meta_path\n"
         "from torch._inductor.graph import GraphLowering\n"
         "assert type(GraphLowering.__dict__['decide_layout_opt']).__name__ == '_LayoutOptDecision'\n"
+        "from traceable_hsdp import _cache\n"
+        "assert _cache.forward_cache_key_installed()\n"
         "assert ti._INDUCTOR_HOOK not in sys.meta_path\n"
         "dist.destroy_process_group()\n",
         AssertionError,

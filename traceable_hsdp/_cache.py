@@ -29,9 +29,11 @@ backward), so keying it as ``None`` cannot make a wrong hit.
 :func:`install_forward_cache_key` wraps ``FxGraphCache.prepare_key`` so that it sees
 ``None`` in place of each ``BackwardState`` example input; lookup, save and compile get
 the inputs unchanged, and a restart's forward hits like its backward. torch has no
-switch for it, so the function is replaced (an entry of [Note: Torch internals]) when
-``fully_shard`` runs ([Note: Lazy public names]). ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0``
-leaves it off; where another ``prepare_key`` replaced ours, ``fully_shard`` raises
+switch for it, so the function is replaced (an entry of [Note: Torch internals]) once
+``fully_shard`` has run ([Note: Lazy public names]) and Inductor loads: an eager job
+never imports ``torch._inductor.codecache`` (about 2 MiB a rank; [Note: Inductor's
+internals, checked when Inductor loads]). ``TRACEABLE_HSDP_FORWARD_CACHE_KEY=0``
+leaves it off; where another ``prepare_key`` replaced ours, the first compile raises
 ``TorchInternalError`` naming the switch.
 """
 
@@ -39,13 +41,20 @@ from __future__ import annotations
 
 import copyreg
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from ._torch_internals import internal_error, owner, resolve
+from ._torch_internals import (
+    cancel_when_inductor_loads,
+    internal_error,
+    owner,
+    resolve,
+    when_inductor_loads,
+)
 
 __all__ = [
     "CacheCounts",
@@ -197,9 +206,12 @@ def install_forward_cache_key() -> bool:
 
 
 def uninstall_forward_cache_key() -> None:
-    """Puts torch's ``FxGraphCache.prepare_key`` back, if ours is there."""
+    """Puts torch's ``FxGraphCache.prepare_key`` back, if ours is there, or drops
+    the install still waiting for Inductor to load."""
     global _torch_prepare_key
-    if forward_cache_key_installed():
+    if cancel_when_inductor_loads(_install_forward_cache_key_or_raise):
+        return
+    if "torch._inductor.codecache" in sys.modules and forward_cache_key_installed():
         cache, name = owner(_PREPARE_KEY)
         setattr(cache, name, staticmethod(_torch_prepare_key))
         _torch_prepare_key = None
@@ -211,15 +223,23 @@ def forward_cache_key_installed() -> bool:
 
 
 def install_forward_cache_key_from_env(environ: Mapping[str, str] | None = None) -> None:
-    """``fully_shard``'s call: :func:`install_forward_cache_key` unless
-    ``TRACEABLE_HSDP_FORWARD_CACHE_KEY`` is ``0`` (or ``false``/``off``/``no``).
+    """``fully_shard``'s call: :func:`install_forward_cache_key` when Inductor loads
+    (at once if it is loaded), unless ``TRACEABLE_HSDP_FORWARD_CACHE_KEY`` is ``0``
+    (or ``false``/``off``/``no``). See [Note: The forward's BackwardState and the FX
+    graph cache key].
 
     Raises:
         ValueError: any other value than those and ``1``/``true``/``on``/``yes``/empty.
-        TorchInternalError: another ``prepare_key`` replaced ours.
+        TorchInternalError: another ``prepare_key`` replaced ours (raised here when
+            Inductor is loaded, else by the import that loads it).
     """
     switch = env_switch(ENV_FORWARD_CACHE_KEY, environ, "the forward keyed in the FX graph cache")
-    if switch and not install_forward_cache_key():
+    if switch:
+        when_inductor_loads(_install_forward_cache_key_or_raise)
+
+
+def _install_forward_cache_key_or_raise() -> None:
+    if not install_forward_cache_key():
         raise internal_error(
             _PREPARE_KEY, f"is {resolve(_PREPARE_KEY)!r}, which replaced traceable_hsdp's",
             f"set {ENV_FORWARD_CACHE_KEY}=0 to leave traceable_hsdp's key off")

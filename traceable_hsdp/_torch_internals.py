@@ -323,7 +323,8 @@ def _changes(kind: str) -> list[str]:
 
 # [Note: Inductor's internals, checked when Inductor loads]
 # Importing Inductor's lowering modules (``torch._inductor.graph``, ``.ir``,
-# ``.lowering``) costs an eager job about 45 MiB a rank, for code it never runs. So the
+# ``.lowering``) costs an eager job about 45 MiB a rank, and its code cache
+# (``torch._inductor.codecache``) about 2 MiB more, for code it never runs. So the
 # entries under ``torch._inductor`` (its config aside) are checked, and the changes
 # that need them made (:func:`when_inductor_loads`), as soon as
 # ``torch._inductor.graph`` is imported: at once if it is, else right after its import,
@@ -332,7 +333,7 @@ def _changes(kind: str) -> list[str]:
 # freezing's layout decision included, so no graph misses a change, and a missing
 # entry still raises, at the first compile. tests/test_torch_internals.py resolves
 # every entry on every CI torch and checks that an eager fully_shard step leaves
-# Inductor's lowering unimported.
+# Inductor's lowering and code cache unimported.
 INDUCTOR_GRAPH = "torch._inductor.graph"
 
 
