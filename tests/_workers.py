@@ -140,6 +140,20 @@ class FunctionalCollectiveOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class AtenOps(TorchDispatchMode):
+    """Records, in dispatch order, the name of each ``aten`` op run eagerly while
+    active (``add``, ``add_``, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "aten":
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 class GraphRecorder:
     """A torch.compile backend (aot_eager underneath) that counts the collectives in
     every graph dynamo hands it (:func:`dynamo_counts`), split into forward and

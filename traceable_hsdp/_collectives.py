@@ -102,15 +102,16 @@ def reduce_scatter(
         and not _comm_debug_mode()
     ):
         # Eagerly each rank sends the peer its half and receives the peer's half of
-        # its own: the input, one received half and the output are alive at the peak,
-        # as a reduce-scatter's input, the gradients it packs and its output are.
+        # its own, then adds its own half into the received one, which it owns: the
+        # input and one half are alive at the peak, where a reduce-scatter holds its
+        # input and its output. One addition of two terms, so bitwise gloo's sum.
         k = full.size(0) // 2
         splits = [0, k] if rank == 0 else [k, 0]
         got = _c10d.wait_tensor(
             _c10d.all_to_all_single(full.narrow(0, (1 - rank) * k, k), splits, splits, group_name)
         )
-        out = torch.add(full.narrow(0, rank * k, k), got)
-        return out.div_(2) if op == "avg" else out
+        got.add_(full.narrow(0, rank * k, k))
+        return got.div_(2) if op == "avg" else got
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(full, op, world_size, group_name))
 
 

@@ -20,11 +20,12 @@ into::
 Bitwise equal: over two ranks each element is one commutative addition
 (``tests/test_passes_unit.py`` checks both ops against gloo's). Eagerly
 (``traceable_hsdp/_collectives.py``) a rank sends only the peer's half (splits
-``[0, k]`` or ``[k, 0]``) and adds what it receives to its own, so the input, one
-received half and the output are alive at once, not the input twice. Compiled, only float32
-and float64 are rewritten ([Note: Low-precision sums and fusion]). Left alone: more than
-two ranks (gloo's ring has its own order of additions), ``max``/``min``/``product``,
-GPU tensors, symbolic shapes, and reduce-scatters not read by exactly one wait.
+``[0, k]`` or ``[k, 0]``) and adds its own half into the half it receives, so the
+input and one half are alive at once, not the input twice and the output. Compiled,
+only float32 and float64 are rewritten ([Note: Low-precision sums and fusion]). Left
+alone: more than two ranks (gloo's ring has its own order of additions),
+``max``/``min``/``product``, GPU tensors, symbolic shapes, and reduce-scatters not
+read by exactly one wait.
 
 The exchange is issued and waited for where the reduce-scatter was, so ``overlap``'s
 schedule holds; Inductor keeps its input alive until the wait. It is safe in flight
