@@ -52,7 +52,10 @@ contiguous.
 The FX graph cache key does not hash node metadata, where a unit's pass options
 travel. So ``uuid()`` also hashes the sorted ``label=options`` of every live unit with
 options of its own (:func:`track_unit_options`, called by ``hsdp()``); labels are
-module paths, the same in every process of a job, so a restarted job still hits.
+module paths, the same in every process of a job, so a restarted job still hits. It
+hashes this process's rank too: over two gloo ranks each rank's graph sends and adds
+its own halves ([Note: gloo reduce-scatters as an exchange] in
+``gloo/exchange.py``), so ranks that share a cache directory keep one entry each.
 """
 
 from __future__ import annotations
@@ -350,8 +353,16 @@ class TraceableHSDPPass(InferenceAwareGraphPass):  # type: ignore[misc, valid-ty
                 return None  # as if the user pass were there alone: no caching
             user_ids.append(uid)
         # See [Note: Per-unit options and the FX graph cache].
-        extra = f"{get_config()!r}|{user_ids!r}|{_unit_options_key()}"
+        extra = f"{get_config()!r}|{user_ids!r}|{_unit_options_key()}|rank={_rank()}"
         return _cgp.get_hash_for_files(_sources(), extra)
+
+
+def _rank() -> int | None:
+    """This process's global rank (``None`` outside a process group). See [Note:
+    Per-unit options and the FX graph cache]."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 class TraceableHSDPJointPass:

@@ -1609,6 +1609,8 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     out["left_alone"]["gpu"] = reduce_scatter_by_exchange(gm)
     out["left_alone"]["reduce_scatters"] = sum(n.target is REDUCE_SCATTER for n in gm.graph.nodes)
     out["exchange_key"] = EXCHANGE_COUNT
+    # Each rank's graph sends and adds its own halves: the FX graph cache keys the rank.
+    out["uuid"] = passes.TraceableHSDPPass().uuid()
 
     # Eagerly the PassConfig switch turns the exchange off too.
     config = passes.get_config()
@@ -1633,11 +1635,14 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     [Note: Low-precision sums and fusion]). The eager runtime's ``reduce_scatter``
     gives the same bits in both dtypes, as an exchange unless
     ``PassConfig(reduce_scatter_by_exchange=False)``. The exchange counts as a
-    reduce-scatter. A "max", one with no wait and a GPU one are left alone. See
-    [Note: gloo reduce-scatters as an exchange] in passes/gloo/exchange.py."""
+    reduce-scatter. A "max", one with no wait and a GPU one are left alone. The two
+    ranks' passes key the FX graph cache apart. See [Note: gloo reduce-scatters as an
+    exchange] in passes/gloo/exchange.py."""
     from _dist import run_ranks
 
-    for r in run_ranks(exchange_worker, 2):
+    results = run_ranks(exchange_worker, 2)
+    assert results[0]["uuid"] != results[1]["uuid"] and None not in [r["uuid"] for r in results]
+    for r in results:
         assert len(r["bitwise"]) == 8, r
         for key, (n, same) in r["bitwise"].items():
             counts = r["counts"][key]

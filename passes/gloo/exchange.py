@@ -6,34 +6,38 @@ it, and copies this rank's chunk out in ``wait()``, so every rank moves the whol
 tensor. An all-to-all moves exactly what a reduce-scatter needs (rank ``r`` sends chunk
 ``j`` to rank ``j``), then the rank adds what it received (bare-op comparison in
 docs/benchmarks.md). So this pass rewrites each reduce-scatter of CPU tensors over a
-gloo group of two ranks, read by one wait::
+gloo group of two ranks, read by one wait, on rank ``r`` of the group::
 
     rs = reduce_scatter_tensor(g, "avg", 2, "0")    # g: (2k, ...)
     r  = wait_tensor(rs)
 
 into::
 
-    ex = all_to_all_single(g, [k, k], [k, k], "0")  # where rs was
-    w  = wait_tensor(ex)                            # where r was
-    r  = div(add(w[:k], w[k:]), 2)                  # "sum": add(w[:k], w[k:])
+    ex = all_to_all_single(g[(1-r)k:(2-r)k], s, s, "0")  # where rs was; s: [0, k] on
+    w  = wait_tensor(ex)                            #   rank 0, [k, 0] on rank 1
+    r  = div(add(w, g[rk:(r+1)k]), 2)               # "sum": add(w, g[rk:(r+1)k])
+
+Each rank sends only the peer's half and receives the peer's half of its own chunk
+(``k`` rows, not ``2k``), and the addition reads the whole received buffer, so
+Inductor may write the sum into it: the input and one half are alive at once, where
+gloo's reduce-scatter holds its input, its copy and its output. The graph depends on
+the rank, so the passes' ``uuid()`` holds it ([Note: Per-unit options and the FX
+graph cache] in ``_install.py``).
 
 Bitwise equal: over two ranks each element is one commutative addition
 (``tests/test_passes_unit.py`` checks both ops against gloo's). Eagerly
-(``traceable_hsdp/_collectives.py``) a rank sends only the peer's half (splits
-``[0, k]`` or ``[k, 0]``) and adds its own half into the half it receives, so the
-input and one half are alive at once, not the input twice and the output. Compiled,
-only float32 and float64 are rewritten ([Note: Low-precision sums and fusion]). Left
-alone: more than two ranks (gloo's ring has its own order of additions),
-``max``/``min``/``product``, GPU tensors, symbolic shapes, and reduce-scatters not
-read by exactly one wait.
+(``traceable_hsdp/_collectives.py``) the runtime does the same, the sum made in place.
+Compiled, only float32 and float64 are rewritten ([Note: Low-precision sums and
+fusion]). Left alone: more than two ranks (gloo's ring has its own order of
+additions), ``max``/``min``/``product``, GPU tensors, symbolic shapes, and
+reduce-scatters not read by exactly one wait.
 
 The exchange is issued and waited for where the reduce-scatter was, so ``overlap``'s
-schedule holds; Inductor keeps its input alive until the wait. It is safe in flight
-with a later ``_out`` all-gather on gloo ([Note: CPU all-gathers into buffers] in
-``gather_into_buffers.py``). The node keeps the annotation and is marked
-(:data:`EXCHANGED`), so it still counts as a reduce-scatter. The eager runtime does the
-same (``traceable_hsdp/_collectives.py``); ``PassConfig(reduce_scatter_by_exchange=
-False)`` turns both off.
+schedule holds; Inductor keeps its input alive until the addition. It is safe in
+flight with a later ``_out`` all-gather on gloo ([Note: CPU all-gathers into buffers]
+in ``gather_into_buffers.py``). The node keeps the annotation and is marked
+(:data:`EXCHANGED`), so it still counts as a reduce-scatter. ``PassConfig(
+reduce_scatter_by_exchange=False)`` turns both the pass and the eager exchange off.
 
 [Note: gloo all-gathers as an exchange]
 gloo's all-gather into a tensor gathers into a buffer it allocates on every call, then
@@ -84,7 +88,7 @@ from .._graph import (
     group_backend,
     single_wait,
 )
-from ._pool import POOLED_ALL_TO_ALL, pooled_all_to_all_lowering
+from ._pool import POOLED_ALL_TO_ALL, _resolve_process_group, pooled_all_to_all_lowering
 from .._rewrite import insert_call, static_numel, tensor_val
 
 __all__ = ["all_gather_by_exchange", "is_gloo_group", "reduce_scatter_by_exchange"]
@@ -144,20 +148,26 @@ def _all_to_all(pooled: bool) -> torch._ops.OpOverload:
     return POOLED_ALL_TO_ALL if pooled and pooled_all_to_all_lowering() else ALL_TO_ALL
 
 
+def group_rank(group_name: str) -> int:
+    """This process's rank in the process group named ``group_name``."""
+    return int(_resolve_process_group(group_name).rank())
+
+
 def _exchange(
-    graph: fx.Graph, node: fx.Node, wait: fx.Node, inp: fx.Node, k: int, name: str,
-    family: str, finish: Callable[[fx.Node], fx.Node], op: torch._ops.OpOverload,
+    graph: fx.Graph, node: fx.Node, wait: fx.Node, inp: fx.Node, splits: list[int],
+    name: str, family: str, finish: Callable[[fx.Node], fx.Node],
+    op: torch._ops.OpOverload,
 ) -> None:
-    """Puts ``op(inp, [k, k], [k, k], name)`` where ``node`` was and its wait where
+    """Puts ``op(inp, splits, splits, name)`` where ``node`` was and its wait where
     ``wait`` was; ``finish(got)`` builds what the old wait's readers read. The
     exchange keeps ``node``'s meta and is marked as ``family``."""
     with graph.inserting_before(node):
-        ex = graph.call_function(op, (inp, [k, k], [k, k], name))
+        ex = graph.call_function(op, (inp, splits, splits, name))
     with graph.inserting_after(wait):
         got = graph.call_function(WAIT, (ex,))
     sent = tensor_val(inp)
     assert sent is not None
-    # Equal splits: the exchange returns a tensor of its input's shape.
+    # The splits sum to the input's rows both ways: the output has the input's shape.
     ex.meta.update({**node.meta, "val": sent.new_empty(sent.shape), EXCHANGED: family})
     got.meta["val"] = ex.meta["val"]
     with graph.inserting_before(got.next):  # each new node after the last
@@ -190,18 +200,23 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
         wait = _one_wait(node, name, "reduce_scatter_by_exchange")
         if wait is None:
             continue
-        k = shape[0] // 2
+        k, rank, inp = shape[0] // 2, group_rank(name), args["input"]
         a2a = _all_to_all(pooled)
+        with graph.inserting_before(node):
+            peers = insert_call(graph, _aten.slice.Tensor, (inp, 0, (1 - rank) * k, (2 - rank) * k),
+                                like=node)
 
-        def add_halves(got: fx.Node, node: fx.Node = node, k: int = k, op: str = op) -> fx.Node:
-            lo = insert_call(graph, _aten.slice.Tensor, (got, 0, 0, k), like=node)
-            hi = insert_call(graph, _aten.slice.Tensor, (got, 0, k, 2 * k), like=node)
-            out = insert_call(graph, _aten.add.Tensor, (lo, hi), like=node)
+        def add_own(got: fx.Node, node: fx.Node = node, inp: fx.Node = inp, k: int = k,
+                    rank: int = rank, op: str = op) -> fx.Node:
+            own = insert_call(graph, _aten.slice.Tensor, (inp, 0, rank * k, (rank + 1) * k),
+                              like=node)
+            out = insert_call(graph, _aten.add.Tensor, (got, own), like=node)
             if op == "avg":
                 out = insert_call(graph, _aten.div.Tensor, (out, 2), like=node)
             return out
 
-        _exchange(graph, node, wait, args["input"], k, name, "reduce_scatter", add_halves, a2a)
+        splits = [0, k] if rank == 0 else [k, 0]
+        _exchange(graph, node, wait, peers, splits, name, "reduce_scatter", add_own, a2a)
         done += 1
     if done:
         graph.lint()
@@ -234,7 +249,7 @@ def all_gather_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
         def as_gathered(got: fx.Node, node: fx.Node = node, shape: list[int] = shape) -> fx.Node:
             return insert_call(graph, _aten.view.default, (got, shape), like=node)
 
-        _exchange(graph, node, wait, both, n, name, "all_gather", as_gathered, a2a)
+        _exchange(graph, node, wait, both, [n, n], name, "all_gather", as_gathered, a2a)
         if not inp.users and inp.op == "call_function":
             graph.erase_node(inp)  # a bucket's cat, now read through its pieces
         done += 1
