@@ -209,8 +209,7 @@ def uninstall_forward_cache_key() -> None:
     """Puts torch's ``FxGraphCache.prepare_key`` back, if ours is there, or drops
     the install still waiting for Inductor to load."""
     global _torch_prepare_key
-    if cancel_when_inductor_loads(_install_forward_cache_key_or_raise):
-        return
+    cancel_when_inductor_loads(_install_forward_cache_key_or_raise)
     if "torch._inductor.codecache" in sys.modules and forward_cache_key_installed():
         cache, name = owner(_PREPARE_KEY)
         setattr(cache, name, staticmethod(_torch_prepare_key))
