@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._graph import is_resize, is_view
 
@@ -79,6 +80,22 @@ def alias_closure(node: fx.Node) -> list[fx.Node]:
                 seen.add(u)
                 stack.append(u)
     return out
+
+
+def storage_sharers(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Each graph input that shares its storage with other graph inputs, mapped to
+    those (by their fake values, which keep the real inputs' aliasing)."""
+    by_storage: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in graph.find_nodes(op="placeholder"):
+        val = tensor_val(node)
+        if val is not None:
+            by_storage.setdefault(StorageWeakRef(val.untyped_storage()), []).append(node)
+    return {
+        n: [m for m in group if m is not n]
+        for group in by_storage.values()
+        if len(group) > 1
+        for n in group
+    }
 
 
 def alias_base(node: fx.Node) -> fx.Node:

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._graph import is_fsdp_copy, is_resize, is_view, resize_nbytes
 from ._rewrite import (
@@ -53,6 +52,7 @@ from ._rewrite import (
     insert_call,
     node_order,
     static_numel,
+    storage_sharers,
     tensor_val,
     writes_to,
 )
@@ -95,7 +95,7 @@ def remove_resize_copy(gm: fx.GraphModule) -> int:
         if is_fsdp_copy(node) and isinstance(node.args[0], fx.Node):
             if node.args[0] not in placeholders:
                 placeholders.append(node.args[0])
-    sharers = _storage_sharers(graph)
+    sharers = storage_sharers(graph)
     plans: list[_Plan] = []
     for p in placeholders:
         plan = _plan(p, order) if p not in sharers else (
@@ -119,22 +119,6 @@ def remove_resize_copy(gm: fx.GraphModule) -> int:
     graph.lint()
     gm.recompile()
     return n_regions
-
-
-def _storage_sharers(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """Each graph input that shares its storage with other graph inputs, mapped to
-    those (by their fake values, which keep the real inputs' aliasing)."""
-    by_storage: dict[StorageWeakRef, list[fx.Node]] = {}
-    for node in graph.find_nodes(op="placeholder"):
-        val = tensor_val(node)
-        if val is not None:
-            by_storage.setdefault(StorageWeakRef(val.untyped_storage()), []).append(node)
-    return {
-        n: [m for m in group if m is not n]
-        for group in by_storage.values()
-        if len(group) > 1
-        for n in group
-    }
 
 
 def _plan(p: fx.Node, order: dict[fx.Node, int]) -> _Plan | str:

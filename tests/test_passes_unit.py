@@ -212,9 +212,10 @@ def _values(out: list[list[Any]]) -> list[list[Any]]:
 
 def test_free_after_last_read_moves_a_free_past_its_readers() -> None:
     """[Note: Frees after the last read]: a free between a placeholder's fill and a
-    read of it (through a view) moves to just after that read; a free with no read
-    after it, and the output node (the forward returns freed placeholders), stay; a
-    read after the next grow is the refilled value's and is not waited for."""
+    read of it (through a view) moves to just after that read; a free far after its
+    last read moves up to just after it; the output node (the forward returns freed
+    placeholders) is not a read; a read after the next grow is the refilled value's
+    and is not waited for."""
     b = _Builder()
     p, q, x = b.input("p", 4, 4), b.input("q", 4, 4), b.input("x", 2, 4)
     full = b.input("full", 4, 4)
@@ -231,11 +232,35 @@ def test_free_after_last_read_moves_a_free_past_its_readers() -> None:
     b(FSDP_COPY, p, full)
     w = b(aten.mm.default, x, p)  # reads the refill
     gm = b.done(b(aten.add.Tensor, b(aten.add.Tensor, y, z), w), p)
-    assert free_after_last_read(gm) == 1
+    assert free_after_last_read(gm) == 2
     order = [n for n in gm.graph.nodes]
     assert order.index(z) + 1 == order.index(free_p), gm.graph
-    assert order.index(free_q) == order.index(free_p) + 1, gm.graph
+    assert order.index(y) + 1 == order.index(free_q), gm.graph  # q's last read
     assert free_after_last_read(gm) == 0  # nothing left to move
+
+
+def test_free_after_last_read_frees_a_gathered_input_early() -> None:
+    """[Note: Frees after the last read]: a placeholder that arrives gathered (no
+    grow in the graph) is freed just after its last read, or first when nothing reads
+    it; one whose storage another input shares keeps its free where it was."""
+    b = _Builder()
+    head, embed, x = b.input("head", 4, 4), b.input("embed", 4, 4), b.input("x", 2, 4)
+    shared = b.input("shared", 4, 4)
+    alias = b.graph.placeholder("alias")  # a saved view of ``shared``: its storage
+    alias.meta["val"] = shared.meta["val"].view(16)
+    y = b(aten.mm.default, x, head)
+    z = b(aten.mm.default, x, shared)
+    w = b(aten.add.Tensor, y, z)
+    free_embed = b(RESIZE, embed, 0)
+    free_head = b(RESIZE, head, 0)
+    free_shared = b(RESIZE, shared, 0)
+    gm = b.done(b(aten.add.Tensor, w, b(aten.sum.default, alias)))
+    assert free_after_last_read(gm) == 2
+    order = list(gm.graph.nodes)
+    assert order.index(free_embed) == order.index(alias) + 1, gm.graph  # first
+    assert order.index(free_head) == order.index(y) + 1, gm.graph
+    assert order.index(free_shared) == order.index(free_head) + 3, gm.graph  # stays
+    assert free_after_last_read(gm) == 0
 
 
 def test_remove_resize_copy_rewrites_forward_regions() -> None:
