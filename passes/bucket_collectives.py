@@ -108,7 +108,9 @@ from ._graph import (
     has_side_effects,
     is_all_gather,
     is_collective,
+    is_fsdp_copy,
     is_reduce_scatter,
+    is_view,
     is_wait,
     merge_annotations,
     set_annotation,
@@ -326,16 +328,59 @@ def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
         set_annotation(ag, merge_annotations(gathers))
         out = insert_call(graph, WAIT, (ag,), like=first)
         grid = insert_call(graph, _aten.view.default, (out, [size, total]), like=first)
-        # See [Note: One copy-out per all-gather bucket] in _ops.py.
-        blocks = insert_call(
-            graph, SPLIT_COLUMNS, (grid, [m.numel for m in members]), like=first
-        )
-        for i, m in enumerate(members):
-            dense = insert_call(graph, operator.getitem, (blocks, i), like=m.node)
-            result = insert_call(graph, _aten.view.default, (dense, m.out_shape), like=m.node)
-            m.wait.replace_all_uses_with(result)
+        if all(_only_copied(m.wait) for m in members):
+            # See [Note: A bucket copied straight into its placeholders].
+            offset = 0
+            for m in members:
+                block = insert_call(
+                    graph, _aten.slice.Tensor, (grid, 1, offset, offset + m.numel), like=m.node
+                )
+                result = insert_call(graph, _aten.reshape.default, (block, m.out_shape),
+                                     like=m.node)
+                m.wait.replace_all_uses_with(result)
+                offset += m.numel
+        else:
+            # See [Note: One copy-out per all-gather bucket] in _ops.py.
+            blocks = insert_call(
+                graph, SPLIT_COLUMNS, (grid, [m.numel for m in members]), like=first
+            )
+            for i, m in enumerate(members):
+                dense = insert_call(graph, operator.getitem, (blocks, i), like=m.node)
+                result = insert_call(graph, _aten.view.default, (dense, m.out_shape),
+                                     like=m.node)
+                m.wait.replace_all_uses_with(result)
     erase_all(graph, [n for m in members for n in (m.wait, m.node)])
     log.debug("bucket_all_gathers: %s -> %s", [g.name for g in gathers], ag.name)
+    return True
+
+
+# [Note: A bucket copied straight into its placeholders]
+# A unit that stays gathered after its forward (the root, by default) keeps its
+# placeholders' fills (``remove_resize_copy`` leaves a region without a free), so each
+# gathered parameter is read only by views and ``fsdp.copy_`` into its placeholder.
+# ``split_columns`` would copy every block out of the bucket first: a second copy of
+# the whole bucket alive beside the gathered bucket and the placeholders (207 MiB for
+# HF Llama's embedding and LM head at width 1024). For such a bucket each block is a
+# ``reshape`` of a column slice of the grid instead, which the copy's kernel reads in
+# place: Inductor lowers the reshape of a strided slice as an indexing of it, not a
+# copy. Buckets with any other reader keep ``split_columns``.
+# ``tests/test_passes_unit.py`` checks the form and the values;
+# ``benchmarks/memory.py`` measures the forward's peak.
+def _only_copied(wait: fx.Node) -> bool:
+    """Whether ``wait``'s value reaches nothing but ``fsdp.copy_`` sources, through
+    views."""
+    stack, seen = [wait], {wait}
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if is_fsdp_copy(u) and u.args[1] is n and u.args[0] is not n:
+                continue
+            if u.op == "call_function" and is_view(u) and u.args[0] is n:
+                if u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+                continue
+            return False
     return True
 
 
