@@ -472,6 +472,21 @@ def test_bucket_all_gathers_three_into_one(world: int) -> None:
         assert o.shape == (world * s[0], *s[1:]) and o.is_contiguous()
 
 
+def test_bucket_all_gathers_copies_a_kept_unit_straight_into_its_placeholders() -> None:
+    """[Note: A bucket copied straight into its placeholders]: when every gathered
+    parameter of a bucket is read only by ``fsdp.copy_`` into its placeholder (through
+    views; the padded one through a slice), each is a reshape of the grid's column
+    slice, with no ``split_columns``; the values are bitwise the same. A bucket with
+    another reader keeps ``split_columns`` (the test above)."""
+    gm, inputs = _forward_like()
+    ref = _values(_run_spmd(gm, inputs))
+    assert bucket_all_gathers(gm) == 1
+    targets = [n.target for n in gm.graph.nodes]
+    assert SPLIT_COLUMNS not in targets, gm.graph
+    assert targets.count(aten.reshape.default) == 2 + 2, gm.graph  # 2 flattens, 2 blocks
+    _same(_values(_run_spmd(gm, inputs)), ref)
+
+
 def test_bucket_all_gathers_one_bucket_per_unit_and_cap() -> None:
     gm, inputs = _gathers(2, units=2)
     ref = _run_spmd(gm, inputs)
