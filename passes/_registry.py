@@ -62,7 +62,7 @@ class PassEntry:
 PASSES: tuple[PassEntry, ...] = (
     PassEntry(
         "free_after_last_read", lambda gm, cfg: free_after_last_read(gm), "post_grad", False,
-        "each free of a placeholder moved after the graph's last read of it",
+        "each free of a placeholder moved to just after the graph's last read of it",
     ),
     PassEntry(
         "remove_resize_copy", lambda gm, cfg: remove_resize_copy(gm), "post_grad", True,
