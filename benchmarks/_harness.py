@@ -438,9 +438,10 @@ class Variant:
     @property
     def pools_exchanges(self) -> bool:
         """Whether the graphs Inductor compiles for this variant may take exchange
-        buffers from our pool: ours with compiled autograd, the pool not switched off
+        buffers from our pool: ours with its collectives in compiled graphs (whole,
+        per block with compiled autograd, ``compile_block``), the pool not switched off
         (see [Note: Memory per variant])."""
-        return self.uses_compiled_autograd and bool(
+        return self.impl == "ours" and self.compile in ("whole", "blocks_ca", "per_block") and bool(
             dict(self.passes_config).get("pool_exchange_outputs", _pools_by_default())
         )
 
@@ -640,6 +641,10 @@ def all_variants() -> tuple[list[Variant], str]:
             # Each block compiled once per kind with compile_block(): the unit's
             # gathers and reduce-scatter in the block's graphs, no compiled autograd.
             Variant("ours_per_block", "ours", "per_block"),
+            # The same without the exchange pool: what the pool costs compile_block
+            # (docs/benchmarks.md, "Memory").
+            Variant("ours_per_block_no_pool", "ours", "per_block",
+                    passes_config=(("pool_exchange_outputs", False),)),
             Variant("torch_eager", "torch", "none"),
             Variant("torch_block_compiled", "torch", "blocks"),
             Variant("torch_block_compiled_local_adamw", "torch", "blocks", optimizer="local"),
