@@ -125,33 +125,33 @@ def dynamo_counts(graph: torch.fx.Graph) -> dict[str, int]:
     return dict(counts)
 
 
-class FunctionalCollectiveOps(TorchDispatchMode):
-    """Records, in dispatch order, the name of each ``_c10d_functional`` op run eagerly
-    while active (``all_gather_into_tensor``, ``all_gather_into_tensor_out``,
-    ``wait_tensor``, ...)."""
+class _DispatchedOps(TorchDispatchMode):
+    """Records, in dispatch order, the name of each op of :attr:`namespace` run eagerly
+    while active."""
+
+    namespace = ""
 
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "_c10d_functional":
+        if func.namespace == self.namespace:
             self.names.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
-class AtenOps(TorchDispatchMode):
-    """Records, in dispatch order, the name of each ``aten`` op run eagerly while
-    active (``add``, ``add_``, ...)."""
+class FunctionalCollectiveOps(_DispatchedOps):
+    """The ``_c10d_functional`` ops run eagerly while active
+    (``all_gather_into_tensor``, ``all_gather_into_tensor_out``, ``wait_tensor``, ...)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
+    namespace = "_c10d_functional"
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "aten":
-            self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+
+class AtenOps(_DispatchedOps):
+    """The ``aten`` ops run eagerly while active (``add``, ``add_``, ...)."""
+
+    namespace = "aten"
 
 
 class GraphRecorder:
