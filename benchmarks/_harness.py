@@ -895,14 +895,19 @@ class Runner:
             ``fully_shard`` changed it. See [Note: Per-variant settings].
         default_pre_pass: ``post_grad_custom_pre_pass`` before our ``fully_shard``
             installed the passes there; torch's variants compile with it.
+        record_graphs: put :data:`RECORDER` among Inductor's post-grad passes, for the
+            collective counts (default ``True``). It keeps every post-grad graph alive
+            and turns the FX graph cache off, which a memory measurement must not do
+            ([Note: Peak resident memory per variant] in ``memory.py``).
     """
 
     def __init__(
         self, variant: Variant, shape: Shape, mesh: Any, rank: int, backend: str,
         seed: int, default_recompute_views: bool, default_pre_pass: Any = None,
-        device: torch.device | None = None, model: str = "demo",
+        device: torch.device | None = None, model: str = "demo", record_graphs: bool = True,
     ) -> None:
         self.v = variant
+        self.record_graphs = record_graphs
         self.model_name = model
         self.shape = shape
         self.mesh = mesh
@@ -944,7 +949,8 @@ class Runner:
             stack.enter_context(
                 set_env(PASSES_ENV, self.v.passes if self.v.impl == "ours" else None))
             stack.enter_context(_passes_config(self.v.passes_config))
-            if self.backend == "inductor" and RECORDER.pass_ not in existing:
+            record = self.record_graphs and self.backend == "inductor"
+            if record and RECORDER.pass_ not in existing:
                 iconfig.post_grad_custom_post_pass = [*existing, RECORDER.pass_]
             fconfig.recompute_views = (
                 True if self.v.impl == "ours" else self.default_recompute_views

@@ -24,6 +24,11 @@ its model and optimizer, then the rank resets the kernel's peak (``VmHWM``, by w
   steps after the first;
 - the losses, which must be equal in every variant of one implementation family.
 
+Each variant compiles cold, in an Inductor cache of its own (``TORCHINDUCTOR_CACHE_DIR``,
+a new folder), as a job's first run does, and without the harness's graph recorder
+(``Runner(record_graphs=False)``): the recorder keeps every post-grad graph alive, which
+a user's process does not.
+
 The report (``DIR/memory.md``, ``DIR/memory.json``) gives each variant's figures per
 rank and the ratio of its peak to torch's eager and per-block compile peaks, rank by
 rank. ``tests/test_benchmarks.py`` runs a small shape.
@@ -32,9 +37,11 @@ rank. ``tests/test_benchmarks.py`` runs a small shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -77,7 +84,7 @@ def measure_rank(
     device = placement.rank_device(rank)
     mesh = init_device_mesh(placement.device_type, (placement.world,), mesh_dim_names=("shard",))
     runner = H.Runner(variant, shape, mesh, rank, backend, seed, fconfig.recompute_views,
-                      iconfig.post_grad_custom_pre_pass, device, model)
+                      iconfig.post_grad_custom_pre_pass, device, model, record_graphs=False)
     out: dict[str, Any] = {"losses": []}
     with runner.active():
         gc.collect()
@@ -153,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{v.name} ...", file=sys.stderr, flush=True)
         kwargs = dict(variant=v, shape=shape, model=args.model, steps=args.steps,
                       backend=args.backend, seed=args.seed)
-        if placement.device_type == "cpu":
-            with _heap.counting_children():
-                results[v.name] = H.run_spawned_fn(measure_rank, placement, **kwargs)
-        else:
+        with contextlib.ExitStack() as stack:
+            cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="memory_inductor_"))
+            stack.enter_context(H.set_env("TORCHINDUCTOR_CACHE_DIR", cache))
+            if placement.device_type == "cpu":
+                stack.enter_context(_heap.counting_children())
             results[v.name] = H.run_spawned_fn(measure_rank, placement, **kwargs)
     os.makedirs(args.out, exist_ok=True)
     names = [v.name for v in picked]

@@ -218,6 +218,45 @@ def test_cpu_memory_helpers() -> None:
     assert H.peak_memory_mib(cpu) == pytest.approx(H.peak_rss_mib(), rel=0.05)
 
 
+def test_memory_runs_without_the_graph_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Runner puts the harness's graph recorder among Inductor's post-grad passes only
+    with ``record_graphs``, and ``memory.py`` asks for none: the recorder keeps every
+    post-grad graph alive and turns the FX graph cache off, which would count in the
+    resident memory measured ([Note: Peak resident memory per variant])."""
+    import memory
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+    variant = next(v for v in H.all_variants()[0] if v.name == "ours_eager")
+    shape = H.Shape("tiny", layers=1, dim=8, heads=1, vocab=16, seq=4, batch=1)
+    installed = {}
+    for record in (True, False):
+        runner = H.Runner(variant, shape, None, 0, "inductor", 0, fconfig.recompute_views,
+                          record_graphs=record)
+        runner.model = torch.nn.Linear(1, 1)  # built: active() builds nothing
+        with runner.active():
+            passes = get_custom_graph_passes(iconfig.post_grad_custom_post_pass)
+            installed[record] = H.RECORDER.pass_ in passes
+    assert installed == {True: True, False: False}
+
+    asked: list[bool] = []
+
+    class Built(Exception):
+        pass
+
+    def runner(*args: Any, record_graphs: bool = True, **kwargs: Any) -> None:
+        asked.append(record_graphs)
+        raise Built
+
+    monkeypatch.setattr(H, "Runner", runner)
+    monkeypatch.setattr("torch.distributed.device_mesh.init_device_mesh", lambda *a, **k: None)
+    with pytest.raises(Built):
+        memory.measure_rank(0, H.resolve_placement("cpu", 2), variant, shape, "demo", 2,
+                            "inductor", 0)
+    assert asked == [False]
+
+
 def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU rank that counts its heap, the bytes at a block's start leave out the
     exchange buffers pooled between steps for a variant that takes from the pool, so
