@@ -438,22 +438,24 @@ class Variant:
     @property
     def pools_exchanges(self) -> bool:
         """Whether the graphs Inductor compiles for this variant may take exchange
-        buffers from our pool: ours with its collectives in compiled graphs (whole,
-        per block with compiled autograd, ``compile_block``), the pool not switched off
-        (see [Note: Memory per variant])."""
-        return self.impl == "ours" and self.compile in ("whole", "blocks_ca", "per_block") and bool(
-            dict(self.passes_config).get("pool_exchange_outputs", _pools_by_default())
-        )
+        buffers from our pool: ours with its collectives in compiled graphs, the pool
+        on for its mode: by default the graphs that fill placeholders (whole, per block
+        with compiled autograd) and not ``compile_block``'s ([Note: Where the exchanges
+        pool] in ``passes/_install.py``; [Note: Memory per variant])."""
+        if self.impl != "ours" or self.compile not in ("whole", "blocks_ca", "per_block"):
+            return False
+        pool = dict(self.passes_config).get("pool_exchange_outputs", _pool_default())
+        return self.compile != "per_block" if pool is None else bool(pool)
 
 
-def _pools_by_default() -> bool:
-    """``PassConfig``'s default for the exchange pool; ``False`` where the passes module
-    has no pool."""
+def _pool_default() -> bool | None:
+    """``PassConfig``'s default for the exchange pool (``None``: the mode decides);
+    ``False`` where the passes module has no pool."""
     try:
         from traceable_hsdp.passes import PassConfig
     except ImportError:
         return False
-    return bool(getattr(PassConfig(), "pool_exchange_outputs", False))
+    return getattr(PassConfig(), "pool_exchange_outputs", False)
 
 
 # [Note: The AdamW implementation]
@@ -641,10 +643,10 @@ def all_variants() -> tuple[list[Variant], str]:
             # Each block compiled once per kind with compile_block(): the unit's
             # gathers and reduce-scatter in the block's graphs, no compiled autograd.
             Variant("ours_per_block", "ours", "per_block"),
-            # The same without the exchange pool: what the pool costs compile_block
-            # (docs/benchmarks.md, "Memory").
-            Variant("ours_per_block_no_pool", "ours", "per_block",
-                    passes_config=(("pool_exchange_outputs", False),)),
+            # The same with the exchange pool, which compile_block's graphs leave out
+            # by default: what it would cost and give (docs/benchmarks.md, "Memory").
+            Variant("ours_per_block_pool", "ours", "per_block",
+                    passes_config=(("pool_exchange_outputs", True),)),
             Variant("torch_eager", "torch", "none"),
             Variant("torch_block_compiled", "torch", "blocks"),
             Variant("torch_block_compiled_local_adamw", "torch", "blocks", optimizer="local"),

@@ -60,8 +60,8 @@ _LABELS = {
     "ours_block_compiled_ca": "traceable_hsdp fully_shard, per-block torch.compile, "
                               "compiled autograd",
     "ours_per_block": "traceable_hsdp fully_shard, compile_block per block",
-    "ours_per_block_no_pool": "traceable_hsdp fully_shard, compile_block per block, "
-                              "no exchange pool",
+    "ours_per_block_pool": "traceable_hsdp fully_shard, compile_block per block, "
+                           "with the exchange pool",
     "torch_eager": "torch fully_shard, eager",
     "torch_block_compiled": "torch fully_shard, per-block torch.compile",
     "torch_block_compiled_local_adamw": "torch fully_shard, per-block torch.compile, "

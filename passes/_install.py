@@ -64,7 +64,7 @@ import logging
 import os
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,10 @@ class PassConfig(_PassSwitches):  # type: ignore[misc, valid-type]
         <pass name>: one bool per switched pass of ``_registry.PASSES``, in run order
             (default ``True``); docs/passes.md says what each does.
         pool_exchange_outputs: the exchanges' outputs come from buffers kept across
-            steps (default ``True``; [Note: Exchange outputs from a pool]).
+            steps ([Note: Exchange outputs from a pool]): ``True`` in every graph,
+            ``False`` in none; ``None`` (default) in the graphs that fill placeholders
+            (a step or block compiled with compiled autograd), not in ``compile_block``'s
+            ([Note: Where the exchanges pool]).
         bucket_cap_mb: merge adjacent units' collectives up to this many MiB
             (default 4, [Note: The default bucket cap]); ``None``: one bucket per unit.
 
@@ -138,7 +141,7 @@ class PassConfig(_PassSwitches):  # type: ignore[misc, valid-type]
     overlap: bool = True
     reduce_scatter_by_exchange: bool = True
     all_gather_by_exchange: bool = True
-    pool_exchange_outputs: bool = True
+    pool_exchange_outputs: bool | None = None
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
 
     def __post_init__(self) -> None:
@@ -156,6 +159,12 @@ class PassConfig(_PassSwitches):  # type: ignore[misc, valid-type]
                     raise ValueError(
                         f"PassConfig.bucket_cap_mb must be >= 0 (MiB), got {value!r}. "
                         "Use None for one bucket per unit."
+                    )
+            elif f.name == "pool_exchange_outputs":
+                if value is not None and not isinstance(value, bool):
+                    raise TypeError(
+                        "PassConfig.pool_exchange_outputs must be a bool, or None to pool "
+                        f"only where placeholders fill, got {type(value).__name__} {value!r}."
                     )
             elif not isinstance(value, bool):
                 raise TypeError(
@@ -235,9 +244,31 @@ def run_passes(gm: fx.GraphModule, config: PassConfig | None = None) -> dict[str
     return _run(gm, cfg, tuple(e for e in _POST_GRAD if e.switch))
 
 
+# [Note: Where the exchanges pool]
+# The exchange pool ([Note: Exchange outputs from a pool]) pays where it is measured to:
+# a step compiled whole runs 8% faster with it (docs/benchmarks.md). compile_block's
+# graphs gain nothing measurable from it, and its buffers sit idle through their
+# backward, which raises the step's peak by the pool's size. So by default
+# (``pool_exchange_outputs=None``) a graph pools its exchanges' outputs only if it
+# fills placeholders (holds ``fsdp.copy_`` or a resize of a placeholder, as every graph
+# of a step or block compiled with compiled autograd does, and no graph of
+# ``compile_block``'s); it is decided before the passes remove those ops. ``True`` or
+# ``False`` applies to every graph. Tested by ``test_pool_where_placeholders_fill``
+# (tests/test_passes_unit.py).
+
+
+def _pool_decided(gm: fx.GraphModule, cfg: PassConfig) -> PassConfig:
+    """``cfg`` with ``pool_exchange_outputs`` decided for ``gm`` where it is ``None``
+    ([Note: Where the exchanges pool])."""
+    if cfg.pool_exchange_outputs is not None:
+        return cfg
+    return replace(cfg, pool_exchange_outputs=_holds_placeholder_ops(gm))
+
+
 def _run(gm: fx.GraphModule, cfg: PassConfig, entries: tuple[PassEntry, ...]) -> dict[str, int]:
     """Runs ``entries`` in order: switched ones when on, the others (and ``per_unit``
     ones, [Note: Per-unit pass options]) always."""
+    cfg = _pool_decided(gm, cfg)
     done: dict[str, int] = {}
     for e in entries:
         on = not e.switch or getattr(cfg, e.name)

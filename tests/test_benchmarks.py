@@ -263,7 +263,8 @@ def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.Monke
     its peak above the start counts them, and only for such a variant ([Note: Memory
     per variant] in _harness.py): a pooled 1 MiB buffer takes 1 MiB off a live heap of
     100 MiB while it is pooled, and nothing once released; the variants of ours
-    compiled with compiled autograd take from the pool, torch's and eager ones and
+    compiled with compiled autograd take from the pool, and ``compile_block``'s with
+    the pool switched on; torch's, the eager ones, ``compile_block``'s by default and
     ours with the pool off do not."""
     from traceable_hsdp.passes import release_exchange_buffers
     from traceable_hsdp.passes.gloo import _pool
@@ -282,9 +283,10 @@ def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.Monke
     assert H.allocated_mib(cpu, pooled=True) >= start
     by_name = {v.name: v for v in H.all_variants()[0]}
     takes = {n for n, v in by_name.items() if v.pools_exchanges}
-    assert {"ours_compiled", "ours_compiled_per_unit", "ours_block_compiled_ca"} <= takes
+    assert {"ours_compiled", "ours_compiled_per_unit", "ours_block_compiled_ca",
+            "ours_per_block_pool"} <= takes
     assert not takes & {"ours_eager", "torch_eager", "torch_block_compiled",
-                        "ours_block_compiled", "unsharded_compiled_1rank",
+                        "ours_block_compiled", "unsharded_compiled_1rank", "ours_per_block",
                         "ours_compiled_no_pool_exchange_outputs"}, takes
 
 

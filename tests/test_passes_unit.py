@@ -802,6 +802,39 @@ def test_config_from_env() -> None:
         PassConfig(bucket_cap_mb="25")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=">= 0"):
         PassConfig(bucket_cap_mb=-1.0)
+    with pytest.raises(TypeError, match="pool_exchange_outputs must be a bool, or None"):
+        PassConfig(pool_exchange_outputs=1)  # type: ignore[arg-type]
+
+
+def test_pool_where_placeholders_fill() -> None:
+    """[Note: Where the exchanges pool]: by default (``None``) a graph pools its
+    exchanges' outputs only if it fills placeholders (an ``fsdp.copy_`` or a resize),
+    as every graph of a step compiled whole does and no graph of ``compile_block``'s
+    does (``tests/test_per_block.py`` counts neither op there); ``True`` and ``False``
+    apply to every graph, and the rest of the configuration is kept."""
+    from traceable_hsdp.passes._install import _pool_decided
+
+    def graph(op: Any) -> fx.GraphModule:
+        g = fx.Graph()
+        full, shard = g.placeholder("full"), g.placeholder("shard")
+        if op is torch.ops.fsdp.copy_.default:
+            g.call_function(op, (full, shard))
+        elif op is not None:
+            g.call_function(op, (full, 0))
+        g.output(shard)
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    fills = [graph(torch.ops.fsdp.copy_.default),
+             graph(torch.ops.inductor.resize_storage_bytes_.default)]
+    plain = graph(None)
+    default = PassConfig(overlap=False)
+    assert default.pool_exchange_outputs is None
+    for gm in fills:
+        assert _pool_decided(gm, default) == PassConfig(overlap=False, pool_exchange_outputs=True)
+    assert _pool_decided(plain, default) == PassConfig(overlap=False, pool_exchange_outputs=False)
+    for fixed in (True, False):
+        cfg = PassConfig(pool_exchange_outputs=fixed)
+        assert all(_pool_decided(gm, cfg) is cfg for gm in (*fills, plain))
 
 
 @pytest.fixture

@@ -40,7 +40,8 @@ __all__ = [
 #   ``test_pool_keeps_within_its_budget`` pins the bound.
 # - :func:`release_exchange_buffers` drops every buffer not in use (as
 #   ``torch.cuda.empty_cache()``); ``PassConfig(pool_exchange_outputs=False)`` uses
-#   torch's op.
+#   torch's op, and so do ``compile_block``'s graphs by default ([Note: Where the
+#   exchanges pool] in ``passes/_install.py``).
 #
 # Inductor lowers the op as torch's (:func:`pooled_all_to_all_lowering`), so its input
 # stays alive until the wait and the scheduler counts it as a collective. A torch
