@@ -514,9 +514,10 @@ def pass_variants() -> tuple[list[Variant], str]:
         )
     import dataclasses
 
+    # The pool's default is None (each graph decides); it is switched like a pass.
     switches = [
         f.name for f in dataclasses.fields(PassConfig)
-        if isinstance(getattr(PassConfig(), f.name), bool)
+        if isinstance(getattr(PassConfig(), f.name), bool) or f.name == "pool_exchange_outputs"
     ]
     on = tuple((n, True) for n in switches)
     off = tuple((n, False) for n in switches)

@@ -282,6 +282,7 @@ def test_heap_start_leaves_out_pooled_exchange_buffers(monkeypatch: pytest.Monke
     assert release_exchange_buffers() >= 2**20 + 28
     assert H.allocated_mib(cpu, pooled=True) >= start
     by_name = {v.name: v for v in H.all_variants()[0]}
+    assert "ours_compiled_no_pool_exchange_outputs" in by_name  # switched like a pass
     takes = {n for n, v in by_name.items() if v.pools_exchanges}
     assert {"ours_compiled", "ours_compiled_per_unit", "ours_block_compiled_ca",
             "ours_per_block_pool"} <= takes
