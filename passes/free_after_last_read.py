@@ -82,4 +82,3 @@ def free_after_last_read(gm: fx.GraphModule) -> int:
         moved += 1
         order = node_order(graph)  # the move shifted positions
     return moved
-

@@ -86,9 +86,10 @@ from .._graph import (
     WAIT,
     bound_args,
     group_backend,
+    resolve_group,
     single_wait,
 )
-from ._pool import POOLED_ALL_TO_ALL, _resolve_process_group, pooled_all_to_all_lowering
+from ._pool import POOLED_ALL_TO_ALL, pooled_all_to_all_lowering
 from .._rewrite import insert_call, static_numel, tensor_val
 
 __all__ = ["all_gather_by_exchange", "is_gloo_group", "reduce_scatter_by_exchange"]
@@ -148,9 +149,16 @@ def _all_to_all(pooled: bool) -> torch._ops.OpOverload:
     return POOLED_ALL_TO_ALL if pooled and pooled_all_to_all_lowering() else ALL_TO_ALL
 
 
-def group_rank(group_name: str) -> int:
-    """This process's rank in the process group named ``group_name``."""
-    return int(_resolve_process_group(group_name).rank())
+def _group_rank(group_name: str) -> int:
+    """This process's rank in the process group named ``group_name``, which
+    :func:`is_gloo_group` found."""
+    group = resolve_group(group_name)
+    if group is None:
+        raise RuntimeError(
+            f"reduce_scatter_by_exchange: the process group {group_name!r} is no longer "
+            "known to this process; compile after the groups exist and while they do."
+        )
+    return int(group.rank())
 
 
 def _exchange(
@@ -200,7 +208,7 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
         wait = _one_wait(node, name, "reduce_scatter_by_exchange")
         if wait is None:
             continue
-        k, rank, inp = shape[0] // 2, group_rank(name), args["input"]
+        k, rank, inp = shape[0] // 2, _group_rank(name), args["input"]
         a2a = _all_to_all(pooled)
         with graph.inserting_before(node):
             peers = insert_call(graph, _aten.slice.Tensor, (inp, 0, (1 - rank) * k, (2 - rank) * k),
