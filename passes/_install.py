@@ -13,7 +13,8 @@ cache key (``uuid()``) hashes both, every ``passes/*.py`` source and the
 :class:`PassConfig`. It also sets functorch's ``joint_custom_pass`` to a
 :class:`TraceableHSDPJointPass`, which runs the correctness fixes
 :func:`save_checkpoint_outputs` and :func:`recompute_placeholder_views` on every joint
-graph, for every backend, unswitched. A joint pass already set runs first. It changes
+graph, for every backend, unswitched, then lets go of the joint trace ([Note: The joint
+trace's tracer]). A joint pass already set runs first. It changes
 only graphs with a ``BackwardState`` input, which bypass AOTAutograd's cache (whose
 key ignores ``joint_custom_pass``).
 
@@ -83,7 +84,7 @@ from ._graph import (
     is_placeholder_op,
     is_resize,
 )
-from .._torch_internals import cancel_when_inductor_loads, owner, when_inductor_loads
+from .._torch_internals import cancel_when_inductor_loads, owner, resolve, when_inductor_loads
 from ._registry import ALIASES, PASSES, PassEntry, switched
 from .bucket_collectives import DEFAULT_BUCKET_CAP_MB
 
@@ -398,8 +399,8 @@ def _rank() -> int | None:
 
 class TraceableHSDPJointPass:
     """The ``joint_custom_pass`` :func:`install` sets: ``user_pass`` (what was there,
-    a callable ``(joint_gm, joint_inputs) -> joint_gm``; default ``None``), then the
-    joint passes. See [Note: Installing the passes]."""
+    a callable ``(joint_gm, joint_inputs) -> joint_gm``; default ``None``), the joint
+    passes, then :func:`release_joint_trace`. See [Note: Installing the passes]."""
 
     def __init__(self, user_pass: Any = None) -> None:
         self.user_pass = user_pass
@@ -408,7 +409,40 @@ class TraceableHSDPJointPass:
         if callable(self.user_pass):
             gm = self.user_pass(gm, joint_inputs)
         _run(gm, get_config(), _JOINT)
+        release_joint_trace(gm)
         return gm
+
+
+# [Note: The joint trace's tracer]
+# AOTAutograd traces the joint graph with make_fx, whose ``track_tensor_tree`` gives
+# the graph's ``BackwardState`` input (how dynamo hands a forward's hooks to compiled
+# autograd) a ``proxy`` attribute: that trace's proxy, and through it the tracer and
+# the whole joint trace. Nothing reads it once the trace is done, but the
+# ``BackwardState`` lives on as the ``val`` of a placeholder in the forward and
+# backward graphs AOTAutograd keeps for compiled autograd, and the joint trace with it:
+# for the whole step of docs/benchmarks.md's 8-layer HF Llama, two graphs of 2,200
+# nodes each with their fake tensors and stack traces, kept for the life of the
+# process. The joint pass runs after the trace and before the partitioner, so
+# :func:`release_joint_trace` drops the attribute there; a later trace sets its own.
+# Its effect on the peak is in docs/benchmarks.md ("Memory"). A torch whose
+# ``track_tensor_tree`` no longer sets ``proxy`` raises ``TorchInternalError``
+# ([Note: Torch internals]). Test: ``test_joint_trace_released`` (test_runtime.py).
+
+_TRACK_TENSOR_TREE = "torch.fx.experimental.proxy_tensor.track_tensor_tree"
+_BACKWARD_STATE = "torch.fx.experimental._backward_state.BackwardState"
+
+
+def release_joint_trace(gm: fx.GraphModule) -> int:
+    """Drops the joint trace that each ``BackwardState`` input of the joint graph ``gm``
+    holds; returns how many held one. See [Note: The joint trace's tracer]."""
+    resolve(_TRACK_TENSOR_TREE)
+    backward_state = resolve(_BACKWARD_STATE)
+    released = 0
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, backward_state) and value.__dict__.pop("proxy", None) is not None:
+            released += 1
+    return released
 
 
 def _is_ours(value: object) -> bool:

@@ -850,6 +850,45 @@ def test_compiled_autograd_ordering_tolerates_no_gradient(one_rank) -> None:
         _compile.tolerate_outputs_without_gradient()  # as fully_shard leaves it
 
 
+def test_joint_trace_released(one_rank, monkeypatch) -> None:
+    """A compiled step keeps no joint trace: AOTAutograd's make_fx leaves its proxy on
+    the forward's ``BackwardState`` input, which the graphs kept for compiled autograd
+    hold, so the tracer and its joint graph outlived the compile until the joint pass
+    dropped it ([Note: The joint trace's tracer] in passes/_install.py). Compiled
+    autograd's own tracer stays: its graph is the backward's. aot_eager partitions the
+    same joint graph as Inductor; the memory effect is in docs/benchmarks.md."""
+    import gc
+
+    from torch._dynamo.compiled_autograd import AutogradCompilerInstance as CompiledAutograd
+    from torch.fx.experimental.proxy_tensor import PythonKeyTracer
+
+    from traceable_hsdp.passes import _install
+
+    released: list[int] = []
+    release = _install.release_joint_trace
+    monkeypatch.setattr(_install, "release_joint_trace",
+                        lambda gm: released.append(release(gm)) or released[-1])
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    th.fully_shard(m[0], mesh=one_rank)
+    th.fully_shard(m, mesh=one_rank)
+    th.enable_compiled_autograd(backend="aot_eager")
+    try:
+        fwd = torch.compile(m, backend="aot_eager", fullgraph=True)
+        for _ in range(2):
+            fwd(torch.randn(3, 4)).square().mean().backward()
+        gc.collect()
+        assert released == [1], released  # one joint graph, one BackwardState input
+        objects = gc.get_objects()
+        kept = {id(o.fx_tracer) for o in objects if isinstance(o, CompiledAutograd)}
+        tracers = [o for o in objects if isinstance(o, PythonKeyTracer) and id(o) not in kept]
+        assert not tracers, f"{len(tracers)} make_fx tracers outlive the compile"
+    finally:
+        th.disable_compiled_autograd()
+        torch._dynamo.reset()
+
+
 def test_eager_single_rank_unshard_reshard(one_rank) -> None:
     """FSDPModule.unshard()/reshard() swap the registered parameters and storage."""
     torch.manual_seed(0)

@@ -63,8 +63,8 @@ class TorchInternal:
     undo: str = ""
     """A change: the function :func:`undo` calls to undo it."""
     uses: tuple[str, ...] = ()
-    """Names the target's code (a class's ``__init__``) must read: the behaviour ours
-    relies on."""
+    """Names the target's code (a class's ``__init__``, or a function nested in the
+    target) must read or write: the behaviour ours relies on."""
     block: bool = False
     """Changed only inside a ``with`` block of ours, and undone at its exit."""
     checked_on: tuple[str, ...] = CHECKED_ON
@@ -152,6 +152,9 @@ INTERNALS: tuple[TorchInternal, ...] = (
        "traceable_hsdp._cache.uninstall_forward_cache_key"),
     _E("torch.fx.experimental._backward_state.BackwardState",
        "the forward's input that the FX graph cache refuses to key"),
+    _E("torch.fx.experimental.proxy_tensor.track_tensor_tree",
+       "it keeps the joint trace's proxy on a BackwardState, which the joint pass drops",
+       uses=("proxy",)),
     _E("torch._dynamo.utils.counters",
        "CacheCounts reads the FX graph and AOTAutograd cache counts there"),
     _E("torch._dynamo.utils.compilation_time_metrics",
@@ -286,10 +289,20 @@ def resolve(target: str) -> Any:
     if key:
         return obj.get(_path(target, key.rstrip("]")))
     code = getattr(obj.__init__ if isinstance(obj, type) else obj, "__code__", None)
-    missing = [n for n in entry.uses if code is None or n not in code.co_names]
+    names = _names(code) if code is not None else set()
+    missing = [n for n in entry.uses if n not in names]
     if missing:
         raise internal_error(target, f"no longer reads {', '.join(missing)}")
     return obj
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The names ``code`` and the functions nested in it read or write."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
 
 
 def owner(target: str) -> tuple[Any, str]:
