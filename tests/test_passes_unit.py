@@ -173,17 +173,18 @@ def _graph_text(gm: fx.GraphModule) -> str:
 # ----------------------------------------------------- remove_resize_copy
 def _forward_like(world: int = 2) -> tuple[fx.GraphModule, list[list[torch.Tensor]]]:
     """One unit, two parameters: w0 (8, 8) even, w1 (5,) padded to 3 rows a rank.
-    Gathers first, then grow/copy pairs, compute, frees; p0 is also returned (as
-    AOTAutograd returns a placeholder it saves for backward)."""
+    Gathers first, then each parameter's fill as the runtime traces it (the padded
+    one's slice, grow, copy), compute, frees; p0 is also returned (as AOTAutograd
+    returns a placeholder it saves for backward)."""
     b = _Builder()
     w0, w1 = b.input("w0", 8 // world, 8), b.input("w1", 3)
     p0, p1 = b.input("p0", 8, 8), b.input("p1", 5)
     x = b.input("x", 2, 8)
     r0 = b(WAIT, b(ALL_GATHER, w0, world, "0"))
     r1 = b(WAIT, b(ALL_GATHER, w1, world, "0"))
-    full1 = b(aten.slice.Tensor, r1, 0, 0, 5)
     b(RESIZE, p0, 8 * 8 * 4)
     b(FSDP_COPY, p0, r0)
+    full1 = b(aten.slice.Tensor, r1, 0, 0, 5)
     b(RESIZE, p1, 5 * 4)
     b(FSDP_COPY, p1, full1)
     y = b(aten.mm.default, x, b(aten.permute.default, p0, [1, 0]))
@@ -476,14 +477,22 @@ def test_bucket_all_gathers_copies_a_kept_unit_straight_into_its_placeholders() 
     """[Note: A bucket copied straight into its placeholders]: when every gathered
     parameter of a bucket is read only by ``fsdp.copy_`` into its placeholder (through
     views; the padded one through a slice), each is a reshape of the grid's column
-    slice, with no ``split_columns``; the values are bitwise the same. A bucket with
-    another reader keeps ``split_columns`` (the test above)."""
+    slice, with no ``split_columns``; the values are bitwise the same. Each
+    placeholder grows just before its fill, after the bucket's wait: none holds its
+    bytes while the bucket is gathered. A bucket with another reader keeps
+    ``split_columns`` (the test above)."""
     gm, inputs = _forward_like()
     ref = _values(_run_spmd(gm, inputs))
     assert bucket_all_gathers(gm) == 1
     targets = [n.target for n in gm.graph.nodes]
     assert SPLIT_COLUMNS not in targets, gm.graph
     assert targets.count(aten.reshape.default) == 2 + 2, gm.graph  # 2 flattens, 2 blocks
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    wait = next(n for n in gm.graph.nodes if n.target is WAIT)
+    grows = [n for n in gm.graph.nodes if n.target is RESIZE and n.args[1] != 0]
+    assert len(grows) == 2, gm.graph
+    for grow in grows:
+        assert order[grow] > order[wait] and grow.next.target is FSDP_COPY, gm.graph
     _same(_values(_run_spmd(gm, inputs)), ref)
 
 
