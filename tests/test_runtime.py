@@ -869,6 +869,9 @@ def test_joint_trace_released(one_rank, monkeypatch) -> None:
     monkeypatch.setattr(_install, "release_joint_trace",
                         lambda gm: released.append(release(gm)) or released[-1])
     torch._dynamo.reset()
+    gc.collect()
+    # What earlier tests left (held here, so no new tracer can take their ids).
+    before = [o for o in gc.get_objects() if isinstance(o, PythonKeyTracer)]
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     th.fully_shard(m[0], mesh=one_rank)
@@ -882,6 +885,7 @@ def test_joint_trace_released(one_rank, monkeypatch) -> None:
         assert released == [1], released  # one joint graph, one BackwardState input
         objects = gc.get_objects()
         kept = {id(o.fx_tracer) for o in objects if isinstance(o, CompiledAutograd)}
+        kept |= {id(o) for o in before}
         tracers = [o for o in objects if isinstance(o, PythonKeyTracer) and id(o) not in kept]
         assert not tracers, f"{len(tracers)} make_fx tracers outlive the compile"
     finally:
