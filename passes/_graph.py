@@ -74,6 +74,7 @@ __all__ = [
     "is_fsdp_copy",
     "is_placeholder_op",
     "is_reduce_scatter",
+    "is_grow",
     "is_resize",
     "is_version_counter_op",
     "is_view",
@@ -207,6 +208,11 @@ def is_fsdp_copy(node: fx.Node) -> bool:
 def is_resize(node: fx.Node) -> bool:
     """``inductor.resize_storage_bytes_(variable, new_size)``."""
     return op_name(node) == _RESIZE_NAME
+
+
+def is_grow(node: fx.Node, placeholder: fx.Node) -> bool:
+    """A resize of ``placeholder`` to a size other than 0 (its grow before a fill)."""
+    return is_resize(node) and node.args[0] is placeholder and resize_nbytes(node) != 0
 
 
 def is_placeholder_op(node: fx.Node) -> bool:

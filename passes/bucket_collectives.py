@@ -109,12 +109,11 @@ from ._graph import (
     is_all_gather,
     is_collective,
     is_fsdp_copy,
+    is_grow,
     is_reduce_scatter,
-    is_resize,
     is_view,
     is_wait,
     merge_annotations,
-    resize_nbytes,
     set_annotation,
     single_wait,
     unit_pass_options,
@@ -342,7 +341,7 @@ def _merge_all_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> bool:
                                      like=m.node)
                 m.wait.replace_all_uses_with(result)
                 offset += m.numel
-            _grow_at_fill(graph, buf)
+            _grow_at_fill(graph, buf, out)
         else:
             # See [Note: One copy-out per all-gather bucket] in _ops.py.
             blocks = insert_call(
@@ -387,29 +386,28 @@ def _fills(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _grow_at_fill(graph: fx.Graph, buf: fx.Node) -> int:
+def _grow_at_fill(graph: fx.Graph, buf: fx.Node, wait: fx.Node) -> int:
     """Moves each grow that precedes the bucket ``buf`` packs down to just before the
-    ``fsdp.copy_`` that fills its placeholder from the bucket, when nothing between
-    reads or writes the placeholder. Returns how many moved. See [Note: A bucket
-    copied straight into its placeholders]."""
+    ``fsdp.copy_`` that fills its placeholder from the bucket's ``wait``, when nothing
+    between reads or writes the placeholder. Returns how many moved. See [Note: A
+    bucket copied straight into its placeholders]."""
     order = node_order(graph)
-    wait = next(u for u in next(iter(buf.users)).users if is_wait(u))
     moved = 0
     for fill in _fills(wait):
         placeholder = fill.args[0]
         if not isinstance(placeholder, fx.Node):
             continue
         grows = [u for u in placeholder.users
-                 if is_resize(u) and u.args[0] is placeholder and resize_nbytes(u) != 0
-                 and order[u] < order[fill]]
+                 if is_grow(u, placeholder) and order[u] < order[fill]]
         if not grows:
             continue
         grow = max(grows, key=order.__getitem__)
         if order[grow] > order[buf]:
             continue
-        between = [u for a in alias_closure(placeholder) for u in a.users
+        aliases = alias_closure(placeholder)
+        between = [u for a in aliases for u in a.users
                    if u is not grow and u is not fill and order[grow] < order[u] < order[fill]]
-        between += [a for a in alias_closure(placeholder)
+        between += [a for a in aliases
                     if a is not placeholder and order[grow] < order[a] < order[fill]]
         if between:
             continue

@@ -32,14 +32,10 @@ from __future__ import annotations
 
 from torch import fx
 
-from ._graph import is_resize, resize_nbytes
+from ._graph import is_grow, is_resize, resize_nbytes
 from ._rewrite import alias_closure, node_order, storage_sharers
 
 __all__ = ["free_after_last_read"]
-
-
-def _is_grow(node: fx.Node, placeholder: fx.Node) -> bool:
-    return is_resize(node) and node.args[0] is placeholder and resize_nbytes(node) != 0
 
 
 def free_after_last_read(gm: fx.GraphModule) -> int:
@@ -59,7 +55,7 @@ def free_after_last_read(gm: fx.GraphModule) -> int:
         if not isinstance(placeholder, fx.Node):
             continue
         at = order[free]
-        grows = [order[n] for n in placeholder.users if _is_grow(n, placeholder)]
+        grows = [order[n] for n in placeholder.users if is_grow(n, placeholder)]
         start = max((g for g in grows if g < at), default=-1)
         end = min((g for g in grows if g > at), default=len(order))
         last = None
