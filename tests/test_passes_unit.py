@@ -1641,7 +1641,7 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
     from traceable_hsdp import passes
     from traceable_hsdp._collectives import reduce_scatter
     from traceable_hsdp.passes import reduce_scatter_by_exchange
-    from traceable_hsdp.passes._graph import EXCHANGE_COUNT, REDUCE_SCATTER
+    from traceable_hsdp.passes._graph import EXCHANGE_COUNT, REDUCE_SCATTER, WAIT
 
     c10d = torch.ops._c10d_functional
     group = torch.distributed.group.WORLD.group_name
@@ -1671,8 +1671,15 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
                     fn = _reduce_scatter_times_3(op, world, group)
                     torch._dynamo.reset()
                     same = torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x))
-                    final = graph_counts(compiled.graphs[-1].final_graph())
-                    out["inductor"][key] = (same, final.get(EXCHANGE_COUNT, 0))
+                    graph = compiled.graphs[-1].final_graph()
+                    final = graph_counts(graph)
+                    # The sum is written into the received half (a wait's value).
+                    sums = [
+                        (n.target.__name__, n.args[0].target is WAIT)
+                        for n in graph.nodes
+                        if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+                    ]
+                    out["inductor"][key] = (same, final.get(EXCHANGE_COUNT, 0), sums)
                 with AtenOps() as ops:
                     eager = reduce_scatter(x, op, world, group, rank)
                 plain = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, op, world, group))
@@ -1710,8 +1717,9 @@ def exchange_worker(rank: int, world: int) -> dict[str, Any]:
 # ---------------------------------------------------- reduce_scatter_by_exchange
 def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
     """On 2 gloo ranks, each float32 reduce-scatter ("sum" and "avg"; a 1-D and a 2-D
-    gradient) becomes one exchange and an addition, and the graph gives bitwise the
-    same result as gloo's own reduce-scatter, run op by op and compiled by Inductor
+    gradient) becomes one exchange and an addition into the received half (compiled:
+    an in-place add of the wait's value), and the graph gives bitwise the same result
+    as gloo's own reduce-scatter, run op by op and compiled by Inductor
     with a reader fused after it (one shape per dtype and op, alternating: 4
     compiles); a bfloat16 one is left alone in graphs (see
     [Note: Low-precision sums and fusion]). The eager runtime's ``reduce_scatter``
@@ -1740,8 +1748,11 @@ def test_reduce_scatter_by_exchange_gives_gloos_numbers() -> None:
         assert len(set(pairs)) == len(pairs) == 4, r["inductor"]
         shapes = {key.rsplit("/", 1)[1] for key in r["inductor"]}
         assert shapes == {"(10,)", "(6, 5)"}, r["inductor"]
-        for key, (same, exchanges) in r["inductor"].items():  # compiled: bits, and the form
-            assert same and exchanges == (0 if key.startswith("torch.bfloat16") else 1), (key, r)
+        for key, (same, exchanges, sums) in r["inductor"].items():  # bits, and the form
+            low = key.startswith("torch.bfloat16")
+            assert same and exchanges == (0 if low else 1), (key, r)
+            # In the received half: no third buffer of the result's size.
+            assert sums == ([] if low else [("add_.Tensor", True)]), (key, sums)
         assert all(r["eager"].values()), r["eager"]
         assert r["left_alone"] == {"max": 0, "no_wait": 0, "gpu": 0, "reduce_scatters": 1}, r
         assert r["eager_ops"] == {

@@ -15,14 +15,20 @@ into::
 
     ex = all_to_all_single(g[(1-r)k:(2-r)k], s, s, "0")  # where rs was; s: [0, k] on
     w  = wait_tensor(ex)                            #   rank 0, [k, 0] on rank 1
-    r  = div(add(w, g[rk:(r+1)k]), 2)               # "sum": add(w, g[rk:(r+1)k])
+    r  = div_(add_(w, g[rk:(r+1)k]), 2)             # "sum": add_(w, g[rk:(r+1)k])
 
 Each rank sends only the peer's half and receives the peer's half of its own chunk
-(``k`` rows, not ``2k``), and the addition reads the whole received buffer, so
-Inductor may write the sum into it: the input and one half are alive at once, where
-gloo's reduce-scatter holds its input, its copy and its output. The graph depends on
-the rank, so the passes' ``uuid()`` holds it ([Note: Per-unit options and the FX
-graph cache] in ``_install.py``).
+(``k`` rows, not ``2k``), and the sum is written into the received buffer, which is
+the result: the input and one half are alive at once, where gloo's reduce-scatter
+holds its input, its copy and its output. The addition is in place in the graph
+because Inductor does not reuse a collective's output for a kernel's result: an
+out-of-place ``add`` put a third buffer of the result's size beside the input and
+the received half (the root's bucket: the backward's tensor peak; docs/benchmarks.md,
+"Memory"). A pooled received buffer is then held by the gradients that view the
+result, and the pool hands it out again only once nothing else references it ([Note:
+Exchange outputs from a pool] in ``_pool.py``). The graph depends on the rank, so the
+passes' ``uuid()`` holds it ([Note: Per-unit options and the FX graph cache] in
+``_install.py``).
 
 Bitwise equal: over two ranks each element is one commutative addition
 (``tests/test_passes_unit.py`` checks both ops against gloo's). Eagerly
@@ -218,9 +224,9 @@ def reduce_scatter_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
                     rank: int = rank, op: str = op) -> fx.Node:
             own = insert_call(graph, _aten.slice.Tensor, (inp, 0, rank * k, (rank + 1) * k),
                               like=node)
-            out = insert_call(graph, _aten.add.Tensor, (got, own), like=node)
+            out = insert_call(graph, _aten.add_.Tensor, (got, own), like=node)
             if op == "avg":
-                out = insert_call(graph, _aten.div.Tensor, (out, 2), like=node)
+                out = insert_call(graph, _aten.div_.Tensor, (out, 2), like=node)
             return out
 
         splits = [0, k] if rank == 0 else [k, 0]
