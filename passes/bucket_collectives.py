@@ -58,6 +58,18 @@ the bucket; a side-effecting read splits it. With ``reshard_after_forward=False`
 nothing delimits the units, so the whole backward is one bucket (every unsharded
 gradient lives until it is issued).
 
+[Note: A dominant gradient is reduced alone]
+A reduce-scatter larger than the rest of its bucket together, and at least the bucket
+cap (``DEFAULT_BUCKET_CAP_MB`` where there is none), is left out of the bucket and
+issued from its own tensor. Packed, it is copied: the gradient and the bucket are
+alive at once (a language model's head or embedding gradient, with the exchange's
+received half beside the bucket: the backward's tensor peak), to save one
+collective's latency, which at that size is small beside the copy. The rest of the
+unit is bucketed as before; the lone one, at least the cap, never merges with another
+unit under it. Checked in ``tests/test_passes_unit.py``
+(``test_dominant_gradient_reduced_alone``); measured in docs/benchmarks.md
+("Memory").
+
 The merged collective carries the annotations of those it replaces ([Note: Collective
 annotations] in ``_graph.py``).
 
@@ -507,7 +519,28 @@ def plan_reduce_scatter_buckets(
         units.append(part)
     for unit in units:
         unit.nbytes = sum(_nbytes(_reduce_scatter_key(n)) for n in unit.nodes)
-    return _apply_cap(units, valid)
+    return _apply_cap([part for unit in units for part in _split_dominant(unit, valid)], valid)
+
+
+def _split_dominant(unit: _Unit, valid: Callable[[list[fx.Node]], bool]) -> list[_Unit]:
+    """``unit`` as it is, or, when one reduce-scatter dominates it, that one alone and
+    the rest. See [Note: A dominant gradient is reduced alone]."""
+    if len(unit.nodes) < 2:
+        return [unit]
+    sizes = [_nbytes(_reduce_scatter_key(n)) for n in unit.nodes]
+    i = max(range(len(sizes)), key=sizes.__getitem__)
+    cap_mb = DEFAULT_BUCKET_CAP_MB if unit.cap_mb is None else unit.cap_mb
+    rest = [n for j, n in enumerate(unit.nodes) if j != i]
+    if sizes[i] < cap_mb * _MIB or sizes[i] <= unit.nbytes - sizes[i] or not valid(rest):
+        return [unit]
+    log.debug(
+        "bucket_reduce_scatters: %s (%d bytes) reduced alone, not copied into the bucket of %s",
+        unit.nodes[i].name, sizes[i], [n.name for n in rest],
+    )
+    # At least the cap, it never merges with another unit under it.
+    alone = _Unit([unit.nodes[i]], unit.key, sizes[i], unit.cap_mb)
+    others = _Unit(rest, unit.key, unit.nbytes - sizes[i], unit.cap_mb)
+    return [alone, others] if i == 0 else [others, alone]
 
 
 def _nbytes(key_bytes: tuple[Hashable, int] | None) -> int:

@@ -55,7 +55,7 @@ from traceable_hsdp.passes._graph import (
     set_annotation,
 )
 from traceable_hsdp.passes._ops import SPLIT_COLUMNS
-from traceable_hsdp.passes._rewrite import alias_closure, set_fake_val
+from traceable_hsdp.passes._rewrite import alias_closure, set_fake_val, tensor_val
 
 aten = torch.ops.aten
 F32 = torch.float32
@@ -669,6 +669,58 @@ def test_bucket_reduce_scatters_per_unit_and_cap() -> None:
     gm, _ = _scatters(2, units=2)
     assert bucket_reduce_scatters(gm, bucket_cap_mb=1.0) == 1
     assert _counts(gm)["reduce_scatter"] == 1
+    _same(_run_spmd(gm, inputs), ref)
+
+
+def _head_and_norms(head_rows: int, units: int = 1, first: tuple[int, ...] = (4, 3)):
+    """Backward-like, 2 ranks: per unit a re-gather, then a ``first`` gradient, a
+    (head_rows, 1024) one (a language model's head) and a (6,) one, each
+    reduce-scattered in turn."""
+    shapes = [first, (head_rows, 1024), (6,)]
+    b = _Builder()
+    w = b.input("w", 2, 2)
+    grads = [[b.input(f"u{u}g{i}", *s) for i, s in enumerate(shapes)] for u in range(units)]
+    outs = []
+    for u in range(units):
+        outs.append(b(WAIT, b(ALL_GATHER, w, 2, "0")))
+        for g in grads[u]:
+            outs.append(b(WAIT, b(REDUCE_SCATTER, b(aten.mul.Tensor, g, 2.0), "avg", 2, "0")))
+    gen = torch.Generator().manual_seed(5)
+    inputs = [
+        [torch.randn(2, 2, generator=gen)]
+        + [torch.randn(s, generator=gen) for _ in range(units) for s in shapes]
+        for _ in range(2)
+    ]
+    return b.done(*outs), inputs
+
+
+def _scatter_inputs(gm: fx.GraphModule) -> list[list[int]]:
+    """Each reduce-scatter's input shape, in graph order."""
+    return [list(tensor_val(n.args[0]).shape) for n in gm.graph.nodes if is_reduce_scatter(n)]
+
+
+def test_dominant_gradient_reduced_alone() -> None:
+    """[Note: A dominant gradient is reduced alone]: a 4.7 MiB gradient beside two of a
+    few bytes is reduce-scattered from its own tensor (no copy into a bucket) and the
+    two small ones are bucketed, with bitwise the results of unbucketed reduce-scatters;
+    under a cap above its size, or when it is not larger than the rest, it is bucketed
+    as before. Two such units give two lone ones and two buckets."""
+    gm, inputs = _head_and_norms(1200)
+    ref = _run_spmd(gm, inputs)
+    assert bucket_reduce_scatters(gm) == 1
+    assert _scatter_inputs(gm) == [[1200, 1024], [18]]  # alone (its own tensor), bucket
+    _same(_run_spmd(gm, inputs), ref)
+    gm, _ = _head_and_norms(1200)
+    assert bucket_reduce_scatters(gm, bucket_cap_mb=8.0) == 1
+    assert _scatter_inputs(gm) == [[1228818]]  # below the cap: one bucket
+    gm, _ = _head_and_norms(2)  # 8 KiB: below the default cap
+    assert bucket_reduce_scatters(gm) == 1 and len(_scatter_inputs(gm)) == 1
+    gm, _ = _head_and_norms(1200, first=(1200, 1024))  # not larger than the rest
+    assert bucket_reduce_scatters(gm) == 1 and len(_scatter_inputs(gm)) == 1
+    gm, inputs = _head_and_norms(1200, units=2)
+    ref = _run_spmd(gm, inputs)
+    assert bucket_reduce_scatters(gm) == 2
+    assert _scatter_inputs(gm) == [[1200, 1024], [18], [1200, 1024], [18]]
     _same(_run_spmd(gm, inputs), ref)
 
 
