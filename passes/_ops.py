@@ -1,5 +1,6 @@
-"""The op the bucketing passes add to graphs: ``torch.ops.traceable_hsdp.split_columns``.
-(The exchanges' pooled all-to-all is in ``gloo/_pool.py``.)
+"""The ops the passes add to graphs: ``torch.ops.traceable_hsdp.split_columns`` (the
+bucketing passes) and ``torch.ops.traceable_hsdp.pack_twice`` (gloo's all-gather
+exchange). (The exchanges' pooled all-to-all is in ``gloo/_pool.py``.)
 
 [Note: One copy-out per all-gather bucket]
 Each parameter's gathered value is a column block of a bucketed all-gather's
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SPLIT_COLUMNS", "split_columns"]
+__all__ = ["PACK_TWICE", "SPLIT_COLUMNS", "pack_twice", "split_columns"]
 
 
 @torch.library.custom_op("traceable_hsdp::split_columns", mutates_args=())
@@ -36,3 +37,35 @@ def _(grid: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 
 SPLIT_COLUMNS = torch.ops.traceable_hsdp.split_columns.default
+
+
+# [Note: The doubled all-gather input, packed by one extern call]
+# Over two gloo ranks an all-gather is an exchange of this rank's shards sent to both
+# ranks ([Note: gloo all-gathers as an exchange] in ``gloo/exchange.py``), so its input
+# is the shards packed twice. Packed by an Inductor ``cat``, that input is a buffer
+# Inductor plans: its C++ backend may put the packing in one kernel with independent
+# loops before it (allocating the buffer early), and the wrapper may keep the freed
+# buffer for a later one of its size (seen: a layer's, kept through the next layer's
+# backward). ``pack_twice(pieces)`` packs it in one extern call, allocated when the
+# call runs and freed after the exchange's wait. Bitwise the same as the ``cat`` (a
+# copy). Measured in docs/benchmarks.md ("Memory").
+
+
+@torch.library.custom_op("traceable_hsdp::pack_twice", mutates_args=())
+def pack_twice(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The 1-D ``pieces`` concatenated, twice over. See [Note: The doubled all-gather
+    input, packed by one extern call]."""
+    return torch.cat([*pieces, *pieces])
+
+
+@pack_twice.register_fake
+def _(pieces: list[torch.Tensor]) -> torch.Tensor:
+    if not pieces or any(p.dim() != 1 or p.dtype != pieces[0].dtype for p in pieces):
+        raise ValueError(
+            "pack_twice: the pieces must be 1-D tensors of one dtype, at least one; got "
+            f"{[(tuple(p.shape), p.dtype) for p in pieces]}"
+        )
+    return pieces[0].new_empty(2 * sum(p.numel() for p in pieces))
+
+
+PACK_TWICE = torch.ops.traceable_hsdp.pack_twice.default

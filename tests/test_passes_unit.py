@@ -54,7 +54,7 @@ from traceable_hsdp.passes._graph import (
     is_wait,
     set_annotation,
 )
-from traceable_hsdp.passes._ops import SPLIT_COLUMNS
+from traceable_hsdp.passes._ops import PACK_TWICE, SPLIT_COLUMNS
 from traceable_hsdp.passes._rewrite import alias_closure, set_fake_val, tensor_val
 
 aten = torch.ops.aten
@@ -1540,7 +1540,9 @@ def gather_exchange_worker(rank: int, world: int) -> dict[str, Any]:
     fn = _gather_times_3(world, group)
     torch._dynamo.reset()
     same = torch.equal(torch.compile(fn, fullgraph=True)(a, b), fn(a, b))
-    out["inductor"] = (same, graph_counts(compiled.graphs[-1].final_graph()))
+    final = compiled.graphs[-1].final_graph()
+    packs = sum(n.target is PACK_TWICE for n in final.nodes)
+    out["inductor"] = (same, graph_counts(final), packs)
     torch._inductor.config.post_grad_custom_post_pass = None
     x = torch.randn(8)
     gm = make_fx(lambda t: c10d.all_gather_into_tensor(t, world, group))(x)
@@ -1632,9 +1634,10 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
     """On 2 gloo ranks, an all-gather of a bucket (a ``cat`` of a 2-D and a 1-D
     shard) and of a 2-D shard, in float32 and bfloat16, each becomes one exchange of
     the shard sent twice, and the graph gives bitwise the same result (nothing is
-    computed: tolerance 0). The bucket's doubled input is one ``cat`` of its pieces
-    twice. Compiled by Inductor with the pass installed (one compile), the bucket
-    gives the bits of the uncompiled op, as one exchange and no all-gather. One with
+    computed: tolerance 0). The doubled input is one ``pack_twice`` of the bucket's
+    pieces. Compiled by Inductor with the pass installed (one compile), the bucket
+    gives the bits of the uncompiled op, as one exchange, no all-gather and one
+    ``pack_twice`` (an extern call, not a kernel Inductor groups with others). One with
     no wait and a GPU one are left alone. The exchange's output comes from the pool:
     a result still held is never written again, a freed one is reused, and with the
     pool off the pass issues torch's op. See [Note: gloo all-gathers as an exchange]
@@ -1650,16 +1653,15 @@ def test_all_gather_by_exchange_moves_the_same_bytes() -> None:
             assert family_counts(counts) == {"all_gather": 1}, counts
             assert counts.get(r["exchange_key"]) == 1 and "all_gather_into_tensor" not in counts
             target, pieces, splits = r["exchange_input"][key]
-            assert target == str(aten.cat.default), (key, target)
-            if key.endswith("bucket"):  # a's 12 elements and b's 5, twice
+            assert target == str(PACK_TWICE), (key, target)
+            if key.endswith("bucket"):  # a's 12 elements and b's 5, packed twice
                 assert splits == [[17, 17], [17, 17]], (key, splits)
-                assert len(pieces) == 4 and pieces[:2] == pieces[2:], pieces
-                assert pieces[0] in (reshape, view), pieces
-            else:  # the shard flattened, twice
+                assert len(pieces) == 2 and pieces[0] in (reshape, view), pieces
+            else:  # the shard flattened, packed twice
                 assert splits == [[12, 12], [12, 12]], (key, splits)
-                assert pieces == [reshape, reshape], pieces
-        same, counts = r["inductor"]
-        assert same, r["inductor"]
+                assert pieces == [reshape], pieces
+        same, counts, packs = r["inductor"]
+        assert same and packs == 1, r["inductor"]  # packed by the extern op
         assert counts.get(r["exchange_key"]) == 1, counts
         assert not any(k.startswith("all_gather_into_tensor") for k in counts), counts
         assert r["left_alone"] == {"no_wait": 0, "gpu": 0, "all_gathers": 1}, r["left_alone"]

@@ -49,9 +49,11 @@ reduce_scatter_by_exchange=False)`` turns both the pass and the eager exchange o
 gloo's all-gather into a tensor gathers into a buffer it allocates on every call, then
 copies that into the output. An all-to-all writes the output directly, and over two
 ranks it is an all-gather when the input is the shard twice. The price is writing the
-shard twice while packing the bucket; a training step is a little faster with it
-(docs/benchmarks.md). So :func:`all_gather_by_exchange` rewrites each all-gather of CPU
-tensors over a gloo group of two ranks, read by one wait::
+shard twice while packing the bucket, in one extern call ([Note: The doubled
+all-gather input, packed by one extern call] in ``_ops.py``); a training step is a
+little faster with it (docs/benchmarks.md). So :func:`all_gather_by_exchange`
+rewrites each all-gather of CPU tensors over a gloo group of two ranks, read by one
+wait::
 
     buf = cat([f0, f1])                             # the bucket: this rank's shards
     ag  = all_gather_into_tensor(buf, 2, "0")       # buf: (n,)
@@ -59,7 +61,7 @@ tensors over a gloo group of two ranks, read by one wait::
 
 into::
 
-    two = cat([f0, f1, f0, f1])                     # the shard, once per rank
+    two = pack_twice([f0, f1])                      # the shard, once per rank
     ex  = all_to_all_single(two, [n, n], [n, n], "0")   # where ag was
     w   = wait_tensor(ex)                           # where r was
     r   = view(w, <ag's shape>)
@@ -96,6 +98,7 @@ from .._graph import (
     single_wait,
 )
 from ._pool import POOLED_ALL_TO_ALL, pooled_all_to_all_lowering
+from .._ops import PACK_TWICE
 from .._rewrite import insert_call, static_numel, tensor_val
 
 __all__ = ["all_gather_by_exchange", "is_gloo_group", "reduce_scatter_by_exchange"]
@@ -257,7 +260,7 @@ def all_gather_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
         a2a = _all_to_all(pooled)
         with graph.inserting_before(node):
             pieces = _flat_pieces(graph, inp, node)
-            both = insert_call(graph, _aten.cat.default, ([*pieces, *pieces],), like=node)
+            both = insert_call(graph, PACK_TWICE, (pieces,), like=node)
         shape = list(out_val.shape)
 
         def as_gathered(got: fx.Node, node: fx.Node = node, shape: list[int] = shape) -> fx.Node:
@@ -275,7 +278,7 @@ def all_gather_by_exchange(gm: fx.GraphModule, pooled: bool = True) -> int:
 
 def _flat_pieces(graph: fx.Graph, inp: fx.Node, like: fx.Node) -> list[fx.Node]:
     """The all-gather input's flat pieces: a bucket's ``cat`` read only by it gives
-    its pieces (the doubled input is then one ``cat``); anything else is one piece."""
+    its pieces (the doubled input is packed from them); anything else is one piece."""
     if (
         inp.target is _aten.cat.default
         and len(inp.users) == 1
