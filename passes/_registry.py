@@ -83,7 +83,8 @@ PASSES: tuple[PassEntry, ...] = (
             gm, cfg.bucket_cap_mb, enabled=cfg.bucket_reduce_scatters
         ),
         "post_grad", True,
-        "one reduce-scatter per unit; adjacent units merged up to `bucket_cap_mb`",
+        "one reduce-scatter per unit (a gradient larger than the rest of it alone); "
+        "adjacent units merged up to `bucket_cap_mb`",
         per_unit=True,
     ),
     PassEntry(
