@@ -45,10 +45,11 @@ SPLIT_COLUMNS = torch.ops.traceable_hsdp.split_columns.default
 # is the shards packed twice. Packed by an Inductor ``cat``, that input is a buffer
 # Inductor plans: its C++ backend may put the packing in one kernel with independent
 # loops before it (allocating the buffer early), and the wrapper may keep the freed
-# buffer for a later one of its size (seen: a layer's, kept through the next layer's
-# backward). ``pack_twice(pieces)`` packs it in one extern call, allocated when the
-# call runs and freed after the exchange's wait. Bitwise the same as the ``cat`` (a
-# copy). Measured in docs/benchmarks.md ("Memory").
+# buffer for a later one of its size (seen: a block's, kept from its exchange's wait
+# through that block's backward, for the gather two blocks on). ``pack_twice(pieces)``
+# packs it in one extern call, allocated when the call runs and freed after the
+# exchange's wait. Bitwise the same as the ``cat`` (a copy); checked in
+# ``tests/test_passes_unit.py`` (``test_all_gather_by_exchange_moves_the_same_bytes``).
 
 
 @torch.library.custom_op("traceable_hsdp::pack_twice", mutates_args=())
