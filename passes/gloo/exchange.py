@@ -97,9 +97,9 @@ from .._graph import (
     resolve_group,
     single_wait,
 )
-from ._pool import POOLED_ALL_TO_ALL, pooled_all_to_all_lowering
 from .._ops import PACK_TWICE
 from .._rewrite import insert_call, static_numel, tensor_val
+from ._pool import POOLED_ALL_TO_ALL, pooled_all_to_all_lowering
 
 __all__ = ["all_gather_by_exchange", "is_gloo_group", "reduce_scatter_by_exchange"]
 
